@@ -1,0 +1,71 @@
+// tandem/cpu_features.h: what the CPU and the OS let tandem's kernels use.
+//
+// Detection runs once (cpuid for the instructions, XGETBV/XCR0 for the register
+// state the OS saves, arch_prctl(ARCH_REQ_XCOMP_PERM) for AMX tile data). The file
+// that implements it is compiled without ISA flags, so nothing wide runs before
+// the check. Kernels are chosen by IsaLevel; the environment variable TANDEM_ISA
+// (scalar, avx2, avx512, avx512_vnni, avx512_bf16, amx) lowers the level for tests
+// and comparisons. It can never raise it above the hardware: asking for a level
+// the machine lacks throws tandem::Error naming the missing feature.
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace tandem {
+
+struct CpuFeatures {
+  std::string vendor;  // "GenuineIntel", "AuthenticAMD", ...
+  std::string brand;   // "AMD EPYC 9B45 ..."
+  // Instructions usable now: cpuid says the CPU has them AND the OS saves their state.
+  bool avx = false, avx2 = false, fma = false, f16c = false;
+  bool avx512f = false, avx512dq = false, avx512bw = false, avx512vl = false;
+  bool avx512_vnni = false, avx512_bf16 = false, avx512_fp16 = false;
+  bool avx_vnni = false;
+  bool amx_tile = false, amx_bf16 = false, amx_int8 = false;
+  // OS state (XCR0 bits, AMX permission), for explaining why a feature is off.
+  bool os_avx = false, os_avx512 = false, os_amx = false;
+  unsigned long long xcr0 = 0;
+  // Present in cpuid but unusable because the OS does not enable its state.
+  std::vector<std::string> disabled_by_os;
+};
+
+// Ordered capability levels; each includes everything below it.
+//   avx2        AVX2 + FMA + F16C
+//   avx512      + AVX-512 F/DQ/BW/VL
+//   avx512_vnni + AVX512_VNNI (vpdpbusd)
+//   avx512_bf16 + AVX512_BF16 (vdpbf16ps)
+//   amx         + AMX tile/BF16/INT8, with tile permission granted by the kernel
+enum class IsaLevel { scalar = 0, avx2, avx512, avx512_vnni, avx512_bf16, amx };
+
+std::string_view isa_name(IsaLevel level) noexcept;
+// Parses a level name; throws tandem::Error (invalid_argument) listing the allowed names.
+IsaLevel parse_isa(std::string_view name);
+// All levels in order, for tests that run every kernel at every available level.
+const std::vector<IsaLevel>& all_isa_levels();
+
+// The hardware as detected (cached after the first call; thread-safe).
+const CpuFeatures& cpu_features();
+// Highest level the hardware supports.
+IsaLevel hardware_isa();
+// Features a level needs that this machine lacks (empty when the level is supported).
+std::vector<std::string> missing_features(IsaLevel level, const CpuFeatures& f = cpu_features());
+// The level kernels should use: hardware_isa(), or TANDEM_ISA when set. Throws
+// tandem::Error (unsupported) when TANDEM_ISA asks for more than the hardware has.
+IsaLevel effective_isa();
+// Same rule for an explicit request (a config's cpu.isa): "auto" -> hardware level.
+IsaLevel resolve_isa(std::string_view requested, std::string_view origin = "TANDEM_ISA");
+
+// Detection from raw register values, exposed for tests of the decoding logic.
+struct CpuidRegs {
+  unsigned max_leaf = 0;
+  unsigned l1_ecx = 0, l1_edx = 0;      // leaf 1
+  unsigned l7_ebx = 0, l7_ecx = 0, l7_edx = 0;  // leaf 7 subleaf 0
+  unsigned l7s1_eax = 0;                 // leaf 7 subleaf 1
+  unsigned long long xcr0 = 0;
+  bool amx_permission = false;
+};
+CpuFeatures decode_features(const CpuidRegs& r);
+
+}  // namespace tandem

@@ -1,0 +1,54 @@
+"""The `tandem` command line.
+
+    tandem doctor [--config FILE] [--json]   what tandem can use here; validate a config
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    import tandem
+
+    report = tandem.doctor(args.config, gpu_kernel_check=not args.no_gpu_kernel)
+    if args.json:
+        print(json.dumps(report.data, indent=2))
+    else:
+        print(report.text, end="")
+    return 0 if report.ok else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = p.add_subparsers(dest="command")
+    d = sub.add_parser("doctor", help="report ISA features, NUMA nodes, memory, GPUs; validate a config")
+    d.add_argument("--config", help="placement YAML file to validate against this machine")
+    d.add_argument("--json", action="store_true", help="machine-readable output")
+    d.add_argument("--no-gpu-kernel", action="store_true", help="skip the test kernel launch on each GPU")
+    d.set_defaults(func=_doctor)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        import tandem
+        print(tandem.__version__)
+        return 0
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as e:  # tandem's input errors: say what is wrong, no traceback
+        print(f"tandem: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

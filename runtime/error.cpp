@@ -1,0 +1,42 @@
+#include "tandem/error.h"
+
+#include <cstring>
+
+namespace tandem {
+
+std::string_view errc_name(Errc c) noexcept {
+  switch (c) {
+    case Errc::invalid_argument: return "invalid_argument";
+    case Errc::bad_format: return "bad_format";
+    case Errc::io: return "io";
+    case Errc::unsupported: return "unsupported";
+    case Errc::internal: return "internal";
+  }
+  return "unknown";
+}
+
+namespace {
+// Paths are recorded relative to the repository ("runtime/x.cpp"), not the build machine's.
+const char* short_path(const char* file) {
+  for (const char* top : {"/cpu_kernels/", "/runtime/", "/gpu/", "/sft/", "/python/", "/tests/", "/bench/"}) {
+    if (const char* p = std::strstr(file, top)) return p + 1;
+  }
+  return file;
+}
+}  // namespace
+
+Error::Error(Errc code, std::string message, std::string_view where, const char* file, int line)
+    : std::runtime_error(where.empty() ? message : str_cat(message, "  [", where, "]")),
+      code_(code), message_(std::move(message)), file_(short_path(file)), line_(line) {}
+
+namespace detail {
+void throw_check(Errc code, const char* file, int line, const char* cond, std::string message) {
+  // The user-facing message comes first; the location is for bug reports.
+  std::string where = cond ? str_cat("check '", cond, "' failed at ", short_path(file), ":", line)
+                           : str_cat("at ", short_path(file), ":", line);
+  if (message.empty()) message = str_cat(errc_name(code), " error");
+  throw Error(code, std::move(message), where, file, line);
+}
+}  // namespace detail
+
+}  // namespace tandem

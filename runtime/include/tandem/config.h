@@ -1,0 +1,100 @@
+// tandem/config.h: the placement file (YAML), parsed and validated in one place.
+//
+// The same parser serves C++ and Python (through the bindings), so a file means
+// the same thing everywhere. Every error names the file, the line, the key path
+// and what is allowed, e.g.
+//   configs/x.yaml:7:11: cpu.format: 'fp8' is not one of: bf16, int8, int4
+// Unknown keys are errors (a typo must not silently fall back to a default).
+// The schema, version 1 (all keys optional except where noted):
+//
+//   version: 1
+//   model:
+//     path: /models/Qwen3-30B-A3B     # checkpoint dir/file; relative to this file
+//   cpu:
+//     format: bf16                    # bf16 | int8 | int4
+//     group_size: 128                 # int4 only: 32 | 64 | 128
+//     zero_point: false               # int4 only: asymmetric groups
+//     numa_nodes: auto                # auto | [0, 1] (physical node ids)
+//     virtual_subpools: 1             # subpools per node (tests NUMA paths on 1 node)
+//     threads: auto                   # auto | threads per subpool
+//     isa: auto                       # auto | scalar | avx2 | avx512 | avx512_vnni | avx512_bf16 | amx
+//   gpu:
+//     device: auto                    # auto | none | N | cuda:N
+//     hot_experts:                    # experts per layer kept on the GPU
+//       count: 8                      # uniform count per layer ...
+//       statistics: stats.json        # ... chosen by routing frequency from this file
+//       layers: {0: [1, 5], 3: [2]}   # or explicit lists (exclusive with count)
+//     deferred_experts: 0             # lowest-scoring CPU experts deferred to next layer
+//   buffers:
+//     pinned_slots: 2                 # 1 (no double buffering) .. 4
+//     max_tokens: 4096                # largest batch the pinned slots hold
+//   trace:
+//     path: trace.json                # Chrome trace written here when enabled
+//     enabled: false
+#pragma once
+
+#include <filesystem>
+#include <map>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace tandem {
+
+struct HotExpertsConfig {
+  enum class Policy { none, uniform, statistics, explicit_lists };
+  Policy policy = Policy::none;
+  int count = 0;                              // uniform / statistics: experts per layer
+  std::filesystem::path statistics;           // statistics: routing-frequency file
+  std::map<int, std::vector<int>> layers;     // explicit_lists: layer -> expert ids
+};
+
+struct Config {
+  std::string source;  // the file it came from ("<string>" when parsed from text)
+  int version = 1;
+
+  struct Model {
+    std::filesystem::path path;  // empty: not given (the caller supplies the model)
+  } model;
+
+  struct Cpu {
+    std::string format = "bf16";
+    int group_size = 128;       // meaningful for int4
+    bool zero_point = false;    // meaningful for int4
+    std::vector<int> numa_nodes;  // empty: all nodes
+    int virtual_subpools = 1;
+    int threads = 0;            // 0: one per physical core of the subpool
+    std::string isa = "auto";
+  } cpu;
+
+  struct Gpu {
+    std::string device = "auto";  // "auto", "none" or "cuda:N"
+    HotExpertsConfig hot_experts;
+    int deferred_experts = 0;
+  } gpu;
+
+  struct Buffers {
+    int pinned_slots = 2;
+    int max_tokens = 4096;
+  } buffers;
+
+  struct Trace {
+    std::filesystem::path path = "tandem_trace.json";
+    bool enabled = false;
+  } trace;
+
+  // -1 for "none", -2 for "auto", else the CUDA device index.
+  int gpu_index() const;
+  // The validated config as JSON (what Python sees; what `tandem doctor` prints).
+  std::string to_json() const;
+};
+
+std::string_view hot_policy_name(HotExpertsConfig::Policy p) noexcept;
+
+// Parse a file; relative paths inside it are resolved against its directory.
+Config load_config(const std::filesystem::path& path);
+// Parse text; `origin` names it in errors; relative paths resolve against `base_dir`.
+Config parse_config(std::string_view yaml, std::string_view origin = "<string>",
+                    const std::filesystem::path& base_dir = {});
+
+}  // namespace tandem

@@ -1,0 +1,64 @@
+// Helpers shared by the C++ tests: scratch directories, files, seeded randomness.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+
+#include "tandem/error.h"
+
+namespace tandem::test {
+
+// A fresh directory per test, removed afterwards.
+class ScratchDir {
+ public:
+  ScratchDir() {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    path_ = std::filesystem::temp_directory_path() /
+            str_cat("tandem_", ::getpid(), "_", info ? info->test_suite_name() : "x", "_", info ? info->name() : "y");
+    std::filesystem::remove_all(path_);
+    std::filesystem::create_directories(path_);
+  }
+  ~ScratchDir() { std::filesystem::remove_all(path_); }
+  const std::filesystem::path& path() const { return path_; }
+  std::filesystem::path operator/(const std::string& name) const { return path_ / name; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+inline void write_file(const std::filesystem::path& p, const std::string& bytes) {
+  std::ofstream out(p, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  ASSERT_TRUE(out.good()) << p;
+}
+
+// The seed for a test's random inputs: TANDEM_TEST_SEED when set (to replay a
+// failure), else a fixed default. Printed so every failure can be reproduced.
+inline uint64_t test_seed() {
+  const char* env = std::getenv("TANDEM_TEST_SEED");
+  const uint64_t seed = env ? std::stoull(env) : 20261121ull;
+  ::testing::Test::RecordProperty("seed", std::to_string(seed));
+  std::printf("[ seed     ] TANDEM_TEST_SEED=%llu\n", static_cast<unsigned long long>(seed));
+  return seed;
+}
+
+// Runs f and returns the tandem::Error message it throws (fails the test if none).
+template <typename F>
+std::string error_of(F&& f, Errc* code = nullptr) {
+  try {
+    f();
+  } catch (const Error& e) {
+    if (code) *code = e.code();
+    return e.message();
+  }
+  ADD_FAILURE() << "expected a tandem::Error";
+  return {};
+}
+
+}  // namespace tandem::test
