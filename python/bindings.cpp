@@ -93,7 +93,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("num_files", &Checkpoint::num_files)
       .def("info", [](const Checkpoint& c, const std::string& n) {
         const TensorInfo& t = c.info(n);
-        return py::make_tuple(std::string(dtype_name(t.dtype)), t.shape, c.file_of(n).path());
+        return py::make_tuple(std::string(dtype_name(t.dtype)), t.shape, c.file_of(n).path().string());
       }, "(dtype name, shape, file) of a tensor")
       .def("read_bytes", [](const Checkpoint& c, const std::string& n) {
         TensorView v = c.tensor(n);

@@ -64,10 +64,9 @@ log "configuring and building C++ (build/, $jobs jobs)"
 cmake -S . -B build -G Ninja \
   -DCMAKE_BUILD_TYPE="${TANDEM_BUILD_TYPE:-RelWithDebInfo}" \
   -DPython_EXECUTABLE="$root/.venv/bin/python" \
-  -DTANDEM_TESTS=ON -DTANDEM_BENCH=ON -DTANDEM_PYTHON=ON >/dev/null
+  -DTANDEM_TESTS=ON -DTANDEM_BENCH=ON -DTANDEM_PYTHON=OFF >/dev/null
 cmake --build build -j "$jobs"
 
 log "installing the tandem Python package (editable)"
-.venv/bin/python -m pip install -q --no-build-isolation -e . \
-  -Cbuild-dir=build/python-ext
+.venv/bin/python -m pip install -q --no-build-isolation -e .
 log "done: activate with 'source .venv/bin/activate'"
