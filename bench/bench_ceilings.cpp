@@ -1,0 +1,87 @@
+// Prints this machine's ceilings: read bandwidth of a cold buffer and the peak
+// rates of the dot-product instructions the expert kernels use, plus oneDNN's
+// large bf16 matmul as a peer, so the ceilings themselves can be sanity-checked.
+//
+//   build/bench/bench_ceilings [--bytes GiB] [--threads N] [--reps R]
+#include <dnnl.hpp>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "ceilings.h"
+#include "tandem/cpu_features.h"
+
+using namespace tandem::bench;
+
+namespace {
+
+// oneDNN bf16 x bf16 -> f32 matmul, M=N=K=n; returns GFLOP/s of one timed run.
+struct DnnlMatmul {
+  dnnl::engine eng{dnnl::engine::kind::cpu, 0};
+  dnnl::stream strm{eng};
+  dnnl::memory a, b, c;
+  dnnl::matmul mm;
+  int n;
+  explicit DnnlMatmul(int n_) : n(n_) {
+    using dt = dnnl::memory::data_type;
+    using tag = dnnl::memory::format_tag;
+    dnnl::memory::desc ad({n, n}, dt::bf16, tag::ab), bd({n, n}, dt::bf16, tag::ab), cd({n, n}, dt::f32, tag::ab);
+    dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(ad, bd, cd), eng);  // oneDNN 2.x API
+    mm = dnnl::matmul(pd);
+    a = dnnl::memory(pd.src_desc(), eng);
+    b = dnnl::memory(pd.weights_desc(), eng);
+    c = dnnl::memory(pd.dst_desc(), eng);
+    std::memset(a.get_data_handle(), 0x3f, pd.src_desc().get_size());
+    std::memset(b.get_data_handle(), 0x3f, pd.weights_desc().get_size());
+  }
+  double run() {
+    auto t0 = std::chrono::steady_clock::now();
+    mm.execute(strm, {{DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c}});
+    strm.wait();
+    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return 2.0 * n * n * n / s / 1e9;
+  }
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  double gib = 1.0;
+  int threads = default_threads(), reps = 5;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--bytes")) gib = std::atof(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--threads")) threads = std::atoi(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[i + 1]);
+    else { std::fprintf(stderr, "unknown option %s\n", argv[i]); return 2; }
+  }
+  std::printf("machine: %s\nthreads: %d, buffer %.2f GiB, %d repetitions (medians; min..max)\n",
+              machine_line().c_str(), threads, gib, reps);
+  ReadBandwidth bw(static_cast<size_t>(gib * (1ull << 30)), threads);
+  DnnlMatmul peer(1024);
+  peer.run();  // warm-up: primitive creation, page faults
+  std::vector<double> r_bw, r_fma, r_bf16, r_vnni, r_dnnl;
+  for (int r = 0; r < reps; ++r) {  // interleaved, so drift hits every figure alike
+    r_bw.push_back(bw.measure(2));
+    r_fma.push_back(peak_fma_f32(threads));
+    r_bf16.push_back(peak_dpbf16(threads));
+    r_vnni.push_back(peak_dpbusd(threads));
+    r_dnnl.push_back(peer.run());
+  }
+  auto row = [](const char* name, const char* unit, std::vector<double> v) {
+    auto [lo, hi] = std::minmax_element(v.begin(), v.end());
+    if (*hi == 0) { std::printf("%-36s %10s\n", name, "n/a (no such instruction)"); return; }
+    std::printf("%-36s %10.1f %-8s (%.1f..%.1f)\n", name, median(v), unit, *lo, *hi);
+  };
+  row("read bandwidth", "GB/s", r_bw);
+  row("peak vfmadd231ps zmm (fp32)", "GFLOP/s", r_fma);
+  row("peak vdpbf16ps zmm (bf16)", "GFLOP/s", r_bf16);
+  row("peak vpdpbusd zmm (int8)", "GOP/s", r_vnni);
+  row("peer: oneDNN bf16 matmul 1024^3", "GFLOP/s", r_dnnl);
+  if (median(r_bf16) > 0)
+    std::printf("oneDNN bf16 matmul / vdpbf16ps peak: %.0f%%\n", 100.0 * median(r_dnnl) / median(r_bf16));
+  return 0;
+}

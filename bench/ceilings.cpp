@@ -1,0 +1,114 @@
+// Read bandwidth and the portable parts of the ceilings; the wide loops are in
+// ceilings_avx512.cpp (compiled with AVX-512 flags, called only after the check).
+#include "ceilings.h"
+
+#include <omp.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+
+#include "tandem/cpu_features.h"
+#include "tandem/error.h"
+#include "tandem/topology.h"
+
+namespace tandem::bench {
+
+// In ceilings_avx512.cpp.
+uint64_t read_slice_avx512(const void* p, size_t bytes);
+double fma_f32_loop(long iters);
+double dpbf16_loop(long iters);
+double dpbusd_loop(long iters);
+
+namespace {
+
+uint64_t read_slice_scalar(const void* p, size_t bytes) {
+  const uint64_t* q = static_cast<const uint64_t*>(p);
+  uint64_t a = 0, b = 0, c = 0, d = 0;
+  for (size_t i = 0; i + 4 <= bytes / 8; i += 4) a ^= q[i], b ^= q[i + 1], c ^= q[i + 2], d ^= q[i + 3];
+  return a ^ b ^ c ^ d;
+}
+
+using Clock = std::chrono::steady_clock;
+
+// Runs f(iters) on every thread at once; returns total operations per second / 1e9.
+template <typename F>
+double peak(int threads, double ops_per_iter, F f) {
+  long iters = 1 << 16;
+  // Grow until one run takes >= 50 ms, so timer and start-up noise are small.
+  for (;;) {
+    auto t0 = Clock::now();
+#pragma omp parallel num_threads(threads)
+    f(iters);
+    double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (s >= 0.05) return ops_per_iter * static_cast<double>(iters) * threads / s / 1e9;
+    iters *= s > 0.005 ? static_cast<long>(0.06 / s) + 1 : 16;
+  }
+}
+
+}  // namespace
+
+ReadBandwidth::ReadBandwidth(size_t bytes, int threads) : bytes_(bytes & ~size_t(4095)), threads_(threads) {
+  buf_ = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  TANDEM_CHECK(buf_ != MAP_FAILED, Errc::io, "cannot allocate ", bytes_, " bytes for the bandwidth buffer");
+  madvise(buf_, bytes_, MADV_HUGEPAGE);
+  // First touch by the threads that will read, so pages land on their node.
+  const size_t slice = bytes_ / threads_;
+#pragma omp parallel num_threads(threads_)
+  {
+    const int t = omp_get_thread_num();
+    auto* p = static_cast<uint8_t*>(buf_) + t * slice;
+    for (size_t i = 0; i < slice; i += 64) p[i] = static_cast<uint8_t>(i * 131 + t);
+  }
+}
+
+ReadBandwidth::~ReadBandwidth() { munmap(buf_, bytes_); }
+
+double ReadBandwidth::measure(int passes) {
+  const bool wide = cpu_features().avx512f;
+  const size_t slice = (bytes_ / threads_) & ~size_t(255);
+  volatile uint64_t sink = 0;
+  auto t0 = Clock::now();
+  for (int p = 0; p < passes; ++p) {
+#pragma omp parallel num_threads(threads_)
+    {
+      const auto* s = static_cast<const uint8_t*>(buf_) + omp_get_thread_num() * slice;
+      sink = sink ^ (wide ? read_slice_avx512(s, slice) : read_slice_scalar(s, slice));
+    }
+  }
+  double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+  return static_cast<double>(slice) * threads_ * passes / secs / 1e9;
+}
+
+double peak_fma_f32(int threads) {
+  if (!cpu_features().avx512f) return 0;
+  return peak(threads, 32.0 * 16, [](long n) { fma_f32_loop(n); });
+}
+
+double peak_dpbf16(int threads) {
+  if (!cpu_features().avx512_bf16) return 0;
+  return peak(threads, 64.0 * 16, [](long n) { dpbf16_loop(n); });
+}
+
+double peak_dpbusd(int threads) {
+  if (!cpu_features().avx512_vnni) return 0;
+  return peak(threads, 128.0 * 16, [](long n) { dpbusd_loop(n); });
+}
+
+double median(std::vector<double> v) {
+  TANDEM_CHECK(!v.empty(), Errc::invalid_argument, "median of nothing");
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+int default_threads() { return std::max(1, topology().cores); }
+
+std::string machine_line() {
+  return str_cat(cpu_features().brand, ", ", topology().cores, " cores, ", topology().nodes.size(),
+                 " NUMA node(s), kernel level ", isa_name(hardware_isa()));
+}
+
+}  // namespace tandem::bench

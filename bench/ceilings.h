@@ -1,0 +1,42 @@
+// bench/ceilings.h: the machine's measured ceilings, which every benchmark prints
+// beside its own figures (a kernel's GB/s means little without the machine's GB/s).
+//
+// Each function runs one short measurement and returns its rate, so a benchmark can
+// interleave ceiling and kernel runs (A B A B) on a noisy shared machine and report
+// medians of the pairs.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+namespace tandem::bench {
+
+// Sustained read bandwidth in GB/s (1e9 bytes/s): `threads` threads stream their
+// slices of a buffer of `bytes` (use several times the last-level cache) with
+// 512-bit loads (256-bit without AVX-512), `passes` times.
+class ReadBandwidth {
+ public:
+  ReadBandwidth(size_t bytes, int threads);
+  ~ReadBandwidth();
+  double measure(int passes = 3);
+  size_t bytes() const { return bytes_; }
+
+ private:
+  size_t bytes_;
+  int threads_;
+  void* buf_;
+};
+
+// Peak instruction throughput on all `threads`, with enough independent
+// accumulators that latency does not bound it. Returns GFLOP/s (GOP/s for int8),
+// counting a multiply-add as 2 operations, or 0 when the CPU lacks the instruction.
+double peak_fma_f32(int threads);     // vfmadd231ps zmm: 32 FLOP/instruction
+double peak_dpbf16(int threads);      // vdpbf16ps zmm: 64 FLOP/instruction
+double peak_dpbusd(int threads);      // vpdpbusd zmm: 128 OP/instruction
+
+double median(std::vector<double> v);
+int default_threads();  // physical cores usable by this process
+std::string machine_line();  // "AMD EPYC ..., 2 cores, avx512_bf16"
+
+}  // namespace tandem::bench
