@@ -165,7 +165,10 @@ std::string render_text(const J& j) {
       os << "  cuda:" << d["index"].get<int>() << " " << d["name"].get<std::string>() << ", sm "
          << d["compute_capability"].get<std::string>() << ", " << gib(d["memory_total_bytes"].get<uint64_t>())
          << " (" << gib(d["memory_free_bytes"].get<uint64_t>()) << " free), test kernel: "
-         << (d["kernel_ok"].get<bool>() ? std::string("ok") : "FAILED: " + d["kernel_error"].get<std::string>()) << "\n";
+         << (d["kernel_ok"].get<bool>()            ? std::string("ok")
+             : d["kernel_error"].get<std::string>().empty() ? std::string("not run")
+                                                             : "FAILED: " + d["kernel_error"].get<std::string>())
+         << "\n";
     }
   }
   if (j.contains("config")) {
@@ -215,7 +218,9 @@ DoctorReport run_doctor(const std::string& config_path, bool gpu_kernel_check) {
     j["config"] = c;
   }
   j["ok"] = ok;
-  return {j.dump(2), render_text(j), ok};
+  // Messages may quote a user's bytes; invalid UTF-8 is replaced, never thrown on.
+  std::string json = j.dump(2, ' ', false, J::error_handler_t::replace);
+  return {json, render_text(J::parse(json)), ok};
 }
 
 }  // namespace tandem

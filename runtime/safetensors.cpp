@@ -31,7 +31,21 @@ constexpr DtypeInfo kDtypes[] = {
     {Dtype::U32, "U32", 4},   {Dtype::I64, "I64", 8},         {Dtype::U64, "U64", 8},
     {Dtype::F16, "F16", 2},   {Dtype::BF16, "BF16", 2},       {Dtype::F32, "F32", 4},
     {Dtype::F64, "F64", 8},   {Dtype::F8_E4M3, "F8_E4M3", 1}, {Dtype::F8_E5M2, "F8_E5M2", 1},
+    {Dtype::F8_E8M0, "F8_E8M0", 1}, {Dtype::C64, "C64", 8},
 };
+
+// A short, safe description of an untrusted JSON value for an error message: scalars
+// as written (strings cut at 64 bytes, invalid UTF-8 replaced), containers by type.
+// Never dump() a hostile value whole: its recursion depth is the attacker's choice.
+std::string brief(const json& v) {
+  if (v.is_array() || v.is_object()) return str_cat("a JSON ", v.type_name());
+  if (v.is_string()) {
+    std::string s = v.get<std::string>();
+    if (s.size() > 64) s = s.substr(0, 64) + "...";
+    return json(s).dump(-1, ' ', false, json::error_handler_t::replace);
+  }
+  return v.dump(-1, ' ', false, json::error_handler_t::replace);
+}
 
 std::string shape_str(const std::vector<int64_t>& shape) {
   std::string s = "[";
@@ -43,8 +57,15 @@ std::string shape_str(const std::vector<int64_t>& shape) {
 uint64_t as_u64(const json& v, std::string_view origin, std::string_view key, std::string_view what) {
   TANDEM_CHECK(v.is_number_unsigned() || (v.is_number_integer() && v.get<int64_t>() >= 0),
                Errc::bad_format, origin, ": tensor '", key, "': ", what,
-               " must be a non-negative integer, got ", v.dump());
+               " must be a non-negative integer, got ", brief(v));
   return v.get<uint64_t>();
+}
+
+// A shape whose entries all passed as_u64: safe to print in full.
+std::string brief_shape(const json& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += str_cat(i ? ", " : "", shape[i].get<uint64_t>());
+  return s + "]";
 }
 
 // JSON objects may repeat a key; nlohmann keeps the last one silently. A checkpoint
@@ -135,6 +156,10 @@ SafetensorsHeader parse_safetensors_header(std::span<const std::byte> file, std:
                ": header does not start with '{' (not a safetensors file?)");
 
   std::string_view text(reinterpret_cast<const char*>(file.data()) + 8, n);
+  // The JSON parser stops at a NUL; bytes after it would escape every check below.
+  const size_t nul = text.find('\0');
+  TANDEM_CHECK(nul == std::string_view::npos, Errc::bad_format, origin, ": header holds a NUL byte at offset ",
+               8 + nul, "; a safetensors header is UTF-8 JSON padded with spaces");
   json j = parse_json_strict(text, origin, "header");
   TANDEM_CHECK(j.is_object(), Errc::bad_format, origin, ": header must be a JSON object");
 
@@ -146,7 +171,7 @@ SafetensorsHeader parse_safetensors_header(std::span<const std::byte> file, std:
       TANDEM_CHECK(v.is_object(), Errc::bad_format, origin, ": __metadata__ must be an object of strings");
       for (auto& [mk, mv] : v.items()) {
         TANDEM_CHECK(mv.is_string(), Errc::bad_format, origin, ": __metadata__['", mk,
-                     "'] must be a string, got ", mv.dump());
+                     "'] must be a string, got ", brief(mv));
         h.metadata.emplace(mk, mv.get<std::string>());
       }
       continue;
@@ -178,7 +203,7 @@ SafetensorsHeader parse_safetensors_header(std::span<const std::byte> file, std:
     for (const auto& d : v["shape"]) {
       uint64_t dim = as_u64(d, origin, key, "every shape entry");
       TANDEM_CHECK(dim <= static_cast<uint64_t>(INT64_MAX) && !__builtin_mul_overflow(numel, dim, &numel),
-                   Errc::bad_format, origin, ": tensor '", key, "': shape ", v["shape"].dump(),
+                   Errc::bad_format, origin, ": tensor '", key, "': shape ", brief_shape(v["shape"]),
                    " overflows 64 bits");
       t.shape.push_back(static_cast<int64_t>(dim));
     }
@@ -220,13 +245,18 @@ SafetensorsHeader parse_safetensors_header(std::span<const std::byte> file, std:
 
 SafetensorsFile::SafetensorsFile(const std::filesystem::path& path) : path_(path) {
   const std::string p = path.string();
-  int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO must not wait for a writer (it is rejected just below).
+  int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   TANDEM_CHECK(fd >= 0, Errc::io, "cannot open '", p, "': ", std::strerror(errno));
   struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+  if (::fstat(fd, &st) != 0) {
     int err = errno;
     ::close(fd);
-    TANDEM_FAIL(Errc::io, "'", p, "' is not a regular file", err ? str_cat(": ", std::strerror(err)) : "");
+    TANDEM_FAIL(Errc::io, "cannot stat '", p, "': ", std::strerror(err));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    TANDEM_FAIL(Errc::io, "'", p, "' is not a regular file");
   }
   size_ = static_cast<uint64_t>(st.st_size);
   if (size_ > 0) {
@@ -274,18 +304,29 @@ Checkpoint Checkpoint::open(const std::filesystem::path& path) {
   namespace fs = std::filesystem;
   Checkpoint c;
   std::error_code ec;
-  TANDEM_CHECK(fs::exists(path, ec), Errc::io, "checkpoint path '", path.string(), "' does not exist");
+  const auto st = fs::status(path, ec);
+  TANDEM_CHECK(st.type() != fs::file_type::not_found, Errc::io, "checkpoint path '", path.string(), "' does not exist");
+  TANDEM_CHECK(!ec, Errc::io, "cannot access checkpoint path '", path.string(), "': ", ec.message());
+  auto exists = [](const fs::path& p) {
+    std::error_code e;
+    return fs::exists(p, e);
+  };
   fs::path index;
   std::vector<fs::path> shards;
-  if (fs::is_directory(path)) {
+  if (fs::is_directory(st)) {
     c.root_ = path;
-    if (fs::exists(path / "model.safetensors.index.json")) {
+    if (exists(path / "model.safetensors.index.json")) {
       index = path / "model.safetensors.index.json";
-    } else if (fs::exists(path / "model.safetensors")) {
+    } else if (exists(path / "model.safetensors")) {
       shards.push_back(path / "model.safetensors");
     } else {
-      for (const auto& e : fs::directory_iterator(path))
-        if (e.is_regular_file() && e.path().extension() == ".safetensors") shards.push_back(e.path());
+      fs::directory_iterator it(path, ec);
+      TANDEM_CHECK(!ec, Errc::io, "cannot list checkpoint directory '", path.string(), "': ", ec.message());
+      for (; it != fs::directory_iterator(); it.increment(ec)) {
+        TANDEM_CHECK(!ec, Errc::io, "cannot list checkpoint directory '", path.string(), "': ", ec.message());
+        std::error_code fe;
+        if (it->path().extension() == ".safetensors" && it->is_regular_file(fe)) shards.push_back(it->path());
+      }
       std::sort(shards.begin(), shards.end());
       TANDEM_CHECK(!shards.empty(), Errc::io, "checkpoint directory '", path.string(),
                    "' has no model.safetensors.index.json and no .safetensors files");
@@ -300,10 +341,12 @@ Checkpoint Checkpoint::open(const std::filesystem::path& path) {
 
   if (!index.empty()) {
     std::ifstream in(index, std::ios::binary);
-    TANDEM_CHECK(in.good(), Errc::io, "cannot read '", index.string(), "'");
+    TANDEM_CHECK(in.good() && fs::is_regular_file(index, ec), Errc::io, "cannot read '", index.string(), "'");
     std::stringstream ss;
     ss << in.rdbuf();
     const std::string text = ss.str();
+    TANDEM_CHECK(text.size() <= kMaxSafetensorsHeader, Errc::bad_format, index.string(), ": ", text.size(),
+                 " bytes is larger than any index should be (limit ", kMaxSafetensorsHeader, ")");
     const std::string origin = index.string();
     json j = parse_json_strict(text, origin, "index");
     TANDEM_CHECK(j.is_object() && j.contains("weight_map") && j["weight_map"].is_object(), Errc::bad_format,
@@ -312,10 +355,10 @@ Checkpoint Checkpoint::open(const std::filesystem::path& path) {
     std::vector<std::pair<std::string, size_t>> entries;
     for (auto& [name, file] : j["weight_map"].items()) {
       TANDEM_CHECK(file.is_string(), Errc::bad_format, origin, ": weight_map['", name,
-                   "'] must be a file name, got ", file.dump());
+                   "'] must be a file name, got ", brief(file));
       const std::string f = file.get<std::string>();
       // Shards live beside the index: no directories, so no path can escape it.
-      TANDEM_CHECK(!f.empty() && f.find('/') == std::string::npos && f.find('\\') == std::string::npos &&
+      TANDEM_CHECK(!f.empty() && f.find_first_of(std::string_view("/\\\0", 3)) == std::string::npos &&
                        f != "." && f != "..",
                    Errc::bad_format, origin, ": weight_map['", name, "'] = '", f,
                    "' must be a plain file name in the same directory");
@@ -324,7 +367,7 @@ Checkpoint Checkpoint::open(const std::filesystem::path& path) {
       entries.emplace_back(name, it->second);
     }
     for (const auto& s : shards) {
-      TANDEM_CHECK(fs::exists(s), Errc::io, origin, " names shard '", s.filename().string(),
+      TANDEM_CHECK(exists(s), Errc::io, origin, " names shard '", s.filename().string(),
                    "', which does not exist in '", c.root_.string(), "'");
       c.files_.push_back(std::make_unique<SafetensorsFile>(s));
     }

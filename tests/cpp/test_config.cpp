@@ -4,6 +4,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <sys/stat.h>
+
 #include "tandem/config.h"
 #include "test_util.h"
 
@@ -142,8 +144,35 @@ TEST(Config, StructureErrors) {
 
 TEST(Config, MissingFileIsIoError) {
   Errc code{};
-  EXPECT_EQ(error_of([] { load_config("/nonexistent/x.yaml"); }, &code), "cannot read config '/nonexistent/x.yaml'");
+  EXPECT_EQ(error_of([] { load_config("/nonexistent/x.yaml"); }, &code), "cannot read config '/nonexistent/x.yaml': no such file");
   EXPECT_EQ(code, Errc::io);
+  // A directory or a FIFO is not a config (and must not read as an empty one, or block).
+  test::ScratchDir dir;
+  EXPECT_EQ(error_of([&] { load_config(dir.path()); }), "cannot read config '" + dir.path().string() + "': not a regular file");
+  ASSERT_EQ(mkfifo((dir / "fifo.yaml").c_str(), 0600), 0);
+  EXPECT_EQ(error_of([&] { load_config(dir / "fifo.yaml"); }),
+            "cannot read config '" + (dir / "fifo.yaml").string() + "': not a regular file");
+}
+
+TEST(Config, OneDocumentOnly) {
+  EXPECT_EQ(err("version: 1\n---\ncpu: {format: fp8}\n"), "p.yaml:3:1: top level: a config is one YAML document; this holds 2");
+}
+
+TEST(Config, NoSilentDefaults) {
+  EXPECT_EQ(err("cpu:\n  format:\n"), "p.yaml:2:3: cpu.format: has no value (remove the key to use the default)");
+  EXPECT_EQ(err("cpu:\n  format: !!binary bf16\n"), "p.yaml:2:11: cpu.format: explicit YAML tags are not supported (tag:yaml.org,2002:binary)");
+  EXPECT_EQ(err("cpu:\n  threads: \"4\"\n"), "p.yaml:2:12: cpu.threads: expected an integer, got '4'");
+  EXPECT_EQ(err("trace:\n  enabled: \"true\"\n"), "p.yaml:2:12: trace.enabled: expected true or false, got 'true'");
+  EXPECT_EQ(err("gpu:\n  device: -0\n"), "p.yaml:2:11: gpu.device: '-0' is not one of: auto, none, a device index (0, 1, ...), cuda:N");
+  EXPECT_EQ(err("gpu:\n  device: cuda:-1\n"), "p.yaml:2:11: gpu.device: 'cuda:-1' is not one of: auto, none, a device index (0, 1, ...), cuda:N");
+  EXPECT_EQ(err("cpu:\n  threads: 99999999999999999999\n"), "p.yaml:2:12: cpu.threads: 99999999999999999999 is outside the allowed range [1, 4096]");
+  EXPECT_EQ(err("gpu:\n  hot_experts: {count: 0, statistics: s.json}\n"),
+            "p.yaml:2:39: gpu.hot_experts.statistics: given with count 0, so nothing would be chosen from it; set count > 0 or remove it");
+}
+
+TEST(Config, InvalidUtf8NeverThrowsFromJson) {
+  Config c = parse_config("model:\n  path: a\xff" "b\n");
+  EXPECT_NO_THROW(c.to_json());
 }
 
 TEST(Config, ShippedExamplesParse) {

@@ -2,6 +2,8 @@
 // asserts the exact message a user would see.
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
+
 #include <cstring>
 #include <nlohmann/json.hpp>
 
@@ -143,7 +145,7 @@ TEST_F(Safetensors, RejectsDuplicateTensor) {
 
 TEST_F(Safetensors, RejectsUnknownDtype) {
   EXPECT_EQ(reject(raw_file(R"({"w":{"dtype":"F4","shape":[2],"data_offsets":[0,1]}})", "a")),
-            path() + ": tensor 'w': unknown dtype 'F4'; known: BOOL, U8, I8, I16, U16, I32, U32, I64, U64, F16, BF16, F32, F64, F8_E4M3, F8_E5M2");
+            path() + ": tensor 'w': unknown dtype 'F4'; known: BOOL, U8, I8, I16, U16, I32, U32, I64, U64, F16, BF16, F32, F64, F8_E4M3, F8_E5M2, F8_E8M0, C64");
 }
 
 TEST_F(Safetensors, RejectsBadShapes) {
@@ -152,7 +154,7 @@ TEST_F(Safetensors, RejectsBadShapes) {
   EXPECT_EQ(reject(raw_file(R"({"w":{"dtype":"U8","shape":[1.5],"data_offsets":[0,0]}})", "")),
             path() + ": tensor 'w': every shape entry must be a non-negative integer, got 1.5");
   EXPECT_EQ(reject(raw_file(R"({"w":{"dtype":"U8","shape":[4294967296,4294967296],"data_offsets":[0,0]}})", "")),
-            path() + ": tensor 'w': shape [4294967296,4294967296] overflows 64 bits");
+            path() + ": tensor 'w': shape [4294967296, 4294967296] overflows 64 bits");
   EXPECT_EQ(reject(raw_file(R"({"w":{"dtype":"U8","shape":"3","data_offsets":[0,3]}})", "abc")),
             path() + ": tensor 'w' needs an array 'shape'");
 }
@@ -198,6 +200,29 @@ TEST_F(Safetensors, RejectsBadEntries) {
             path() + ": a tensor has an empty name");
   EXPECT_EQ(reject(raw_file(R"({"w":{"shape":[1],"data_offsets":[0,1]}})", "a")),
             path() + ": tensor 'w' needs a string 'dtype'");
+}
+
+TEST_F(Safetensors, RejectsNulInHeader) {
+  // Bytes after a NUL would be invisible to the JSON parser and to every check.
+  const std::string h = std::string(R"({"w":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}})") + '\0' + "HIDDEN";
+  EXPECT_EQ(reject(raw_file(h, "a")), path() + ": header holds a NUL byte at offset 61; a safetensors header is UTF-8 JSON padded with spaces");
+}
+
+// Deeply nested values in places that end in an error message must not recurse
+// (a printed value is described, never dumped whole).
+TEST_F(Safetensors, DeepNestingInErrorPaths) {
+  const std::string deep = std::string(200000, '[') + std::string(200000, ']');
+  EXPECT_EQ(reject(raw_file(R"({"__metadata__":{"a":)" + deep + "}}", "")),
+            path() + ": __metadata__['a'] must be a string, got a JSON array");
+  EXPECT_EQ(reject(raw_file(R"({"w":{"dtype":"U8","shape":[)" + deep + R"(],"data_offsets":[0,0]}})", "")),
+            path() + ": tensor 'w': every shape entry must be a non-negative integer, got a JSON array");
+}
+
+TEST_F(Safetensors, FifoIsRejectedNotWaitedOn) {
+  ASSERT_EQ(mkfifo(path().c_str(), 0600), 0);
+  Errc code{};
+  EXPECT_EQ(error_of([&] { SafetensorsFile f(path()); }, &code), "'" + path() + "' is not a regular file");
+  EXPECT_EQ(code, Errc::io);
 }
 
 TEST_F(Safetensors, MissingFileIsIoError) {

@@ -70,3 +70,12 @@ def test_console_script_installed():
     exe = Path(sys.executable).with_name("tandem")
     r = subprocess.run([str(exe), "--version"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == tandem.__version__
+
+
+def test_doctor_survives_non_utf8_config(tmp_path):
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes(b"\xff: 1\n")
+    r = run("doctor", "--json", "--config", str(bad), "--no-gpu-kernel")
+    assert r.returncode == 1, r.stderr
+    err = json.loads(r.stdout)["config"]["error"]
+    assert err.startswith(f"{bad}:1:1: ") and "unknown key; allowed here: version, model" in err

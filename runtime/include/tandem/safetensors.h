@@ -27,6 +27,9 @@ namespace tandem {
 
 enum class Dtype : uint8_t {
   BOOL, U8, I8, I16, U16, I32, U32, I64, U64, F16, BF16, F32, F64, F8_E4M3, F8_E5M2,
+  F8_E8M0,  // MX block scales
+  C64,      // complex64
+  // (sub-byte F4/F6 types are not accepted: tandem does not read them)
 };
 std::string_view dtype_name(Dtype d) noexcept;  // the safetensors spelling: "BF16"
 size_t dtype_size(Dtype d) noexcept;             // bytes per element
