@@ -14,6 +14,12 @@ scripts/setup.sh
 echo "== C++ tests (ctest) =="
 ctest --test-dir build --output-on-failure -j "$(nproc)"
 
+echo "== C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer =="
+cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DTANDEM_SANITIZE=address,undefined \
+  -DTANDEM_CUDA=OFF -DTANDEM_PYTHON=OFF -DTANDEM_BENCH=OFF >/dev/null
+cmake --build build-asan -j "$(nproc)" --target tandem_tests
+ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 build-asan/tests/tandem_tests --gtest_brief=1
+
 echo "== Python tests (pytest) =="
 .venv/bin/python -m pytest -q -ra tests/python "$@"
 
