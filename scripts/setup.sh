@@ -13,7 +13,7 @@ root=$(pwd)
 
 APT_PACKAGES=(
   build-essential cmake ninja-build pkg-config git
-  clang                       # libFuzzer target (tests/fuzz)
+  clang libclang-rt-14-dev    # libFuzzer target (tests/fuzz): clang and its fuzzer runtime
   libdnnl-dev                 # oneDNN: large-m backend and benchmark peer
   ocl-icd-opencl-dev opencl-headers  # required by Debian's dnnl CMake config
   ccache                      # the C++ build and the Python extension share objects
@@ -23,7 +23,6 @@ APT_PACKAGES=(
   nlohmann-json3-dev          # safetensors header, Chrome trace
   pybind11-dev                # C++ side of the Python module
   libgtest-dev libgmock-dev   # C++ tests
-  libbenchmark-dev            # bench/
 )
 
 log() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
