@@ -327,6 +327,7 @@ Checkpoint Checkpoint::open(const std::filesystem::path& path) {
         std::error_code fe;
         if (it->path().extension() == ".safetensors" && it->is_regular_file(fe)) shards.push_back(it->path());
       }
+      TANDEM_CHECK(!ec, Errc::io, "cannot list checkpoint directory '", path.string(), "': ", ec.message());
       std::sort(shards.begin(), shards.end());
       TANDEM_CHECK(!shards.empty(), Errc::io, "checkpoint directory '", path.string(),
                    "' has no model.safetensors.index.json and no .safetensors files");
@@ -340,8 +341,10 @@ Checkpoint Checkpoint::open(const std::filesystem::path& path) {
   }
 
   if (!index.empty()) {
+    // Checked before opening: an ifstream on a FIFO would wait for a writer.
+    TANDEM_CHECK(fs::is_regular_file(index, ec), Errc::io, "cannot read '", index.string(), "': not a regular file");
     std::ifstream in(index, std::ios::binary);
-    TANDEM_CHECK(in.good() && fs::is_regular_file(index, ec), Errc::io, "cannot read '", index.string(), "'");
+    TANDEM_CHECK(in.good(), Errc::io, "cannot read '", index.string(), "'");
     std::stringstream ss;
     ss << in.rdbuf();
     const std::string text = ss.str();

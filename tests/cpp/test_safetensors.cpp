@@ -325,6 +325,11 @@ TEST_F(Sharded, IndexMalformed) {
   EXPECT_EQ(error_of([&] { Checkpoint::open(dir.path()); }), idx() + ": weight_map['x.a'] must be a file name, got 7");
 }
 
+TEST_F(Sharded, IndexThatIsAFifo) {
+  ASSERT_EQ(mkfifo((dir / "model.safetensors.index.json").c_str(), 0600), 0);
+  EXPECT_EQ(error_of([&] { Checkpoint::open(dir.path()); }), "cannot read '" + idx() + "': not a regular file");
+}
+
 TEST_F(Sharded, MissingPath) {
   Errc code{};
   EXPECT_EQ(error_of([&] { Checkpoint::open(dir / "absent"); }, &code),
