@@ -16,8 +16,13 @@ std::string_view errc_name(Errc c) noexcept {
 }
 
 namespace {
-// Paths are recorded relative to the repository ("runtime/x.cpp"), not the build machine's.
+// In-tree code is compiled with -fmacro-prefix-map, so __FILE__ is already relative;
+// code outside the tree that uses TANDEM_CHECK (an installed-package consumer) gets its
+// path shortened to the last known top-level folder, best effort.
 const char* short_path(const char* file) {
+  while (std::strncmp(file, "../", 3) == 0) file += 3;  // build dirs pass ../../runtime/x.cpp
+  while (std::strncmp(file, "./", 2) == 0) file += 2;
+  if (file[0] != '/') return file;
   for (const char* top : {"/cpu_kernels/", "/runtime/", "/gpu/", "/sft/", "/python/", "/tests/", "/bench/"}) {
     if (const char* p = std::strstr(file, top)) return p + 1;
   }
