@@ -1,0 +1,236 @@
+// BF16 expert kernels on cold weights, next to the machine's ceilings and oneDNN.
+//
+// One step = the routed experts of one token batch: 8 different experts (top-8), each
+// running gate_up (SiLU*up) then down (routing-weighted accumulate) on m rows.
+// Experts rotate through more memory than the last-level cache, so every step
+// streams its weights from DRAM. Both sides use all cores (ours: panels split over
+// OpenMP threads; oneDNN: its own OpenMP). Ceilings and kernels are measured
+// interleaved (A B A B) and ratios are medians of the per-repetition pairs.
+//
+//   build/bench/bench_kernels [--shape qwen3-30b|qwen3-235b|deepseek-v3|all] [--m 1,8,32,128,512]
+//                             [--experts N] [--reps R] [--no-onednn]
+#include <omp.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <dnnl.hpp>
+#include <memory>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "ceilings.h"
+#include "tandem/kernels.h"
+
+using namespace tandem;
+using namespace tandem::bench;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+struct Shape {
+  const char* name;
+  int hidden, inter, experts;  // experts: how many distinct (cold) experts to rotate through
+};
+const Shape kShapes[] = {
+    {"qwen3-30b", 2048, 768, 128},
+    {"qwen3-235b", 4096, 1536, 128},
+    {"deepseek-v3", 7168, 2048, 48},  // 48 x 88 MB (x2 with oneDNN's copy) fits 24 GB
+};
+
+std::vector<bf16_t> random_bf16(size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> d(0.f, 0.05f);
+  std::vector<bf16_t> v(n);
+  for (auto& x : v) x = fp32_to_bf16(d(rng));
+  return v;
+}
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// Runs f() repeatedly for at least min_s seconds; returns seconds per call.
+template <typename F>
+double time_per_call(F f, double min_s = 0.25) {
+  f();  // warm-up (page faults, primitive caches)
+  long n = 0;
+  auto t0 = Clock::now();
+  do {
+    f();
+    ++n;
+  } while (seconds_since(t0) < min_s);
+  return seconds_since(t0) / n;
+}
+
+struct Ours {
+  const Shape& s;
+  int threads;
+  std::vector<PackedWeight> gu, down;
+  Ours(const Shape& sh, int t) : s(sh), threads(t) {
+    auto g = random_bf16(size_t(s.inter) * s.hidden, 1), u = random_bf16(size_t(s.inter) * s.hidden, 2),
+         d = random_bf16(size_t(s.hidden) * s.inter, 3);
+    for (int e = 0; e < s.experts; ++e) {
+      gu.push_back(pack_gate_up_bf16(g.data(), u.data(), s.inter, s.hidden, s.hidden));
+      down.push_back(pack_bf16(d.data(), s.hidden, s.inter, s.inter));
+    }
+  }
+  // One step: experts e0..e0+7 on m rows.
+  void step(int e0, int m, const bf16_t* a, bf16_t* h, float* out, const float* rw) {
+    const KernelTable& kt = kernels();
+#pragma omp parallel num_threads(threads)
+    {
+      const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+      for (int i = 0; i < 8; ++i) {
+        const int e = (e0 + i) % s.experts;
+        const PackedWeight& wg = gu[e];
+        GateUpArgs ga;
+        ga.a = a;
+        ga.m = m;
+        ga.lda = s.hidden;
+        ga.h_bf16 = h;
+        ga.ldh = s.inter;
+        ga.panel_begin = wg.panels * t / nt;
+        ga.panel_end = wg.panels * (t + 1) / nt;
+        kt.gate_up_bf16(wg, ga);
+#pragma omp barrier
+        const PackedWeight& wd = down[e];
+        GemmArgs da;
+        da.a = h;
+        da.m = m;
+        da.lda = s.inter;
+        da.c = out;
+        da.ldc = s.hidden;
+        da.accumulate = true;
+        da.row_scale = rw;
+        da.panel_begin = wd.panels * t / nt;
+        da.panel_end = wd.panels * (t + 1) / nt;
+        kt.gemm_bf16(wd, da);
+#pragma omp barrier
+      }
+    }
+  }
+};
+
+// oneDNN: the same two products per expert, weights as nn.Linear stores them
+// ([n x k] row-major = oneDNN weights {k, n} in "ba"), bf16 in, f32 out (gate/up)
+// and f32 accumulate (down), no fusion (SiLU is not part of its time).
+struct OneDnn {
+  dnnl::engine eng{dnnl::engine::kind::cpu, 0};
+  dnnl::stream strm{eng};
+  const Shape& s;
+  std::vector<dnnl::memory> w1, w2;
+  OneDnn(const Shape& sh) : s(sh) {
+    using dt = dnnl::memory::data_type;
+    using tag = dnnl::memory::format_tag;
+    auto g = random_bf16(size_t(2 * s.inter) * s.hidden, 4), d = random_bf16(size_t(s.hidden) * s.inter, 5);
+    for (int e = 0; e < s.experts; ++e) {
+      w1.emplace_back(dnnl::memory::desc({s.hidden, 2 * s.inter}, dt::bf16, tag::ba), eng);
+      std::memcpy(w1.back().get_data_handle(), g.data(), g.size() * 2);
+      w2.emplace_back(dnnl::memory::desc({s.inter, s.hidden}, dt::bf16, tag::ba), eng);
+      std::memcpy(w2.back().get_data_handle(), d.data(), d.size() * 2);
+    }
+  }
+  struct Prims {
+    dnnl::matmul m1, m2;
+    dnnl::memory src, mid, midbf, dst;
+  };
+  Prims make(int m) {
+    using dt = dnnl::memory::data_type;
+    using tag = dnnl::memory::format_tag;
+    Prims p;
+    dnnl::memory::desc src({m, s.hidden}, dt::bf16, tag::ab), mid({m, 2 * s.inter}, dt::f32, tag::ab),
+        midbf({m, s.inter}, dt::bf16, tag::ab), dst({m, s.hidden}, dt::f32, tag::ab);
+    p.m1 = dnnl::matmul(dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, w1[0].get_desc(), mid), eng));
+    dnnl::primitive_attr acc;
+    dnnl::post_ops po;
+    po.append_sum(1.0f);
+    acc.set_post_ops(po);
+    p.m2 = dnnl::matmul(dnnl::matmul::primitive_desc(dnnl::matmul::desc(midbf, w2[0].get_desc(), dst), acc, eng));
+    p.src = dnnl::memory(src, eng);
+    p.mid = dnnl::memory(mid, eng);
+    p.midbf = dnnl::memory(midbf, eng);
+    p.dst = dnnl::memory(dst, eng);
+    std::memset(p.src.get_data_handle(), 0, src.get_size());
+    std::memset(p.midbf.get_data_handle(), 0, midbf.get_size());
+    std::memset(p.dst.get_data_handle(), 0, dst.get_size());
+    return p;
+  }
+  void step(Prims& p, int e0) {
+    for (int i = 0; i < 8; ++i) {
+      const int e = (e0 + i) % s.experts;
+      p.m1.execute(strm, {{DNNL_ARG_SRC, p.src}, {DNNL_ARG_WEIGHTS, w1[e]}, {DNNL_ARG_DST, p.mid}});
+      p.m2.execute(strm, {{DNNL_ARG_SRC, p.midbf}, {DNNL_ARG_WEIGHTS, w2[e]}, {DNNL_ARG_DST, p.dst}});
+    }
+    strm.wait();
+  }
+};
+
+std::vector<int> parse_list(const char* s) {
+  std::vector<int> v;
+  std::stringstream ss(s);
+  for (std::string x; std::getline(ss, x, ',');) v.push_back(std::atoi(x.c_str()));
+  return v;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string which = "all";
+  std::vector<int> ms = {1, 8, 32, 128, 512};
+  int reps = 5, experts = 0;
+  bool onednn = true;
+  for (int i = 1; i < argc; ++i) {
+    auto next = [&] { return i + 1 < argc ? argv[++i] : ""; };
+    if (!std::strcmp(argv[i], "--shape")) which = next();
+    else if (!std::strcmp(argv[i], "--m")) ms = parse_list(next());
+    else if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(next());
+    else if (!std::strcmp(argv[i], "--experts")) experts = std::atoi(next());
+    else if (!std::strcmp(argv[i], "--no-onednn")) onednn = false;
+    else { std::fprintf(stderr, "unknown option %s\n", argv[i]); return 2; }
+  }
+  const int threads = default_threads();
+  std::printf("machine: %s; kernels: %s; threads: %d; %d repetitions, medians\n", machine_line().c_str(),
+              kernels().name, threads, reps);
+  ReadBandwidth bw(size_t(1) << 30, threads);
+  std::printf("%-12s %5s | %9s %8s %8s | %7s %7s | %9s %8s | %6s\n", "shape", "m", "us/expert", "GB/s", "GFLOP/s",
+              "%bw", "%peak", "oneDNN us", "GFLOP/s", "vs 1DNN");
+  for (Shape s : kShapes) {
+    if (which != "all" && which != s.name) continue;
+    if (experts > 0) s.experts = experts;
+    Ours ours(s, threads);
+    std::unique_ptr<OneDnn> peer = onednn ? std::make_unique<OneDnn>(s) : nullptr;
+    const double bytes = 3.0 * s.hidden * s.inter * 2;  // per expert
+    for (int m : ms) {
+      auto a = random_bf16(size_t(m) * s.hidden, 7);
+      std::vector<bf16_t> h(size_t(m) * s.inter);
+      std::vector<float> out(size_t(m) * s.hidden), rw(m, 0.125f);
+      const double flops = 2.0 * m * 3.0 * s.hidden * s.inter;
+      std::optional<OneDnn::Prims> prims;
+      if (peer) prims = peer->make(m);
+      std::vector<double> t_ours, t_dnnl, r_bw, r_peak;
+      int e0 = 0, d0 = 0;
+      for (int r = 0; r < reps; ++r) {
+        const double ceil_bw = bw.measure(1);
+        const double t = time_per_call([&] { ours.step(e0, m, a.data(), h.data(), out.data(), rw.data()); e0 += 8; }) / 8;
+        const double ceil_peak = peak_dpbf16(threads);
+        t_ours.push_back(t);
+        r_bw.push_back(bytes / t / 1e9 / ceil_bw);
+        r_peak.push_back(ceil_peak > 0 ? flops / t / 1e9 / ceil_peak : 0);
+        if (peer) t_dnnl.push_back(time_per_call([&] { peer->step(*prims, d0); d0 += 8; }) / 8);
+      }
+      const double t = median(t_ours);
+      std::printf("%-12s %5d | %9.1f %8.1f %8.1f | %6.0f%% %6.0f%%", s.name, m, t * 1e6, bytes / t / 1e9, flops / t / 1e9,
+                  100 * median(r_bw), 100 * median(r_peak));
+      if (peer) {
+        const double td = median(t_dnnl);
+        std::printf(" | %9.1f %8.1f | %5.2fx", td * 1e6, flops / td / 1e9, td / t);
+      }
+      std::printf("\n");
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}
