@@ -1,0 +1,50 @@
+"""Plot bench_kernels output: effective weight bandwidth and GFLOP/s per token count.
+
+    build/bench/bench_kernels > bench/kernels_bf16.txt
+    .venv/bin/python bench/plot_kernels.py bench/kernels_bf16.txt bench/kernels_bf16.png
+"""
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def parse(path):
+    rows = {}
+    for line in open(path):
+        parts = [p.strip() for p in line.split("|")]
+        if len(parts) < 3 or not parts[0].split()[-1].isdigit():
+            continue
+        name, m = parts[0].split()
+        us, gbs, gflops = map(float, parts[1].split())
+        dnnl = float(parts[3].split()[1]) if len(parts) > 4 else None
+        rows.setdefault(name, []).append((int(m), gbs, gflops, dnnl))
+    return rows
+
+
+def main(src, dst):
+    rows = parse(src)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, pts in rows.items():
+        m = [p[0] for p in pts]
+        line, = ax1.plot(m, [p[1] for p in pts], "o-", label=name)
+        ax2.plot(m, [p[2] for p in pts], "o-", color=line.get_color(), label=f"{name} tandem")
+        if pts[0][3] is not None:
+            ax2.plot(m, [p[3] for p in pts], "x--", color=line.get_color(), label=f"{name} oneDNN")
+    for ax, title, unit in ((ax1, "weight bandwidth (decode regime)", "GB/s"),
+                            (ax2, "throughput (prefill regime)", "GFLOP/s")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens per expert (m)")
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("tandem BF16 expert kernels, cold weights, top-8 steps")
+    fig.tight_layout()
+    fig.savefig(dst, dpi=110)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
