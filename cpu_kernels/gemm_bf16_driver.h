@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "bf16_round.h"
 #include "tandem/kernels.h"
 
 namespace tandem {
@@ -44,14 +45,6 @@ inline float exp_approx(float x) {
 // out of the integer path, and g itself carries it to the result).
 inline void silu_mul(const float* g, const float* u, float* out, int n) {
   for (int j = 0; j < n; ++j) out[j] = g[j] / (1.0f + exp_approx(-g[j])) * u[j];
-}
-
-inline bf16_t to_bf16(float x) {
-  uint32_t v;
-  std::memcpy(&v, &x, 4);
-  if ((v & 0x7fffffffu) > 0x7f800000u) return static_cast<bf16_t>((v >> 16) | 0x40);
-  v += 0x7fffu + ((v >> 16) & 1u);
-  return static_cast<bf16_t>(v >> 16);
 }
 
 template <class Micro>
@@ -99,7 +92,7 @@ void gate_up_driver(const PackedWeight& w, const GateUpArgs& g) {
           silu_mul(tg + r * kPanel, tu + r * kPanel, g.h + row, nn);
         } else {
           silu_mul(tg + r * kPanel, tu + r * kPanel, h, nn);
-          for (int j = 0; j < nn; ++j) g.h_bf16[row + j] = to_bf16(h[j]);
+          for (int j = 0; j < nn; ++j) g.h_bf16[row + j] = round_to_bf16(h[j]);
         }
       }
     }

@@ -6,18 +6,13 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "bf16_round.h"
 #include "tandem/error.h"
 #include "tandem/kernels.h"
 
 namespace tandem {
 
-bf16_t fp32_to_bf16(float x) noexcept {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<bf16_t>((u >> 16) | 0x40);  // quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
-  return static_cast<bf16_t>(u >> 16);
-}
+bf16_t fp32_to_bf16(float x) noexcept { return round_to_bf16(x); }
 
 float bf16_to_fp32(bf16_t x) noexcept {
   const uint32_t u = static_cast<uint32_t>(x) << 16;

@@ -57,6 +57,16 @@ void reference(const Problem& p, const bf16_t* a, std::vector<double>& ref, std:
     }
 }
 
+GemmArgs gemm_args(const bf16_t* a, int m, int lda, float* c, int ldc) {
+  GemmArgs g;
+  g.a = a;
+  g.m = m;
+  g.lda = lda;
+  g.c = c;
+  g.ldc = ldc;
+  return g;
+}
+
 class KernelsBf16 : public ::testing::TestWithParam<IsaLevel> {
  protected:
   void SetUp() override {
@@ -83,12 +93,8 @@ TEST_P(KernelsBf16, GemmMatchesReferenceOverShapes) {
         Problem p = make(m, n, k, rng, (m + k) % 3);  // odd row strides too
         PackedWeight w = pack_bf16(p.w.data(), n, k, k);
         std::vector<float> c(static_cast<size_t>(m) * (n + 1), -7.f);
-        GemmArgs g;
-        g.a = p.a.data() + 1;  // misaligned on purpose (2-byte offset)
-        g.m = m;
-        g.lda = p.lda;
-        g.c = c.data();
-        g.ldc = n + 1;
+        // A misaligned on purpose (2-byte offset); C rows padded by one.
+        GemmArgs g = gemm_args(p.a.data() + 1, m, p.lda, c.data(), n + 1);
         table->gemm_bf16(w, g);
         std::vector<double> ref, mag;
         reference(p, p.a.data() + 1, ref, mag);
@@ -114,12 +120,7 @@ TEST_P(KernelsBf16, AccumulateWithRowScaleAndPanelRange) {
   for (auto& x : c0) x = d(rng);
   for (auto& x : scale) x = d(rng);
   std::vector<float> c = c0;
-  GemmArgs g;
-  g.a = p.a.data();
-  g.m = m;
-  g.lda = k;
-  g.c = c.data();
-  g.ldc = n;
+  GemmArgs g = gemm_args(p.a.data(), m, k, c.data(), n);
   g.accumulate = true;
   g.row_scale = scale.data();
   g.panel_begin = 1;
@@ -183,13 +184,7 @@ TEST_P(KernelsBf16, NanAndInfPropagate) {
   p.a[static_cast<size_t>(2) * k + 32] = 0x7f80;  // +Inf in row 2 (the odd-k tail column)
   PackedWeight w = pack_bf16(p.w.data(), n, k, k);
   std::vector<float> c(static_cast<size_t>(m) * n);
-  GemmArgs g;
-  g.a = p.a.data();
-  g.m = m;
-  g.lda = k;
-  g.c = c.data();
-  g.ldc = n;
-  table->gemm_bf16(w, g);
+  table->gemm_bf16(w, gemm_args(p.a.data(), m, k, c.data(), n));
   for (int j = 0; j < n; ++j) {
     EXPECT_TRUE(std::isfinite(c[j])) << j;
     EXPECT_TRUE(std::isnan(c[n + j])) << j;
@@ -229,12 +224,7 @@ TEST(KernelsApi, RejectsBadArguments) {
   PackedWeight w = pack_bf16(wv, 4, 8, 8);
   bf16_t a[16] = {};
   float c[16];
-  GemmArgs g;
-  g.a = a;
-  g.m = 2;
-  g.lda = 7;
-  g.c = c;
-  g.ldc = 4;
+  GemmArgs g = gemm_args(a, 2, 7, c, 4);
   EXPECT_EQ(test::error_of([&] { gemm(w, g); }), "gemm: lda = 7 is smaller than k = 8");
   g.lda = 8;
   g.panel_end = 2;
