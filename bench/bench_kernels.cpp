@@ -94,7 +94,7 @@ struct Ours {
         ga.ldh = s.inter;
         ga.panel_begin = wg.panels * t / nt;
         ga.panel_end = wg.panels * (t + 1) / nt;
-        kt.gate_up_bf16(wg, ga);
+        kt.of(wg.format).pick(m).gate_up(wg, ga);
 #pragma omp barrier
         const PackedWeight& wd = down[e];
         GemmArgs da;
@@ -107,7 +107,7 @@ struct Ours {
         da.row_scale = rw;
         da.panel_begin = wd.panels * t / nt;
         da.panel_end = wd.panels * (t + 1) / nt;
-        kt.gemm_bf16(wd, da);
+        kt.of(wd.format).pick(m).gemm(wd, da);
 #pragma omp barrier
       }
     }

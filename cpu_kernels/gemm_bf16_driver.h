@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "bf16_round.h"
 #include "tandem/kernels.h"
@@ -47,28 +48,76 @@ inline void silu_mul(const float* g, const float* u, float* out, int n) {
   for (int j = 0; j < n; ++j) out[j] = g[j] / (1.0f + exp_approx(-g[j])) * u[j];
 }
 
+// Writes a micro-kernel's rows t[r][0..nn) (row stride 64) into C at (r0, n0), each
+// row times row_scale (if given) and act_scale (the integer kernels' activation scale).
+template <typename Args>
+inline void store_rows(const Args& g, const float* t, int mr, int r0, int n0, int nn, const float* act_scale) {
+  for (int r = 0; r < mr; ++r) {
+    float* c = g.c + static_cast<size_t>(r0 + r) * g.ldc + n0;
+    const float* tr = t + r * kPanel;
+    float s = g.row_scale ? g.row_scale[r0 + r] : 1.0f;
+    if (act_scale) s *= act_scale[r0 + r];
+    if (g.accumulate) {
+      for (int j = 0; j < nn; ++j) c[j] += s * tr[j];
+    } else if (g.row_scale || act_scale) {
+      for (int j = 0; j < nn; ++j) c[j] = s * tr[j];
+    } else {
+      std::memcpy(c, tr, sizeof(float) * nn);
+    }
+  }
+}
+
+// Writes silu(gate) * up for rows t[r] into H (fp32 or bf16), scaling both by
+// act_scale[r0 + r] first when given.
+template <typename Args>
+inline void store_silu_rows(const Args& g, float* tg, float* tu, int mr, int r0, int n0, int nn, const float* act_scale) {
+  alignas(64) float h[kPanel];
+  for (int r = 0; r < mr; ++r) {
+    float* gr = tg + r * kPanel;
+    float* ur = tu + r * kPanel;
+    if (act_scale) {
+      const float s = act_scale[r0 + r];
+      for (int j = 0; j < nn; ++j) {
+        gr[j] *= s;
+        ur[j] *= s;
+      }
+    }
+    const size_t row = static_cast<size_t>(r0 + r) * g.ldh + n0;
+    if (g.h) {
+      silu_mul(gr, ur, g.h + row, nn);
+    } else {
+      silu_mul(gr, ur, h, nn);
+      for (int j = 0; j < nn; ++j) g.h_bf16[row + j] = round_to_bf16(h[j]);
+    }
+  }
+}
+
+// The bf16 input of a call: a itself, or a_f32 rounded into a per-thread buffer.
+template <typename Args>
+inline const bf16_t* bf16_input(const Args& g, int k, int& lda) {
+  lda = g.lda;
+  if (g.a) return g.a;
+  thread_local std::vector<bf16_t> buf;
+  buf.resize(static_cast<size_t>(g.m) * k);
+  for (int r = 0; r < g.m; ++r)
+    for (int c = 0; c < k; ++c) buf[static_cast<size_t>(r) * k + c] = round_to_bf16(g.a_f32[static_cast<size_t>(r) * g.lda + c]);
+  lda = k;
+  return buf.data();
+}
+
 template <class Micro>
 void gemm_driver(const PackedWeight& w, const GemmArgs& g) {
   const int pe = g.panel_end < 0 ? w.panels : g.panel_end;
+  int lda;
+  const bf16_t* a = bf16_input(g, w.k, lda);
   alignas(64) float t[Micro::kMaxRows * kPanel];
   for (int p = g.panel_begin; p < pe; ++p) {
     const bf16_t* wp = w.panel(p);
     const int n0 = p * kPanel, nn = std::min(kPanel, w.n - n0);
     for (int r0 = 0; r0 < g.m; r0 += Micro::kMaxRows) {
       const int mr = std::min(Micro::kMaxRows, g.m - r0);
-      Micro::run(mr, g.a + static_cast<size_t>(r0) * g.lda, g.lda, wp, w.k, t);
-      for (int r = 0; r < mr; ++r) {
-        float* c = g.c + static_cast<size_t>(r0 + r) * g.ldc + n0;
-        const float* tr = t + r * kPanel;
-        const float s = g.row_scale ? g.row_scale[r0 + r] : 1.0f;
-        if (g.accumulate) {
-          for (int j = 0; j < nn; ++j) c[j] += s * tr[j];
-        } else if (g.row_scale) {
-          for (int j = 0; j < nn; ++j) c[j] = s * tr[j];
-        } else {
-          std::memcpy(c, tr, sizeof(float) * nn);
-        }
-      }
+      Micro::run(mr, a + static_cast<size_t>(r0) * lda, lda, wp, w.k, t);
+      store_rows(g, t, mr, r0, n0, nn, nullptr);
     }
   }
 }
@@ -76,25 +125,19 @@ void gemm_driver(const PackedWeight& w, const GemmArgs& g) {
 template <class Micro>
 void gate_up_driver(const PackedWeight& w, const GateUpArgs& g) {
   const int pe = g.panel_end < 0 ? w.panels : g.panel_end;
-  alignas(64) float tg[Micro::kMaxRows * kPanel], tu[Micro::kMaxRows * kPanel], h[kPanel];
+  int lda;
+  const bf16_t* a0 = bf16_input(g, w.k, lda);
+  alignas(64) float tg[Micro::kMaxRows * kPanel], tu[Micro::kMaxRows * kPanel];
   for (int p = g.panel_begin; p < pe; ++p) {
     const bf16_t* wg = w.panel(2 * p);
     const bf16_t* wu = w.panel(2 * p + 1);
     const int n0 = p * kPanel, nn = std::min(kPanel, w.n - n0);
     for (int r0 = 0; r0 < g.m; r0 += Micro::kMaxRows) {
       const int mr = std::min(Micro::kMaxRows, g.m - r0);
-      const bf16_t* a = g.a + static_cast<size_t>(r0) * g.lda;
-      Micro::run(mr, a, g.lda, wg, w.k, tg);
-      Micro::run(mr, a, g.lda, wu, w.k, tu);
-      for (int r = 0; r < mr; ++r) {
-        const size_t row = static_cast<size_t>(r0 + r) * g.ldh + n0;
-        if (g.h) {
-          silu_mul(tg + r * kPanel, tu + r * kPanel, g.h + row, nn);
-        } else {
-          silu_mul(tg + r * kPanel, tu + r * kPanel, h, nn);
-          for (int j = 0; j < nn; ++j) g.h_bf16[row + j] = round_to_bf16(h[j]);
-        }
-      }
+      const bf16_t* a = a0 + static_cast<size_t>(r0) * lda;
+      Micro::run(mr, a, lda, wg, w.k, tg);
+      Micro::run(mr, a, lda, wu, w.k, tu);
+      store_silu_rows(g, tg, tu, mr, r0, n0, nn, nullptr);
     }
   }
 }
@@ -110,19 +153,18 @@ inline uint32_t load_pair(const bf16_t* a, int c, int k) {
   return a[c];
 }
 
-// Dispatches a run(mr, ...) call to the template instantiation for mr.
+// Dispatches run(mr, args...) to the instantiation Fixed<mr>::run(args...).
 template <template <int> class Fixed, int Max>
 struct RowDispatch {
   static constexpr int kMaxRows = Max;
-  static void run(int mr, const bf16_t* a, int lda, const bf16_t* wp, int k, float* t) {
-    switch (mr) {
-      case 1: Fixed<1>::run(a, lda, wp, k, t); break;
-      case 2: if constexpr (Max >= 2) Fixed<2>::run(a, lda, wp, k, t); break;
-      case 3: if constexpr (Max >= 3) Fixed<3>::run(a, lda, wp, k, t); break;
-      case 4: if constexpr (Max >= 4) Fixed<4>::run(a, lda, wp, k, t); break;
-      case 5: if constexpr (Max >= 5) Fixed<5>::run(a, lda, wp, k, t); break;
-      case 6: if constexpr (Max >= 6) Fixed<6>::run(a, lda, wp, k, t); break;
-      default: break;
+  template <int R = 1, class... A>
+  static void run(int mr, A&&... args) {
+    if constexpr (R <= Max) {
+      if (mr == R) {
+        Fixed<R>::run(args...);
+      } else {
+        run<R + 1>(mr, args...);
+      }
     }
   }
 };

@@ -7,27 +7,56 @@
 
 namespace tandem {
 
-void gemm_bf16_ref(const PackedWeight&, const GemmArgs&);
-void gate_up_bf16_ref(const PackedWeight&, const GateUpArgs&);
-void gemm_bf16_avx2(const PackedWeight&, const GemmArgs&);
-void gate_up_bf16_avx2(const PackedWeight&, const GateUpArgs&);
-void gemm_bf16_avx512(const PackedWeight&, const GemmArgs&);
-void gate_up_bf16_avx512(const PackedWeight&, const GateUpArgs&);
-void gemm_bf16_avx512bf16(const PackedWeight&, const GemmArgs&);
-void gate_up_bf16_avx512bf16(const PackedWeight&, const GateUpArgs&);
+#define TANDEM_DECLARE(fmt, isa)                                  \
+  void gemm_##fmt##_##isa(const PackedWeight&, const GemmArgs&); \
+  void gate_up_##fmt##_##isa(const PackedWeight&, const GateUpArgs&);
+TANDEM_DECLARE(bf16, ref)
+TANDEM_DECLARE(bf16, avx2)
+TANDEM_DECLARE(bf16, avx512)
+TANDEM_DECLARE(bf16, avx512bf16)
+TANDEM_DECLARE(bf16, amx)
+TANDEM_DECLARE(int8, ref)
+TANDEM_DECLARE(int8, avx2)
+TANDEM_DECLARE(int8, avx512)
+TANDEM_DECLARE(int8, avx512vnni)
+TANDEM_DECLARE(int8, amx)
+TANDEM_DECLARE(int4, ref)
+TANDEM_DECLARE(int4, avx2)
+TANDEM_DECLARE(int4, avx512)
+TANDEM_DECLARE(int4, avx512vnni)
+#undef TANDEM_DECLARE
 
 namespace {
 
-// One row per level, in level order. A level without kernels of its own reuses the
-// best lower variant; the name says which code actually runs.
+#define TANDEM_VARIANT(name, fmt, isa) \
+  KernelVariant { name, gemm_##fmt##_##isa, gate_up_##fmt##_##isa }
+
+// One kernel set for every m.
+FormatKernels all_m(KernelVariant v) { return {v, v, 1 << 30}; }
+
+// Token rows from which AMX beats the AVX-512 kernels: below it a tile is mostly
+// padding and decode is bound by the weight stream either way.
+constexpr int kAmxFromM = 8;
+
+// One row per level, in level order. A level without kernels of its own for a format
+// reuses the best lower variant; the variant's name says which code actually runs.
 const KernelTable kTables[] = {
-    {IsaLevel::scalar, "scalar", gemm_bf16_ref, gate_up_bf16_ref},
-    {IsaLevel::avx2, "avx2", gemm_bf16_avx2, gate_up_bf16_avx2},
-    {IsaLevel::avx512, "avx512", gemm_bf16_avx512, gate_up_bf16_avx512},
-    {IsaLevel::avx512_vnni, "avx512", gemm_bf16_avx512, gate_up_bf16_avx512},
-    {IsaLevel::avx512_bf16, "avx512_bf16", gemm_bf16_avx512bf16, gate_up_bf16_avx512bf16},
-    {IsaLevel::amx, "avx512_bf16", gemm_bf16_avx512bf16, gate_up_bf16_avx512bf16},
+    {IsaLevel::scalar, "scalar", all_m(TANDEM_VARIANT("scalar", bf16, ref)), all_m(TANDEM_VARIANT("scalar", int8, ref)),
+     all_m(TANDEM_VARIANT("scalar", int4, ref))},
+    {IsaLevel::avx2, "avx2", all_m(TANDEM_VARIANT("avx2", bf16, avx2)), all_m(TANDEM_VARIANT("avx2", int8, avx2)),
+     all_m(TANDEM_VARIANT("avx2", int4, avx2))},
+    {IsaLevel::avx512, "avx512", all_m(TANDEM_VARIANT("avx512", bf16, avx512)),
+     all_m(TANDEM_VARIANT("avx512", int8, avx512)), all_m(TANDEM_VARIANT("avx512", int4, avx512))},
+    {IsaLevel::avx512_vnni, "avx512_vnni", all_m(TANDEM_VARIANT("avx512", bf16, avx512)),
+     all_m(TANDEM_VARIANT("avx512_vnni", int8, avx512vnni)), all_m(TANDEM_VARIANT("avx512_vnni", int4, avx512vnni))},
+    {IsaLevel::avx512_bf16, "avx512_bf16", all_m(TANDEM_VARIANT("avx512_bf16", bf16, avx512bf16)),
+     all_m(TANDEM_VARIANT("avx512_vnni", int8, avx512vnni)), all_m(TANDEM_VARIANT("avx512_vnni", int4, avx512vnni))},
+    {IsaLevel::amx, "amx",
+     {TANDEM_VARIANT("avx512_bf16", bf16, avx512bf16), TANDEM_VARIANT("amx_bf16", bf16, amx), kAmxFromM},
+     {TANDEM_VARIANT("avx512_vnni", int8, avx512vnni), TANDEM_VARIANT("amx_int8", int8, amx), kAmxFromM},
+     all_m(TANDEM_VARIANT("avx512_vnni", int4, avx512vnni))},
 };
+#undef TANDEM_VARIANT
 
 void check_panels(const char* op, const PackedWeight& w, int begin, int end) {
   const int e = end < 0 ? w.panels : end;
@@ -49,28 +78,38 @@ const KernelTable& kernels() {
   return t;
 }
 
+namespace {
+
+template <typename Args>
+void check_input(const char* op, const PackedWeight& w, const Args& g) {
+  TANDEM_CHECK((g.a != nullptr) != (g.a_f32 != nullptr), Errc::invalid_argument, op,
+               ": give exactly one input (bf16 a or fp32 a_f32)");
+  TANDEM_CHECK(g.lda >= w.k, Errc::invalid_argument, op, ": lda = ", g.lda, " is smaller than k = ", w.k);
+}
+
+}  // namespace
+
 void gemm(const PackedWeight& w, const GemmArgs& g) {
   TANDEM_CHECK(!w.gate_up, Errc::invalid_argument, "gemm: the weight is a fused gate_up pack; use gate_up()");
   TANDEM_CHECK(g.m >= 0, Errc::invalid_argument, "gemm: m = ", g.m, " is negative");
   if (g.m == 0) return;
-  TANDEM_CHECK(g.a && g.c, Errc::invalid_argument, "gemm: null ", g.a ? "output" : "input", " pointer");
-  TANDEM_CHECK(g.lda >= w.k, Errc::invalid_argument, "gemm: lda = ", g.lda, " is smaller than k = ", w.k);
+  check_input("gemm", w, g);
+  TANDEM_CHECK(g.c != nullptr, Errc::invalid_argument, "gemm: null output pointer");
   TANDEM_CHECK(g.ldc >= w.n, Errc::invalid_argument, "gemm: ldc = ", g.ldc, " is smaller than n = ", w.n);
   check_panels("gemm", w, g.panel_begin, g.panel_end);
-  kernels().gemm_bf16(w, g);
+  kernels().of(w.format).pick(g.m).gemm(w, g);
 }
 
 void gate_up(const PackedWeight& w, const GateUpArgs& g) {
-  TANDEM_CHECK(w.gate_up, Errc::invalid_argument, "gate_up: the weight is not a gate_up pack (pack_gate_up_bf16)");
+  TANDEM_CHECK(w.gate_up, Errc::invalid_argument, "gate_up: the weight is not a gate_up pack (pack_gate_up)");
   TANDEM_CHECK(g.m >= 0, Errc::invalid_argument, "gate_up: m = ", g.m, " is negative");
   if (g.m == 0) return;
-  TANDEM_CHECK(g.a != nullptr, Errc::invalid_argument, "gate_up: null input pointer");
+  check_input("gate_up", w, g);
   TANDEM_CHECK((g.h != nullptr) != (g.h_bf16 != nullptr), Errc::invalid_argument,
                "gate_up: give exactly one output (fp32 h or bf16 h_bf16)");
-  TANDEM_CHECK(g.lda >= w.k, Errc::invalid_argument, "gate_up: lda = ", g.lda, " is smaller than k = ", w.k);
   TANDEM_CHECK(g.ldh >= w.n, Errc::invalid_argument, "gate_up: ldh = ", g.ldh, " is smaller than n = ", w.n);
   check_panels("gate_up", w, g.panel_begin, g.panel_end);
-  kernels().gate_up_bf16(w, g);
+  kernels().of(w.format).pick(g.m).gate_up(w, g);
 }
 
 }  // namespace tandem

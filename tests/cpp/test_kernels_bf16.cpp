@@ -95,7 +95,7 @@ TEST_P(KernelsBf16, GemmMatchesReferenceOverShapes) {
         std::vector<float> c(static_cast<size_t>(m) * (n + 1), -7.f);
         // A misaligned on purpose (2-byte offset); C rows padded by one.
         GemmArgs g = gemm_args(p.a.data() + 1, m, p.lda, c.data(), n + 1);
-        table->gemm_bf16(w, g);
+        table->bf16.small.gemm(w, g);
         std::vector<double> ref, mag;
         reference(p, p.a.data() + 1, ref, mag);
         for (int r = 0; r < m; ++r) {
@@ -125,7 +125,7 @@ TEST_P(KernelsBf16, AccumulateWithRowScaleAndPanelRange) {
   g.row_scale = scale.data();
   g.panel_begin = 1;
   g.panel_end = 3;  // outputs 64..191 only
-  table->gemm_bf16(w, g);
+  table->bf16.small.gemm(w, g);
   std::vector<double> ref, mag;
   reference(p, p.a.data(), ref, mag);
   for (int r = 0; r < m; ++r)
@@ -156,10 +156,10 @@ TEST_P(KernelsBf16, GateUpMatchesReference) {
       g.lda = k;
       g.h = h.data();
       g.ldh = n;
-      table->gate_up_bf16(w, g);
+      table->bf16.small.gate_up(w, g);
       g.h = nullptr;
       g.h_bf16 = hb.data();
-      table->gate_up_bf16(w, g);
+      table->bf16.small.gate_up(w, g);
       std::vector<double> rg, mg, ru, mu;
       reference(pg, pg.a.data(), rg, mg);
       reference(pu, pu.a.data(), ru, mu);
@@ -184,7 +184,7 @@ TEST_P(KernelsBf16, NanAndInfPropagate) {
   p.a[static_cast<size_t>(2) * k + 32] = 0x7f80;  // +Inf in row 2 (the odd-k tail column)
   PackedWeight w = pack_bf16(p.w.data(), n, k, k);
   std::vector<float> c(static_cast<size_t>(m) * n);
-  table->gemm_bf16(w, gemm_args(p.a.data(), m, k, c.data(), n));
+  table->bf16.small.gemm(w, gemm_args(p.a.data(), m, k, c.data(), n));
   for (int j = 0; j < n; ++j) {
     EXPECT_TRUE(std::isfinite(c[j])) << j;
     EXPECT_TRUE(std::isnan(c[n + j])) << j;
@@ -237,10 +237,10 @@ TEST(KernelsApi, RejectsBadArguments) {
   u.m = 1;
   u.lda = 8;
   u.ldh = 4;
-  EXPECT_EQ(test::error_of([&] { gate_up(w, u); }), "gate_up: the weight is not a gate_up pack (pack_gate_up_bf16)");
+  EXPECT_EQ(test::error_of([&] { gate_up(w, u); }), "gate_up: the weight is not a gate_up pack (pack_gate_up)");
   PackedWeight gu = pack_gate_up_bf16(wv, wv, 4, 8, 8);
   EXPECT_EQ(test::error_of([&] { gate_up(gu, u); }), "gate_up: give exactly one output (fp32 h or bf16 h_bf16)");
-  EXPECT_EQ(test::error_of([&] { pack_bf16(wv, 4, 8, 6); }), "pack: leading dimension 6 is smaller than k = 8");
+  EXPECT_EQ(test::error_of([&] { pack_bf16(wv, 4, 8, 6); }), "pack: weight leading dimension 6 is smaller than k = 8");
   EXPECT_EQ(test::error_of([&] { pack_bf16(nullptr, 4, 8, 8); }), "pack: weight pointer is null");
 }
 

@@ -9,11 +9,10 @@
 //   gate_up:  H[m x n] = silu(A . Wg^T) * (A . Wu^T)       (fp32 or bf16 out)
 //   down:     C[m x n] += w[m] * (A . Wd^T)               (per-token routing weight)
 //
-// Weights are packed once into the layout the kernels read (PackedWeight). The BF16
-// layout is panels of 64 output rows: [n/64][k/2][64][2] bf16, i.e. for each pair of
-// k, 64 outputs x 2 values = 256 bytes = four zmm vectors of VNNI pairs. The same
-// bytes serve AVX-512-BF16 (vdpbf16ps), AVX-512/AVX2 (bf16 -> fp32 + FMA) and AMX
-// (a B tile is 16 pair-rows of 64 bytes). n is padded to 64 and k to 2 with zeros.
+// Weights are packed once into the layout the kernels read (PackedWeight, formats
+// below). For each k-pair (bf16) or k-quad (int8), a panel row is 64 outputs x 4 bytes
+// = 256 bytes = four zmm vectors: the operand of vdpbf16ps / vpdpbusd, and 16 such
+// rows at stride 256 are an AMX B tile.
 //
 // Kernels are single-threaded over a range of output panels [panel_begin, panel_end);
 // the MoE engine splits panels across its worker threads. Which ISA variant runs is
@@ -38,8 +37,43 @@ bf16_t fp32_to_bf16(float x) noexcept;
 float bf16_to_fp32(bf16_t x) noexcept;
 void fp32_to_bf16(const float* src, bf16_t* dst, size_t n) noexcept;
 
-enum class WeightFormat { bf16 };
+// Weight formats, each with the packed layout its kernels read (all in panels of 64
+// output rows, padded rows are zero):
+//   bf16  [k_pad/2][64][2] bf16 per panel, k_pad = k rounded up to 2.
+//   int8  [k_pad/4][64][4] bytes q + 128 (q in [-127, 127]), then fp32 scale[64];
+//         w = scale[row] * q. Symmetric, one scale per output row. k_pad = k rounded
+//         up to 64 (an AMX tile's depth); the padding holds q = 0.
+//   int4  per group of `group` k (32, 64 or 128; k must be a multiple): [group/8][64][4]
+//         bytes whose low nibble holds q for k = 8o + e and high nibble for k = 8o + 4 + e,
+//         then fp16 scale[64], then (asymmetric only) u8 zero[64]; w = scale * (q - zero),
+//         q in [0, 15], zero = 8 for symmetric.
+// The integer kernels quantize each activation row on the fly (quantize_activations)
+// and use integer dot products (vpdpbusd / AMX tdpbsud) with fp32 scaling.
+enum class WeightFormat { bf16, int8, int4 };
 std::string_view format_name(WeightFormat f) noexcept;
+WeightFormat parse_format(std::string_view name);  // "bf16", "int8", "int4"
+
+// Element types a source weight can have.
+enum class SourceType { f32, bf16, f16, f8_e4m3 };
+std::string_view source_type_name(SourceType t) noexcept;
+
+// A weight matrix W [n x k] as it sits in a checkpoint. FP8 E4M3 weights may carry
+// block scales the way DeepSeek-V3 ships them (weight_scale_inv): element (r, c) is
+// fp8(r, c) * block_scale[(r / block_n) * ceil(k / block_k) + c / block_k].
+struct WeightView {
+  const void* data = nullptr;
+  SourceType type = SourceType::f32;
+  int n = 0, k = 0;
+  int64_t ld = 0;  // row stride in elements; 0 means k
+  const float* block_scale = nullptr;
+  int block_n = 128, block_k = 128;
+};
+
+struct PackOptions {
+  WeightFormat format = WeightFormat::bf16;
+  int group = 128;         // int4: k values per scale (32, 64 or 128)
+  bool symmetric = true;   // int4: zero point fixed at 8, or one zero point per group
+};
 
 inline constexpr int kPanel = 64;  // output rows per packed panel
 
@@ -58,29 +92,61 @@ struct PackedWeight {
   WeightFormat format = WeightFormat::bf16;
   int n = 0, k = 0;        // logical shape of W (of gate, for a gate_up pack)
   int panels = 0;          // ceil(n / 64): output panels
-  int k_pairs = 0;         // ceil(k / 2)
+  int k_pad = 0;           // k padded as the format's layout needs (see above)
+  int k_pairs = 0;         // bf16: k_pad / 2
+  int group = 0;           // int4: k per group; int8: k_pad (one group)
+  bool symmetric = true;   // int4
   bool gate_up = false;    // panels stored as gate 0, up 0, gate 1, up 1, ...
+  size_t panel_stride = 0;  // bytes per stored panel, scales included
+  size_t group_stride = 0;  // int4: bytes per group inside a panel
   AlignedBuffer data;
-  size_t panel_bytes() const { return static_cast<size_t>(k_pairs) * kPanel * 2 * sizeof(bf16_t); }
+  int groups() const { return format == WeightFormat::int4 ? k / group : 1; }
+  size_t panel_bytes() const { return panel_stride; }
   // Stored panel i (for a gate_up pack, gate panel p is 2p and up panel p is 2p + 1).
-  const bf16_t* panel(int p) const {
-    return reinterpret_cast<const bf16_t*>(data.data() + static_cast<size_t>(p) * panel_bytes());
-  }
+  const std::byte* panel_data(int p) const { return data.data() + static_cast<size_t>(p) * panel_stride; }
+  const bf16_t* panel(int p) const { return reinterpret_cast<const bf16_t*>(panel_data(p)); }
   size_t bytes() const { return data.size; }
 };
 
-// Packs W [n x k] row-major (leading dimension ld >= k), from bf16, fp16 or fp32.
-// Parallel over panels (OpenMP); deterministic.
+// Packs W into opt.format. Parallel over panels (OpenMP) and deterministic: every
+// scale and quantized value depends only on its own row (and group). Throws
+// tandem::Error naming the problem for bad shapes, NaN/Inf weights in an integer
+// format, k not a multiple of the int4 group, or scales fp16 cannot hold.
+PackedWeight pack(const WeightView& w, const PackOptions& opt = {});
+// Gate and up of one expert in one weight: panels alternate gate, up, gate, up, ...
+PackedWeight pack_gate_up(const WeightView& gate, const WeightView& up, const PackOptions& opt = {});
+// Shorthands for BF16 packs of row-major bf16 / fp32 weights (leading dimension ld).
 PackedWeight pack_bf16(const bf16_t* w, int n, int k, int ld);
 PackedWeight pack_bf16_from_fp32(const float* w, int n, int k, int ld);
-// Gate and up of one expert in one weight: panels alternate gate, up, gate, up, ...
 PackedWeight pack_gate_up_bf16(const bf16_t* gate, const bf16_t* up, int n, int k, int ld);
-// The dense [n x k] fp32 matrix a packed weight represents (tests, references).
+// The dense fp32 matrix a packed weight represents, i.e. the dequantized weights:
+// [n x k], or [2n x k] (gate rows, then up rows) for a gate_up pack.
 std::vector<float> unpack(const PackedWeight& w);
+// One element of a source weight as fp32 (references, tests).
+float source_value(const WeightView& w, int r, int c);
 
-// ---- kernels: one table per ISA level -------------------------------------------
+// fp16 <-> fp32 (round to nearest even).
+uint16_t fp32_to_fp16(float x) noexcept;
+float fp16_to_fp32(uint16_t x) noexcept;
+// FP8 E4M3 (OCP "e4m3fn": no Inf, 0x7f / 0xff are NaN) to fp32; exact.
+float fp8_e4m3_to_fp32(uint8_t x) noexcept;
+
+// How the integer kernels quantize activations, exposed for references: per row,
+// scale = max|a| / 127 and q = round_nearest_even(a * (127 / max|a|)) in [-127, 127]
+// (a zero row has scale 0); q is padded with zeros to k_pad columns; sums[r * groups
+// + g] = sum of q over group g (`group` columns each). A row holding NaN or Inf gets
+// scale NaN, so its outputs are NaN rather than silently finite.
+void quantize_activations(const bf16_t* a, int m, int k, int lda, int k_pad, int group, int8_t* q, float* scale,
+                          int32_t* sums);
+void quantize_activations(const float* a, int m, int k, int lda, int k_pad, int group, int8_t* q, float* scale,
+                          int32_t* sums);
+
+// ---- kernels ------------------------------------------------------------------------
+// Exactly one of a (bf16) and a_f32 (fp32) is the input. The BF16 kernels round fp32
+// input to bf16; the integer kernels quantize either directly.
 struct GemmArgs {
   const bf16_t* a = nullptr;  // [m x k], row stride lda (elements)
+  const float* a_f32 = nullptr;
   int m = 0, lda = 0;
   float* c = nullptr;         // [m x n] fp32, row stride ldc
   int ldc = 0;
@@ -91,6 +157,7 @@ struct GemmArgs {
 
 struct GateUpArgs {
   const bf16_t* a = nullptr;  // [m x k]
+  const float* a_f32 = nullptr;
   int m = 0, lda = 0;
   float* h = nullptr;         // [m x n] fp32 out, or
   bf16_t* h_bf16 = nullptr;   // [m x n] bf16 out (exactly one of the two)
@@ -98,21 +165,40 @@ struct GateUpArgs {
   int panel_begin = 0, panel_end = -1;  // in units of gate (= up) panels
 };
 
-struct KernelTable {
-  IsaLevel level;
-  const char* name;  // "avx512_bf16", ...
-  void (*gemm_bf16)(const PackedWeight& w, const GemmArgs& args);
-  void (*gate_up_bf16)(const PackedWeight& w, const GateUpArgs& args);
+using GemmFn = void (*)(const PackedWeight& w, const GemmArgs& args);
+using GateUpFn = void (*)(const PackedWeight& w, const GateUpArgs& args);
+
+struct KernelVariant {
+  const char* name = nullptr;  // "avx512_bf16", "avx512_vnni", "amx_bf16", ...
+  GemmFn gemm = nullptr;
+  GateUpFn gate_up = nullptr;
 };
 
-// The table for a level; levels without their own variant fall back to the next
-// lower one (e.g. amx -> avx512_bf16 until the AMX kernels land). Throws
-// tandem::Error when the level is above the hardware.
+// The kernels for one format at one ISA level: `small` below large_from_m token rows
+// (decode, bandwidth-bound), `large` from there on (prefill, compute-bound).
+struct FormatKernels {
+  KernelVariant small, large;
+  int large_from_m = 1 << 30;
+  const KernelVariant& pick(int m) const { return m >= large_from_m ? large : small; }
+};
+
+struct KernelTable {
+  IsaLevel level;
+  const char* name;  // the level's name
+  FormatKernels bf16, int8, int4;
+  const FormatKernels& of(WeightFormat f) const {
+    return f == WeightFormat::int8 ? int8 : f == WeightFormat::int4 ? int4 : bf16;
+  }
+};
+
+// The table for a level; a level without its own variant for a format reuses the best
+// lower one (the variant's name says which code runs). Throws tandem::Error when the
+// level is above the hardware.
 const KernelTable& kernel_table(IsaLevel level);
 // The process-wide table for effective_isa(), resolved on first use.
 const KernelTable& kernels();
 
-// Convenience entry points through kernels(); validate arguments (TANDEM_CHECK).
+// Validated entry points through kernels() (TANDEM_CHECK on every argument).
 void gemm(const PackedWeight& w, const GemmArgs& args);
 void gate_up(const PackedWeight& w, const GateUpArgs& args);
 

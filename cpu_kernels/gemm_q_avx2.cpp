@@ -1,0 +1,96 @@
+// Integer kernels for AVX2 (Haswell .. Zen 3): vpmaddubsw + vpmaddwd on 256-bit
+// vectors, with the INT8 sign trick of the AVX-512 fallback (vpsignb gives the weight
+// the activation's sign; |q_a| is the unsigned operand; no pair can saturate). One
+// token row at a time: a row's 64 outputs are eight ymm accumulators.
+// Compiled with -mavx2 -mfma -mf16c.
+#include <immintrin.h>
+
+#include "gemm_q_driver.h"
+
+namespace tandem {
+namespace {
+
+inline __m256i bcast(const int8_t* p) { return _mm256_set1_epi32(load_i32(p)); }
+
+inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+
+template <int MR>
+struct Int8Avx2 {
+  static_assert(MR == 1);
+  static void run(const QuantInput& in, int r0, const PackedWeight& w, const std::byte* panel, float* t) {
+    __m256i acc[8];
+#pragma GCC unroll 8
+    for (int b = 0; b < 8; ++b) acc[b] = _mm256_setzero_si256();
+    const __m256i* wp = reinterpret_cast<const __m256i*>(panel);
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    const int8_t* a = in.row(r0);
+    for (int i = 0; i < w.k_pad / 4; ++i) {
+      const __m256i x = bcast(a + 4 * i);
+      const __m256i ax = _mm256_abs_epi8(x);
+#pragma GCC unroll 8
+      for (int b = 0; b < 8; ++b) {
+        const __m256i ws = _mm256_xor_si256(_mm256_load_si256(wp + 8 * i + b), flip);
+        acc[b] = dot4(acc[b], ax, _mm256_sign_epi8(ws, x));
+      }
+    }
+    const float* scale = int8_scales(w, panel);
+#pragma GCC unroll 8
+    for (int b = 0; b < 8; ++b)
+      _mm256_store_ps(t + 8 * b, _mm256_mul_ps(_mm256_cvtepi32_ps(acc[b]), _mm256_loadu_ps(scale + 8 * b)));
+  }
+};
+
+template <int MR>
+struct Int4Avx2 {
+  static_assert(MR == 1);
+  static void run(const QuantInput& in, int r0, const PackedWeight& w, const std::byte* panel, float* t) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    __m256 f[8];
+#pragma GCC unroll 8
+    for (int b = 0; b < 8; ++b) f[b] = _mm256_setzero_ps();
+    for (int gi = 0; gi < in.groups; ++gi) {
+      const std::byte* gb = int4_group(w, panel, gi);
+      const __m256i* wp = reinterpret_cast<const __m256i*>(gb);
+      const int8_t* a = in.row(r0) + gi * w.group;
+      __m256i acc[8];
+#pragma GCC unroll 8
+      for (int b = 0; b < 8; ++b) acc[b] = _mm256_setzero_si256();
+      for (int o = 0; o < w.group / 8; ++o) {
+        const __m256i x0 = bcast(a + 8 * o), x1 = bcast(a + 8 * o + 4);
+#pragma GCC unroll 8
+        for (int b = 0; b < 8; ++b) {
+          const __m256i v = _mm256_load_si256(wp + 8 * o + b);
+          acc[b] = dot4(acc[b], _mm256_and_si256(v, low4), x0);
+          acc[b] = dot4(acc[b], _mm256_and_si256(_mm256_srli_epi16(v, 4), low4), x1);
+        }
+      }
+      const uint16_t* sc = int4_scales(w, gb);
+      const uint8_t* zp = int4_zeros(w, gb);
+      const __m256i sum = _mm256_set1_epi32(in.sums[static_cast<size_t>(r0) * in.groups + gi]);
+#pragma GCC unroll 8
+      for (int b = 0; b < 8; ++b) {
+        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 8 * b)));
+        const __m256i z = w.symmetric ? _mm256_set1_epi32(8)
+                                      : _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zp + 8 * b)));
+        const __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[b], _mm256_mullo_epi32(z, sum)));
+        f[b] = _mm256_fmadd_ps(v, s, f[b]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int b = 0; b < 8; ++b) _mm256_store_ps(t + 8 * b, f[b]);
+  }
+};
+
+using MicroInt8 = RowDispatch<Int8Avx2, 1>;
+using MicroInt4 = RowDispatch<Int4Avx2, 1>;
+
+}  // namespace
+
+void gemm_int8_avx2(const PackedWeight& w, const GemmArgs& g) { gemm_q_driver<MicroInt8>(w, g); }
+void gate_up_int8_avx2(const PackedWeight& w, const GateUpArgs& g) { gate_up_q_driver<MicroInt8>(w, g); }
+void gemm_int4_avx2(const PackedWeight& w, const GemmArgs& g) { gemm_q_driver<MicroInt4>(w, g); }
+void gate_up_int4_avx2(const PackedWeight& w, const GateUpArgs& g) { gate_up_q_driver<MicroInt4>(w, g); }
+
+}  // namespace tandem

@@ -1,0 +1,410 @@
+// Weight packing for every format, unpacking (dequantization), source decoding and
+// the scalar conversions. No ISA flags: runs anywhere; packing is bulk work, parallel
+// over panels with OpenMP, and each panel is a pure function of its own rows, so the
+// result does not depend on the thread count.
+#include <omp.h>
+
+#include <algorithm>
+#include <array>
+#include <exception>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+
+#include "bf16_round.h"
+#include "quant_act.h"
+#include "tandem/error.h"
+#include "tandem/kernels.h"
+
+namespace tandem {
+
+bf16_t fp32_to_bf16(float x) noexcept { return round_to_bf16(x); }
+
+float bf16_to_fp32(bf16_t x) noexcept {
+  const uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+void fp32_to_bf16(const float* src, bf16_t* dst, size_t n) noexcept {
+  for (size_t i = 0; i < n; ++i) dst[i] = fp32_to_bf16(src[i]);
+}
+
+uint16_t fp32_to_fp16(float x) noexcept {
+  const _Float16 h = static_cast<_Float16>(x);
+  uint16_t u;
+  std::memcpy(&u, &h, 2);
+  return u;
+}
+
+float fp16_to_fp32(uint16_t x) noexcept {
+  _Float16 h;
+  std::memcpy(&h, &x, 2);
+  return static_cast<float>(h);
+}
+
+float fp8_e4m3_to_fp32(uint8_t x) noexcept {
+  const int sign = x >> 7, exp = (x >> 3) & 0xf, man = x & 7;
+  float v;
+  if (exp == 0xf && man == 7) {
+    v = NAN;
+  } else if (exp == 0) {
+    v = std::ldexp(static_cast<float>(man), -9);  // subnormal: man/8 * 2^-6
+  } else {
+    v = std::ldexp(static_cast<float>(8 + man), exp - 10);  // (1 + man/8) * 2^(exp-7)
+  }
+  return sign ? -v : v;
+}
+
+std::string_view format_name(WeightFormat f) noexcept {
+  switch (f) {
+    case WeightFormat::bf16: return "bf16";
+    case WeightFormat::int8: return "int8";
+    case WeightFormat::int4: return "int4";
+  }
+  return "?";
+}
+
+WeightFormat parse_format(std::string_view name) {
+  for (auto f : {WeightFormat::bf16, WeightFormat::int8, WeightFormat::int4})
+    if (name == format_name(f)) return f;
+  TANDEM_FAIL(Errc::invalid_argument, "unknown weight format '", name, "' (expected bf16, int8 or int4)");
+}
+
+std::string_view source_type_name(SourceType t) noexcept {
+  switch (t) {
+    case SourceType::f32: return "f32";
+    case SourceType::bf16: return "bf16";
+    case SourceType::f16: return "f16";
+    case SourceType::f8_e4m3: return "f8_e4m3";
+  }
+  return "?";
+}
+
+void AlignedBuffer::Free::operator()(std::byte* p) const noexcept { std::free(p); }
+
+AlignedBuffer AlignedBuffer::allocate(size_t bytes) {
+  AlignedBuffer b;
+  const size_t rounded = (bytes + 63) / 64 * 64;
+  void* p = std::aligned_alloc(64, rounded ? rounded : 64);
+  TANDEM_CHECK(p != nullptr, Errc::io, "out of memory allocating ", bytes, " bytes of packed weights");
+  b.ptr.reset(static_cast<std::byte*>(p));
+  b.size = bytes;
+  return b;
+}
+
+void quantize_activations(const bf16_t* a, int m, int k, int lda, int k_pad, int group, int8_t* q, float* scale,
+                          int32_t* sums) {
+  quantize_rows(a, m, k, lda, k_pad, group, q, scale, sums);
+}
+void quantize_activations(const float* a, int m, int k, int lda, int k_pad, int group, int8_t* q, float* scale,
+                          int32_t* sums) {
+  quantize_rows(a, m, k, lda, k_pad, group, q, scale, sums);
+}
+
+namespace {
+
+int64_t row_stride(const WeightView& w) { return w.ld ? w.ld : w.k; }
+
+// Decodes rows [r0, r0 + rows) of a source into fp32, row stride k.
+void decode_rows(const WeightView& w, int r0, int rows, float* out) {
+  const int64_t ld = row_stride(w);
+  for (int r = 0; r < rows; ++r) {
+    const size_t src = static_cast<size_t>(r0 + r) * ld;
+    float* o = out + static_cast<size_t>(r) * w.k;
+    switch (w.type) {
+      case SourceType::f32:
+        std::memcpy(o, static_cast<const float*>(w.data) + src, sizeof(float) * w.k);
+        break;
+      case SourceType::bf16: {
+        const bf16_t* s = static_cast<const bf16_t*>(w.data) + src;
+        for (int c = 0; c < w.k; ++c) o[c] = bf16_to_fp32(s[c]);
+        break;
+      }
+      case SourceType::f16: {
+        const uint16_t* s = static_cast<const uint16_t*>(w.data) + src;
+        for (int c = 0; c < w.k; ++c) o[c] = fp16_to_fp32(s[c]);
+        break;
+      }
+      case SourceType::f8_e4m3: {
+        static const auto table = [] {
+          std::array<float, 256> t{};
+          for (int i = 0; i < 256; ++i) t[i] = fp8_e4m3_to_fp32(static_cast<uint8_t>(i));
+          return t;
+        }();
+        const uint8_t* s = static_cast<const uint8_t*>(w.data) + src;
+        for (int c = 0; c < w.k; ++c) o[c] = table[s[c]];
+        if (w.block_scale) {
+          const int kb = (w.k + w.block_k - 1) / w.block_k;
+          const float* bs = w.block_scale + static_cast<size_t>((r0 + r) / w.block_n) * kb;
+          for (int c = 0; c < w.k; ++c) o[c] *= bs[c / w.block_k];
+        }
+        break;
+      }
+    }
+  }
+}
+
+void check_view(const char* what, const WeightView& w) {
+  TANDEM_CHECK(w.data != nullptr, Errc::invalid_argument, "pack: ", what, " pointer is null");
+  TANDEM_CHECK(w.n > 0 && w.k > 0, Errc::invalid_argument, "pack: ", what, " shape [", w.n, " x ", w.k,
+               "] must be positive");
+  TANDEM_CHECK(row_stride(w) >= w.k, Errc::invalid_argument, "pack: ", what, " leading dimension ", w.ld,
+               " is smaller than k = ", w.k);
+  if (w.block_scale) {
+    TANDEM_CHECK(w.type == SourceType::f8_e4m3, Errc::invalid_argument, "pack: block scales are only for f8_e4m3 weights, not ",
+                 source_type_name(w.type));
+    TANDEM_CHECK(w.block_n > 0 && w.block_k > 0, Errc::invalid_argument, "pack: block scale shape [", w.block_n, " x ",
+                 w.block_k, "] must be positive");
+  }
+}
+
+void check_options(const PackOptions& o, int k) {
+  if (o.format == WeightFormat::int4) {
+    TANDEM_CHECK(o.group == 32 || o.group == 64 || o.group == 128, Errc::invalid_argument, "pack: int4 group size ",
+                 o.group, " is not one of 32, 64, 128");
+    TANDEM_CHECK(k % o.group == 0, Errc::invalid_argument, "pack: k = ", k, " is not a multiple of the int4 group size ",
+                 o.group, "; int4 cannot represent a partial group (choose a group that divides k, or int8 / bf16)");
+  }
+  if (o.format == WeightFormat::int8)
+    // vpdpbusd accumulates (q + 128) * a in int32: 255 * 127 * k must stay below 2^31.
+    TANDEM_CHECK(k <= 65536, Errc::invalid_argument, "pack: k = ", k, " is above int8's limit of 65536");
+}
+
+// Layout for a format; data allocated for `stored` panels.
+PackedWeight layout(const PackOptions& o, int n, int k, int stored_per_panel) {
+  PackedWeight p;
+  p.format = o.format;
+  p.n = n;
+  p.k = k;
+  p.panels = (n + kPanel - 1) / kPanel;
+  switch (o.format) {
+    case WeightFormat::bf16:
+      p.k_pad = (k + 1) / 2 * 2;
+      p.k_pairs = p.k_pad / 2;
+      p.group = p.k_pad;
+      p.panel_stride = static_cast<size_t>(p.k_pad) * kPanel * sizeof(bf16_t);
+      break;
+    case WeightFormat::int8:
+      p.k_pad = (k + 63) / 64 * 64;
+      p.group = p.k_pad;
+      p.panel_stride = static_cast<size_t>(p.k_pad) * kPanel + kPanel * sizeof(float);
+      break;
+    case WeightFormat::int4:
+      p.k_pad = k;
+      p.group = o.group;
+      p.symmetric = o.symmetric;
+      p.group_stride = static_cast<size_t>(o.group) * kPanel / 2 + kPanel * sizeof(uint16_t) + (o.symmetric ? 0 : kPanel);
+      p.panel_stride = p.group_stride * (k / o.group);
+      break;
+  }
+  p.data = AlignedBuffer::allocate(p.panel_stride * p.panels * stored_per_panel);
+  return p;
+}
+
+[[noreturn]] void non_finite(const WeightView& w, const char* what, int r, const float* row) {
+  int c = 0;
+  while (c < w.k && std::isfinite(row[c])) ++c;
+  TANDEM_FAIL(Errc::bad_format, "pack: ", what, " [", r, ", ", c, "] is ", row[c],
+              "; integer formats cannot hold NaN or Inf (pack it as bf16, or fix the checkpoint)");
+}
+
+// Panel writers: `rows` holds the panel's 64 source rows as fp32 (row stride k; rows
+// past n are absent and written as zeros).
+void write_bf16(const PackedWeight& p, std::byte* dst, const float* rows, int valid) {
+  bf16_t* d = reinterpret_cast<bf16_t*>(dst);
+  for (int pr = 0; pr < p.k_pairs; ++pr)
+    for (int j = 0; j < kPanel; ++j)
+      for (int e = 0; e < 2; ++e) {
+        const int c = 2 * pr + e;
+        d[(static_cast<size_t>(pr) * kPanel + j) * 2 + e] =
+            (j < valid && c < p.k) ? fp32_to_bf16(rows[static_cast<size_t>(j) * p.k + c]) : 0;
+      }
+}
+
+void write_int8(const PackedWeight& p, std::byte* dst, const float* rows, int valid, const WeightView& w,
+                const char* what, int r0) {
+  uint8_t* d = reinterpret_cast<uint8_t*>(dst);
+  float* scale = reinterpret_cast<float*>(dst + static_cast<size_t>(p.k_pad) * kPanel);
+  std::memset(d, 128, static_cast<size_t>(p.k_pad) * kPanel);  // q = 0
+  for (int j = 0; j < kPanel; ++j) {
+    scale[j] = 0.0f;
+    if (j >= valid) continue;
+    const float* row = rows + static_cast<size_t>(j) * p.k;
+    float amax = 0.0f;
+    for (int c = 0; c < p.k; ++c) {
+      if (!std::isfinite(row[c])) non_finite(w, what, r0 + j, row);
+      amax = std::max(amax, std::fabs(row[c]));
+    }
+    scale[j] = amax / 127.0f;
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int c = 0; c < p.k; ++c) {
+      const float q = std::clamp(std::nearbyint(row[c] * inv), -127.0f, 127.0f);
+      d[(static_cast<size_t>(c / 4) * kPanel + j) * 4 + c % 4] = static_cast<uint8_t>(static_cast<int>(q) + 128);
+    }
+  }
+}
+
+void write_int4(const PackedWeight& p, std::byte* dst, const float* rows, int valid, const WeightView& w,
+                const char* what, int r0) {
+  const int g = p.group;
+  for (int gi = 0; gi < p.k / g; ++gi) {
+    std::byte* base = dst + gi * p.group_stride;
+    uint8_t* nib = reinterpret_cast<uint8_t*>(base);
+    uint16_t* scale = reinterpret_cast<uint16_t*>(base + static_cast<size_t>(g) * kPanel / 2);
+    uint8_t* zero = reinterpret_cast<uint8_t*>(base + static_cast<size_t>(g) * kPanel / 2 + kPanel * 2);
+    std::memset(nib, 0, static_cast<size_t>(g) * kPanel / 2);
+    for (int j = 0; j < kPanel; ++j) {
+      uint8_t q[128] = {};
+      float s = 0.0f;
+      int z = p.symmetric ? 8 : 0;
+      if (j < valid) {
+        const float* v = rows + static_cast<size_t>(j) * p.k + static_cast<size_t>(gi) * g;
+        float lo = 0.0f, hi = 0.0f;  // the range always includes 0
+        for (int c = 0; c < g; ++c) {
+          if (!std::isfinite(v[c])) non_finite(w, what, r0 + j, rows + static_cast<size_t>(j) * p.k);
+          lo = std::min(lo, v[c]);
+          hi = std::max(hi, v[c]);
+        }
+        const float want = p.symmetric ? std::max(-lo, hi) / 7.0f : (hi - lo) / 15.0f;
+        const uint16_t s16 = fp32_to_fp16(want);
+        s = fp16_to_fp32(s16);
+        TANDEM_CHECK(std::isfinite(s), Errc::bad_format, "pack: ", what, " row ", r0 + j, ", group ", gi,
+                     ": scale ", want, " overflows fp16 (int4 needs |w| < 458,000)");
+        scale[j] = s16;
+        const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+        if (!p.symmetric) z = static_cast<int>(std::clamp(std::nearbyint(-lo * inv), 0.0f, 15.0f));
+        for (int c = 0; c < g; ++c)
+          q[c] = static_cast<uint8_t>(std::clamp(std::nearbyint(v[c] * inv) + static_cast<float>(z), 0.0f, 15.0f));
+      } else {
+        scale[j] = 0;
+      }
+      if (!p.symmetric) zero[j] = static_cast<uint8_t>(z);
+      if (p.symmetric && j >= valid) {  // padding rows: q = zero point, value 0
+        for (int c = 0; c < g; ++c) q[c] = 8;
+      }
+      for (int c = 0; c < g; ++c) {
+        const int o = c / 8, e = c % 8;
+        uint8_t& b = nib[(static_cast<size_t>(o) * kPanel + j) * 4 + e % 4];
+        b |= static_cast<uint8_t>(e < 4 ? q[c] : q[c] << 4);
+      }
+    }
+  }
+}
+
+// OpenMP regions cannot throw across their boundary: run the region, keep the first
+// error, rethrow it afterwards.
+template <size_t N>
+void pack_panels_checked(PackedWeight& p, const WeightView* (&views)[N], const char* const (&what)[N]) {
+  std::exception_ptr err;
+  const int stored = static_cast<int>(N) * p.panels;
+  std::byte* base = p.data.data();
+#pragma omp parallel
+  {
+    std::vector<float> rows(static_cast<size_t>(kPanel) * p.k);
+#pragma omp for schedule(static)
+    for (int i = 0; i < stored; ++i) {
+      try {
+        const WeightView& w = *views[i % N];
+        const int panel = i / static_cast<int>(N);
+        const int r0 = panel * kPanel, valid = std::min(kPanel, w.n - r0);
+        decode_rows(w, r0, valid, rows.data());
+        std::byte* dst = base + static_cast<size_t>(i) * p.panel_stride;
+        switch (p.format) {
+          case WeightFormat::bf16: write_bf16(p, dst, rows.data(), valid); break;
+          case WeightFormat::int8: write_int8(p, dst, rows.data(), valid, w, what[i % N], r0); break;
+          case WeightFormat::int4: write_int4(p, dst, rows.data(), valid, w, what[i % N], r0); break;
+        }
+      } catch (...) {
+#pragma omp critical(tandem_pack_error)
+        if (!err) err = std::current_exception();
+      }
+    }
+  }
+  if (err) std::rethrow_exception(err);
+}
+
+}  // namespace
+
+PackedWeight pack(const WeightView& w, const PackOptions& opt) {
+  check_view("weight", w);
+  check_options(opt, w.k);
+  PackedWeight p = layout(opt, w.n, w.k, 1);
+  const WeightView* views[1] = {&w};
+  const char* const what[1] = {"weight"};
+  pack_panels_checked(p, views, what);
+  return p;
+}
+
+PackedWeight pack_gate_up(const WeightView& gate, const WeightView& up, const PackOptions& opt) {
+  check_view("gate weight", gate);
+  check_view("up weight", up);
+  TANDEM_CHECK(gate.n == up.n && gate.k == up.k, Errc::invalid_argument, "pack_gate_up: gate [", gate.n, " x ", gate.k,
+               "] and up [", up.n, " x ", up.k, "] differ in shape");
+  check_options(opt, gate.k);
+  PackedWeight p = layout(opt, gate.n, gate.k, 2);
+  p.gate_up = true;
+  const WeightView* views[2] = {&gate, &up};
+  const char* const what[2] = {"gate weight", "up weight"};
+  pack_panels_checked(p, views, what);
+  return p;
+}
+
+PackedWeight pack_bf16(const bf16_t* w, int n, int k, int ld) {
+  return pack({w, SourceType::bf16, n, k, ld});
+}
+PackedWeight pack_bf16_from_fp32(const float* w, int n, int k, int ld) {
+  return pack({w, SourceType::f32, n, k, ld});
+}
+PackedWeight pack_gate_up_bf16(const bf16_t* gate, const bf16_t* up, int n, int k, int ld) {
+  return pack_gate_up({gate, SourceType::bf16, n, k, ld}, {up, SourceType::bf16, n, k, ld});
+}
+
+float source_value(const WeightView& w, int r, int c) {
+  std::vector<float> row(w.k);
+  decode_rows(w, r, 1, row.data());
+  return row[c];
+}
+
+namespace {
+
+// Dequantized value of output row j (0..63), column c, of one stored panel.
+float panel_value(const PackedWeight& w, const std::byte* panel, int j, int c) {
+  switch (w.format) {
+    case WeightFormat::bf16:
+      return bf16_to_fp32(reinterpret_cast<const bf16_t*>(panel)[(static_cast<size_t>(c / 2) * kPanel + j) * 2 + c % 2]);
+    case WeightFormat::int8: {
+      const auto* d = reinterpret_cast<const uint8_t*>(panel);
+      const float* scale = reinterpret_cast<const float*>(panel + static_cast<size_t>(w.k_pad) * kPanel);
+      return scale[j] * static_cast<float>(static_cast<int>(d[(static_cast<size_t>(c / 4) * kPanel + j) * 4 + c % 4]) - 128);
+    }
+    case WeightFormat::int4: {
+      const std::byte* base = panel + (c / w.group) * w.group_stride;
+      const int cc = c % w.group, o = cc / 8, e = cc % 8;
+      const uint8_t b = reinterpret_cast<const uint8_t*>(base)[(static_cast<size_t>(o) * kPanel + j) * 4 + e % 4];
+      const int q = e < 4 ? (b & 15) : (b >> 4);
+      const float s = fp16_to_fp32(reinterpret_cast<const uint16_t*>(base + static_cast<size_t>(w.group) * kPanel / 2)[j]);
+      const int z = w.symmetric ? 8 : reinterpret_cast<const uint8_t*>(base + static_cast<size_t>(w.group) * kPanel / 2 + kPanel * 2)[j];
+      return s * static_cast<float>(q - z);
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+std::vector<float> unpack(const PackedWeight& w) {
+  const int parts = w.gate_up ? 2 : 1;
+  std::vector<float> out(static_cast<size_t>(parts) * w.n * w.k);
+  for (int part = 0; part < parts; ++part)
+    for (int panel = 0; panel < w.panels; ++panel) {
+      const std::byte* src = w.panel_data(w.gate_up ? 2 * panel + part : panel);
+      for (int j = 0; j < kPanel && panel * kPanel + j < w.n; ++j)
+        for (int c = 0; c < w.k; ++c)
+          out[(static_cast<size_t>(part) * w.n + panel * kPanel + j) * w.k + c] = panel_value(w, src, j, c);
+    }
+  return out;
+}
+
+}  // namespace tandem

@@ -1,0 +1,59 @@
+// Internal: activation quantization for the integer kernels (see quantize_activations
+// in kernels.h). Internal linkage so each kernel file vectorizes it under its own ISA
+// flags; every step is an exactly rounded IEEE operation (max, one multiply, round to
+// nearest even), so all copies give bit-identical results.
+#pragma once
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "tandem/kernels.h"
+
+namespace tandem {
+namespace {
+
+inline float act_value(const bf16_t* a, size_t i) {
+  const uint32_t u = static_cast<uint32_t>(a[i]) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline float act_value(const float* a, size_t i) { return a[i]; }
+
+template <typename T>
+void quantize_rows(const T* a, int m, int k, int lda, int k_pad, int group, int8_t* q, float* scale, int32_t* sums) {
+  const int groups = k_pad / group;
+  for (int r = 0; r < m; ++r) {
+    const T* row = a + static_cast<size_t>(r) * lda;
+    int8_t* qr = q + static_cast<size_t>(r) * k_pad;
+    float amax = 0.0f;
+    bool finite = true;
+    for (int c = 0; c < k; ++c) {
+      const float v = std::fabs(act_value(row, c));
+      amax = v > amax ? v : amax;
+      finite &= v <= FLT_MAX;  // false for Inf and NaN
+    }
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    scale[r] = finite ? amax / 127.0f : NAN;
+    if (!finite) {
+      std::memset(qr, 0, k_pad);
+    } else {
+      for (int c = 0; c < k; ++c) {
+        float x = std::nearbyint(act_value(row, c) * inv);
+        x = x > 127.0f ? 127.0f : (x < -127.0f ? -127.0f : x);
+        qr[c] = static_cast<int8_t>(x);
+      }
+      for (int c = k; c < k_pad; ++c) qr[c] = 0;
+    }
+    for (int g = 0; g < groups; ++g) {
+      int32_t s = 0;
+      for (int c = g * group; c < (g + 1) * group; ++c) s += qr[c];
+      sums[static_cast<size_t>(r) * groups + g] = s;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace tandem
