@@ -1,14 +1,20 @@
-// BF16 expert kernels on cold weights, next to the machine's ceilings and oneDNN.
+// Expert kernels (BF16, INT8, INT4) on cold weights, next to the machine's ceilings
+// and oneDNN.
 //
 // One step = the routed experts of one token batch: 8 different experts (top-8), each
 // running gate_up (SiLU*up) then down (routing-weighted accumulate) on m rows.
 // Experts rotate through more memory than the last-level cache, so every step
 // streams its weights from DRAM. Both sides use all cores (ours: panels split over
 // OpenMP threads; oneDNN: its own OpenMP). Ceilings and kernels are measured
-// interleaved (A B A B) and ratios are medians of the per-repetition pairs.
+// interleaved (A B A B) and ratios are medians of the per-repetition pairs. The
+// compute ceiling is the vdpbf16ps peak for BF16 and the vpdpbusd peak for INT8/INT4;
+// the peer is oneDNN's bf16 matmul for BF16 and INT4 (oneDNN 2.6 has no int4) and its
+// int8 matmul (u8 activations, s8 weights, per-channel scales) for INT8, which is given
+// pre-quantized activations (ours quantizes inside the timed call).
 //
 //   build/bench/bench_kernels [--shape qwen3-30b|qwen3-235b|deepseek-v3|all] [--m 1,8,32,128,512]
 //                             [--experts N] [--reps R] [--no-onednn]
+//                             [--format bf16|int8|int4] [--group 32|64|128] [--asym]
 #include <omp.h>
 
 #include <chrono>
@@ -69,25 +75,40 @@ struct Ours {
   const Shape& s;
   int threads;
   std::vector<PackedWeight> gu, down;
-  Ours(const Shape& sh, int t) : s(sh), threads(t) {
+  Ours(const Shape& sh, int t, const PackOptions& opt) : s(sh), threads(t) {
     auto g = random_bf16(size_t(s.inter) * s.hidden, 1), u = random_bf16(size_t(s.inter) * s.hidden, 2),
          d = random_bf16(size_t(s.hidden) * s.inter, 3);
+    const WeightView gv{g.data(), SourceType::bf16, s.inter, s.hidden}, uv{u.data(), SourceType::bf16, s.inter, s.hidden},
+        dv{d.data(), SourceType::bf16, s.hidden, s.inter};
     for (int e = 0; e < s.experts; ++e) {
-      gu.push_back(pack_gate_up_bf16(g.data(), u.data(), s.inter, s.hidden, s.hidden));
-      down.push_back(pack_bf16(d.data(), s.hidden, s.inter, s.inter));
+      gu.push_back(pack_gate_up(gv, uv, opt));
+      down.push_back(pack(dv, opt));
     }
   }
+  double bytes_per_expert() const { return double(gu[0].bytes() + down[0].bytes()); }
+  QuantizedActs q_in, q_mid;  // integer formats: activations quantized once per product, rows split over threads
   // One step: experts e0..e0+7 on m rows.
   void step(int e0, int m, const bf16_t* a, bf16_t* h, float* out, const float* rw) {
     const KernelTable& kt = kernels();
+    const bool quant = gu[0].format != WeightFormat::bf16;
+    if (quant) {
+      q_in.prepare(gu[0], m);
+      q_mid.prepare(down[0], m);
+    }
 #pragma omp parallel num_threads(threads)
     {
       const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+      const int r0 = m * t / nt, r1 = m * (t + 1) / nt;
+      if (quant) {  // the input is the same for all 8 experts
+        quantize_activations(q_in, a, s.hidden, r0, r1);
+#pragma omp barrier
+      }
       for (int i = 0; i < 8; ++i) {
         const int e = (e0 + i) % s.experts;
         const PackedWeight& wg = gu[e];
         GateUpArgs ga;
-        ga.a = a;
+        if (quant) ga.qa = &q_in;
+        else ga.a = a;
         ga.m = m;
         ga.lda = s.hidden;
         ga.h_bf16 = h;
@@ -96,9 +117,14 @@ struct Ours {
         ga.panel_end = wg.panels * (t + 1) / nt;
         kt.of(wg.format).pick(m).gate_up(wg, ga);
 #pragma omp barrier
+        if (quant) {
+          quantize_activations(q_mid, h, s.inter, r0, r1);
+#pragma omp barrier
+        }
         const PackedWeight& wd = down[e];
         GemmArgs da;
-        da.a = h;
+        if (quant) da.qa = &q_mid;
+        else da.a = h;
         da.m = m;
         da.lda = s.inter;
         da.c = out;
@@ -121,16 +147,19 @@ struct OneDnn {
   dnnl::engine eng{dnnl::engine::kind::cpu, 0};
   dnnl::stream strm{eng};
   const Shape& s;
+  bool int8;
   std::vector<dnnl::memory> w1, w2;
-  OneDnn(const Shape& sh) : s(sh) {
+  OneDnn(const Shape& sh, bool i8) : s(sh), int8(i8) {
     using dt = dnnl::memory::data_type;
     using tag = dnnl::memory::format_tag;
     auto g = random_bf16(size_t(2 * s.inter) * s.hidden, 4), d = random_bf16(size_t(s.hidden) * s.inter, 5);
+    const dt wt = int8 ? dt::s8 : dt::bf16;
+    const size_t es = int8 ? 1 : 2;
     for (int e = 0; e < s.experts; ++e) {
-      w1.emplace_back(dnnl::memory::desc({s.hidden, 2 * s.inter}, dt::bf16, tag::ba), eng);
-      std::memcpy(w1.back().get_data_handle(), g.data(), g.size() * 2);
-      w2.emplace_back(dnnl::memory::desc({s.inter, s.hidden}, dt::bf16, tag::ba), eng);
-      std::memcpy(w2.back().get_data_handle(), d.data(), d.size() * 2);
+      w1.emplace_back(dnnl::memory::desc({s.hidden, 2 * s.inter}, wt, tag::ba), eng);
+      std::memcpy(w1.back().get_data_handle(), g.data(), g.size() * es);  // int8: arbitrary bytes, as good as any
+      w2.emplace_back(dnnl::memory::desc({s.inter, s.hidden}, wt, tag::ba), eng);
+      std::memcpy(w2.back().get_data_handle(), d.data(), d.size() * es);
     }
   }
   struct Prims {
@@ -141,10 +170,15 @@ struct OneDnn {
     using dt = dnnl::memory::data_type;
     using tag = dnnl::memory::format_tag;
     Prims p;
-    dnnl::memory::desc src({m, s.hidden}, dt::bf16, tag::ab), mid({m, 2 * s.inter}, dt::f32, tag::ab),
-        midbf({m, s.inter}, dt::bf16, tag::ab), dst({m, s.hidden}, dt::f32, tag::ab);
-    p.m1 = dnnl::matmul(dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, w1[0].get_desc(), mid), eng));
-    dnnl::primitive_attr acc;
+    const dt at = int8 ? dt::u8 : dt::bf16;
+    dnnl::memory::desc src({m, s.hidden}, at, tag::ab), mid({m, 2 * s.inter}, dt::f32, tag::ab),
+        midbf({m, s.inter}, at, tag::ab), dst({m, s.hidden}, dt::f32, tag::ab);
+    dnnl::primitive_attr first, acc;
+    if (int8) {  // per-output-channel weight scales, as ours
+      first.set_output_scales(2, std::vector<float>(2 * s.inter, 0.01f));
+      acc.set_output_scales(2, std::vector<float>(s.hidden, 0.01f));
+    }
+    p.m1 = dnnl::matmul(dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, w1[0].get_desc(), mid), first, eng));
     dnnl::post_ops po;
     po.append_sum(1.0f);
     acc.set_post_ops(po);
@@ -182,6 +216,7 @@ int main(int argc, char** argv) {
   std::vector<int> ms = {1, 8, 32, 128, 512};
   int reps = 5, experts = 0;
   bool onednn = true;
+  PackOptions opt;
   for (int i = 1; i < argc; ++i) {
     auto next = [&] { return i + 1 < argc ? argv[++i] : ""; };
     if (!std::strcmp(argv[i], "--shape")) which = next();
@@ -189,20 +224,29 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(next());
     else if (!std::strcmp(argv[i], "--experts")) experts = std::atoi(next());
     else if (!std::strcmp(argv[i], "--no-onednn")) onednn = false;
+    else if (!std::strcmp(argv[i], "--format")) opt.format = parse_format(next());
+    else if (!std::strcmp(argv[i], "--group")) opt.group = std::atoi(next());
+    else if (!std::strcmp(argv[i], "--asym")) opt.symmetric = false;
     else { std::fprintf(stderr, "unknown option %s\n", argv[i]); return 2; }
   }
   const int threads = default_threads();
-  std::printf("machine: %s; kernels: %s; threads: %d; %d repetitions, medians\n", machine_line().c_str(),
-              kernels().name, threads, reps);
+  const bool is_int = opt.format != WeightFormat::bf16;
+  const FormatKernels& fk = kernels().of(opt.format);
+  std::printf("machine: %s; format: %s%s; kernels: %s (m < %d), %s; threads: %d; %d repetitions, medians\n",
+              machine_line().c_str(), std::string(format_name(opt.format)).c_str(),
+              opt.format == WeightFormat::int4 ? (" group " + std::to_string(opt.group) + (opt.symmetric ? " sym" : " asym")).c_str() : "",
+              fk.small.name, fk.large_from_m, fk.large.name, threads, reps);
+  std::printf("compute ceiling: %s; peer: oneDNN %s matmul\n", is_int ? "vpdpbusd" : "vdpbf16ps",
+              opt.format == WeightFormat::int8 ? "int8" : "bf16");
   ReadBandwidth bw(size_t(1) << 30, threads);
   std::printf("%-12s %5s | %9s %8s %8s | %7s %7s | %9s %8s | %6s\n", "shape", "m", "us/expert", "GB/s", "GFLOP/s",
               "%bw", "%peak", "oneDNN us", "GFLOP/s", "vs 1DNN");
   for (Shape s : kShapes) {
     if (which != "all" && which != s.name) continue;
     if (experts > 0) s.experts = experts;
-    Ours ours(s, threads);
-    std::unique_ptr<OneDnn> peer = onednn ? std::make_unique<OneDnn>(s) : nullptr;
-    const double bytes = 3.0 * s.hidden * s.inter * 2;  // per expert
+    Ours ours(s, threads, opt);
+    std::unique_ptr<OneDnn> peer = onednn ? std::make_unique<OneDnn>(s, opt.format == WeightFormat::int8) : nullptr;
+    const double bytes = ours.bytes_per_expert();  // packed bytes, scales included
     for (int m : ms) {
       auto a = random_bf16(size_t(m) * s.hidden, 7);
       std::vector<bf16_t> h(size_t(m) * s.inter);
@@ -215,7 +259,7 @@ int main(int argc, char** argv) {
       for (int r = 0; r < reps; ++r) {
         const double ceil_bw = bw.measure(1);
         const double t = time_per_call([&] { ours.step(e0, m, a.data(), h.data(), out.data(), rw.data()); e0 += 8; }) / 8;
-        const double ceil_peak = peak_dpbf16(threads);
+        const double ceil_peak = is_int ? peak_dpbusd(threads) : peak_dpbf16(threads);
         t_ours.push_back(t);
         r_bw.push_back(bytes / t / 1e9 / ceil_bw);
         r_peak.push_back(ceil_peak > 0 ? flops / t / 1e9 / ceil_peak : 0);

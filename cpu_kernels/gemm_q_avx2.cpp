@@ -12,17 +12,23 @@ namespace {
 
 inline __m256i bcast(const int8_t* p) { return _mm256_set1_epi32(load_i32(p)); }
 
-inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+// Accumulator type without __m256i's may_alias attribute, so GCC keeps arrays of
+// them in registers (see gemm_q_avx512vnni.cpp).
+using acc_t = int __attribute__((vector_size(32)));
+inline __m256i as_m256i(acc_t v) { return reinterpret_cast<__m256i>(v); }
+
+inline acc_t dot4(acc_t acc, __m256i u, __m256i s) {
+  return reinterpret_cast<acc_t>(
+      _mm256_add_epi32(as_m256i(acc), _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))));
 }
 
 template <int MR>
 struct Int8Avx2 {
   static_assert(MR == 1);
   static void run(const QuantInput& in, int r0, const PackedWeight& w, const std::byte* panel, float* t) {
-    __m256i acc[8];
+    acc_t acc[8];
 #pragma GCC unroll 8
-    for (int b = 0; b < 8; ++b) acc[b] = _mm256_setzero_si256();
+    for (int b = 0; b < 8; ++b) acc[b] = acc_t{};
     const __m256i* wp = reinterpret_cast<const __m256i*>(panel);
     const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
     const int8_t* a = in.row(r0);
@@ -38,7 +44,7 @@ struct Int8Avx2 {
     const float* scale = int8_scales(w, panel);
 #pragma GCC unroll 8
     for (int b = 0; b < 8; ++b)
-      _mm256_store_ps(t + 8 * b, _mm256_mul_ps(_mm256_cvtepi32_ps(acc[b]), _mm256_loadu_ps(scale + 8 * b)));
+      _mm256_store_ps(t + 8 * b, _mm256_mul_ps(_mm256_cvtepi32_ps(as_m256i(acc[b])), _mm256_loadu_ps(scale + 8 * b)));
   }
 };
 
@@ -46,17 +52,18 @@ template <int MR>
 struct Int4Avx2 {
   static_assert(MR == 1);
   static void run(const QuantInput& in, int r0, const PackedWeight& w, const std::byte* panel, float* t) {
+    // The fp32 sums live in t (L1) between groups: 16 ymm cannot hold them and the
+    // integer accumulators at once.
     const __m256i low4 = _mm256_set1_epi8(0x0f);
-    __m256 f[8];
 #pragma GCC unroll 8
-    for (int b = 0; b < 8; ++b) f[b] = _mm256_setzero_ps();
+    for (int b = 0; b < 8; ++b) _mm256_store_ps(t + 8 * b, _mm256_setzero_ps());
     for (int gi = 0; gi < in.groups; ++gi) {
       const std::byte* gb = int4_group(w, panel, gi);
       const __m256i* wp = reinterpret_cast<const __m256i*>(gb);
       const int8_t* a = in.row(r0) + gi * w.group;
-      __m256i acc[8];
+      acc_t acc[8];
 #pragma GCC unroll 8
-      for (int b = 0; b < 8; ++b) acc[b] = _mm256_setzero_si256();
+      for (int b = 0; b < 8; ++b) acc[b] = acc_t{};
       for (int o = 0; o < w.group / 8; ++o) {
         const __m256i x0 = bcast(a + 8 * o), x1 = bcast(a + 8 * o + 4);
 #pragma GCC unroll 8
@@ -74,12 +81,10 @@ struct Int4Avx2 {
         const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 8 * b)));
         const __m256i z = w.symmetric ? _mm256_set1_epi32(8)
                                       : _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zp + 8 * b)));
-        const __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[b], _mm256_mullo_epi32(z, sum)));
-        f[b] = _mm256_fmadd_ps(v, s, f[b]);
+        const __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(as_m256i(acc[b]), _mm256_mullo_epi32(z, sum)));
+        _mm256_store_ps(t + 8 * b, _mm256_fmadd_ps(v, s, _mm256_load_ps(t + 8 * b)));
       }
     }
-#pragma GCC unroll 8
-    for (int b = 0; b < 8; ++b) _mm256_store_ps(t + 8 * b, f[b]);
   }
 };
 
@@ -92,5 +97,10 @@ void gemm_int8_avx2(const PackedWeight& w, const GemmArgs& g) { gemm_q_driver<Mi
 void gate_up_int8_avx2(const PackedWeight& w, const GateUpArgs& g) { gate_up_q_driver<MicroInt8>(w, g); }
 void gemm_int4_avx2(const PackedWeight& w, const GemmArgs& g) { gemm_q_driver<MicroInt4>(w, g); }
 void gate_up_int4_avx2(const PackedWeight& w, const GateUpArgs& g) { gate_up_q_driver<MicroInt4>(w, g); }
+
+void quantize_avx2(const bf16_t* a, const float* a_f32, int m, int k, int lda, int k_pad, int group, int8_t* q,
+                  float* scale, int32_t* sums) {
+  quantize_any(a, a_f32, m, k, lda, k_pad, group, q, scale, sums);
+}
 
 }  // namespace tandem

@@ -14,19 +14,25 @@ namespace {
 
 inline __m512i bcast(const int8_t* p) { return _mm512_set1_epi32(load_i32(p)); }
 
+// Accumulator type without __m512i's may_alias attribute, so GCC keeps arrays of
+// them in registers (see gemm_q_avx512vnni.cpp).
+using acc_t = int __attribute__((vector_size(64)));
+inline __m512i as_m512i(acc_t v) { return reinterpret_cast<__m512i>(v); }
+
 // int32 lanes += the four u8 x s8 products of each lane (no saturation given the ranges above).
-inline __m512i dot4(__m512i acc, __m512i u, __m512i s) {
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+inline acc_t dot4(acc_t acc, __m512i u, __m512i s) {
+  return reinterpret_cast<acc_t>(
+      _mm512_add_epi32(as_m512i(acc), _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1))));
 }
 
 template <int MR>
 struct Int8Avx512 {
   static void run(const QuantInput& in, int r0, const PackedWeight& w, const std::byte* panel, float* t) {
-    __m512i acc[MR][4];
+    acc_t acc[MR][4];
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
-      for (int b = 0; b < 4; ++b) acc[r][b] = _mm512_setzero_si512();
+      for (int b = 0; b < 4; ++b) acc[r][b] = acc_t{};
     const __m512i* wp = reinterpret_cast<const __m512i*>(panel);
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
     for (int i = 0; i < w.k_pad / 4; ++i) {
@@ -49,7 +55,7 @@ struct Int8Avx512 {
 #pragma GCC unroll 4
       for (int b = 0; b < 4; ++b)
         _mm512_store_ps(t + r * kPanel + 16 * b,
-                        _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][b]), _mm512_loadu_ps(scale + 16 * b)));
+                        _mm512_mul_ps(_mm512_cvtepi32_ps(as_m512i(acc[r][b])), _mm512_loadu_ps(scale + 16 * b)));
   }
 };
 
@@ -64,11 +70,11 @@ struct Int4Avx512 {
     for (int gi = 0; gi < in.groups; ++gi) {
       const std::byte* gb = int4_group(w, panel, gi);
       const __m512i* wp = reinterpret_cast<const __m512i*>(gb);
-      __m512i acc[MR][4];
+      acc_t acc[MR][4];
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
-        for (int b = 0; b < 4; ++b) acc[r][b] = _mm512_setzero_si512();
+        for (int b = 0; b < 4; ++b) acc[r][b] = acc_t{};
       const int c0 = gi * w.group;
       for (int o = 0; o < w.group / 8; ++o) {
         __m512i lo[4], hi[4];
@@ -96,7 +102,7 @@ struct Int4Avx512 {
 #pragma GCC unroll 8
         for (int r = 0; r < MR; ++r) {
           const __m512i corr = _mm512_mullo_epi32(z, _mm512_set1_epi32(in.sums[static_cast<size_t>(r0 + r) * in.groups + gi]));
-          const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][b], corr));
+          const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(as_m512i(acc[r][b]), corr));
           float* tr = t + r * kPanel + 16 * b;
           _mm512_store_ps(tr, _mm512_fmadd_ps(v, s, _mm512_load_ps(tr)));
         }
@@ -106,7 +112,7 @@ struct Int4Avx512 {
 };
 
 using MicroInt8 = RowDispatch<Int8Avx512, 4>;
-using MicroInt4 = RowDispatch<Int4Avx512, 4>;
+using MicroInt4 = RowDispatch<Int4Avx512, 3>;  // 4 rows spill: 16 accumulators + 8 unpacked
 
 }  // namespace
 
@@ -114,5 +120,10 @@ void gemm_int8_avx512(const PackedWeight& w, const GemmArgs& g) { gemm_q_driver<
 void gate_up_int8_avx512(const PackedWeight& w, const GateUpArgs& g) { gate_up_q_driver<MicroInt8>(w, g); }
 void gemm_int4_avx512(const PackedWeight& w, const GemmArgs& g) { gemm_q_driver<MicroInt4>(w, g); }
 void gate_up_int4_avx512(const PackedWeight& w, const GateUpArgs& g) { gate_up_q_driver<MicroInt4>(w, g); }
+
+void quantize_avx512(const bf16_t* a, const float* a_f32, int m, int k, int lda, int k_pad, int group, int8_t* q,
+                  float* scale, int32_t* sums) {
+  quantize_any(a, a_f32, m, k, lda, k_pad, group, q, scale, sums);
+}
 
 }  // namespace tandem

@@ -28,8 +28,18 @@ struct QuantInput {
   const int8_t* row(int r) const { return q + static_cast<size_t>(r) * ldq; }
 };
 
+// This ISA's quantizer (exported per file as quantize_<isa> for the kernel table).
+inline void quantize_any(const bf16_t* a, const float* a_f32, int m, int k, int lda, int k_pad, int group, int8_t* q,
+                         float* scale, int32_t* sums) {
+  if (a)
+    quantize_rows(a, m, k, lda, k_pad, group, q, scale, sums);
+  else
+    quantize_rows(a_f32, m, k, lda, k_pad, group, q, scale, sums);
+}
+
 template <typename Args>
 QuantInput quantize_input(const PackedWeight& w, const Args& g) {
+  if (g.qa) return {g.qa->q.data(), g.qa->scale.data(), g.qa->sums.data(), g.qa->k_pad, g.qa->k_pad / g.qa->group};
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> scale;
   thread_local std::vector<int32_t> sums;

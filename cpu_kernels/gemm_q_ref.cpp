@@ -56,4 +56,9 @@ void gate_up_int8_ref(const PackedWeight& w, const GateUpArgs& g) { gate_up_q_dr
 void gemm_int4_ref(const PackedWeight& w, const GemmArgs& g) { gemm_q_driver<Int4Ref>(w, g); }
 void gate_up_int4_ref(const PackedWeight& w, const GateUpArgs& g) { gate_up_q_driver<Int4Ref>(w, g); }
 
+void quantize_ref(const bf16_t* a, const float* a_f32, int m, int k, int lda, int k_pad, int group, int8_t* q,
+                  float* scale, int32_t* sums) {
+  quantize_any(a, a_f32, m, k, lda, k_pad, group, q, scale, sums);
+}
+
 }  // namespace tandem

@@ -205,6 +205,43 @@ TEST_P(KernelsInt, Fp32InputAccumulateRowScaleAndPanelRange) {
   }
 }
 
+TEST_P(KernelsInt, PrequantizedInputGivesTheSameBits) {
+  const int m = 13, n = 130, k = ks().back();
+  auto w = random_weights(static_cast<size_t>(n) * k, rng);
+  auto a = random_acts(static_cast<size_t>(m) * k, rng);
+  PackedWeight pw = pack({w.data(), SourceType::f32, n, k}, opt);
+  QuantizedActs qa;
+  qa.prepare(pw, m);
+  quantize_activations(qa, a.data(), k, 0, 5);  // in two row ranges, as two threads would
+  quantize_activations(qa, a.data(), k, 5, m);
+  for (const KernelVariant* v : variants) {
+    std::vector<float> c1(static_cast<size_t>(m) * n), c2(c1.size());
+    GemmArgs g;
+    g.a = a.data();
+    g.m = m;
+    g.lda = k;
+    g.c = c1.data();
+    g.ldc = n;
+    v->gemm(pw, g);
+    g.a = nullptr;
+    g.qa = &qa;
+    g.c = c2.data();
+    v->gemm(pw, g);
+    EXPECT_EQ(c1, c2) << v->name;
+  }
+  GemmArgs g;
+  g.qa = &qa;
+  g.m = m + 1;
+  g.c = nullptr;
+  std::vector<float> c(static_cast<size_t>(m + 1) * n);
+  g.c = c.data();
+  g.ldc = n;
+  EXPECT_EQ(test::error_of([&] { gemm(pw, g); }), "gemm: quantized activations hold 13 rows, m = 14");
+  PackedWeight other = pack({w.data(), SourceType::f32, n / 2, 2 * k}, opt);
+  g.m = m;
+  EXPECT_EQ(test::error_of([&] { gemm(other, g); }).rfind("gemm: quantized activations (k ", 0), 0u);
+}
+
 TEST_P(KernelsInt, GateUpMatchesReference) {
   for (const KernelVariant* v : variants)
     for (int m : {1, 3, 6, 17}) {
@@ -495,7 +532,7 @@ TEST(KernelsBf16Input, Fp32InputIsRoundedToBf16) {
   gemm(p, g);
   EXPECT_EQ(c1, c2);
   g.a = ab.data();
-  EXPECT_EQ(test::error_of([&] { gemm(p, g); }), "gemm: give exactly one input (bf16 a or fp32 a_f32)");
+  EXPECT_EQ(test::error_of([&] { gemm(p, g); }), "gemm: give exactly one input (bf16 a, fp32 a_f32 or quantized qa)");
 }
 
 }  // namespace

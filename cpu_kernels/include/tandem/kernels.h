@@ -141,12 +141,30 @@ void quantize_activations(const bf16_t* a, int m, int k, int lda, int k_pad, int
 void quantize_activations(const float* a, int m, int k, int lda, int k_pad, int group, int8_t* q, float* scale,
                           int32_t* sums);
 
+// Activations quantized once for several integer-kernel calls on weights with the same
+// k and layout (the panel ranges of a thread pool, gate_up then a second expert, ...):
+// without it every call quantizes its input again.
+struct QuantizedActs {
+  int m = 0, k = 0, k_pad = 0, group = 0;
+  std::vector<int8_t> q;        // [m x k_pad]
+  std::vector<float> scale;     // [m]
+  std::vector<int32_t> sums;    // [m x k_pad / group]
+  // Sizes the buffers for m rows of input to w (an int8 or int4 pack).
+  void prepare(const PackedWeight& w, int rows);
+  bool matches(const PackedWeight& w) const { return k == w.k && k_pad == w.k_pad && group == w.group; }
+};
+// Quantizes rows [r0, r1) of A (bf16 or fp32, row stride lda) into qa, with the fastest
+// quantizer this CPU has; disjoint row ranges may run on different threads.
+void quantize_activations(QuantizedActs& qa, const bf16_t* a, int lda, int r0, int r1);
+void quantize_activations(QuantizedActs& qa, const float* a, int lda, int r0, int r1);
+
 // ---- kernels ------------------------------------------------------------------------
-// Exactly one of a (bf16) and a_f32 (fp32) is the input. The BF16 kernels round fp32
-// input to bf16; the integer kernels quantize either directly.
+// Exactly one of a (bf16) and a_f32 (fp32) is the input, or, for the integer formats,
+// qa (already quantized). The BF16 kernels round fp32 input to bf16.
 struct GemmArgs {
   const bf16_t* a = nullptr;  // [m x k], row stride lda (elements)
   const float* a_f32 = nullptr;
+  const QuantizedActs* qa = nullptr;
   int m = 0, lda = 0;
   float* c = nullptr;         // [m x n] fp32, row stride ldc
   int ldc = 0;
@@ -158,6 +176,7 @@ struct GemmArgs {
 struct GateUpArgs {
   const bf16_t* a = nullptr;  // [m x k]
   const float* a_f32 = nullptr;
+  const QuantizedActs* qa = nullptr;
   int m = 0, lda = 0;
   float* h = nullptr;         // [m x n] fp32 out, or
   bf16_t* h_bf16 = nullptr;   // [m x n] bf16 out (exactly one of the two)
@@ -166,6 +185,9 @@ struct GateUpArgs {
 };
 
 using GemmFn = void (*)(const PackedWeight& w, const GemmArgs& args);
+// quantize_activations of one ISA: a or a_f32 (one is null) into q, scale, sums.
+using QuantizeFn = void (*)(const bf16_t* a, const float* a_f32, int m, int k, int lda, int k_pad, int group, int8_t* q,
+                            float* scale, int32_t* sums);
 using GateUpFn = void (*)(const PackedWeight& w, const GateUpArgs& args);
 
 struct KernelVariant {
@@ -186,6 +208,7 @@ struct KernelTable {
   IsaLevel level;
   const char* name;  // the level's name
   FormatKernels bf16, int8, int4;
+  QuantizeFn quantize;
   const FormatKernels& of(WeightFormat f) const {
     return f == WeightFormat::int8 ? int8 : f == WeightFormat::int4 ? int4 : bf16;
   }
