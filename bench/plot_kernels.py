@@ -1,7 +1,7 @@
 """Plot bench_kernels output: effective weight bandwidth and GFLOP/s per token count.
 
-    build/bench/bench_kernels > bench/kernels_bf16.txt
-    .venv/bin/python bench/plot_kernels.py bench/kernels_bf16.txt bench/kernels_bf16.png
+    build/bench/bench_kernels [--format int8] > bench/kernels_int8.txt
+    .venv/bin/python bench/plot_kernels.py bench/kernels_int8.txt bench/kernels_int8.png
 """
 import sys
 
@@ -13,7 +13,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 def parse(path):
     rows = {}
+    fmt = "BF16"
     for line in open(path):
+        if "format: " in line:
+            fmt = line.split("format: ")[1].split(";")[0].upper()
         parts = [p.strip() for p in line.split("|")]
         if len(parts) < 3 or not parts[0].split()[-1].isdigit():
             continue
@@ -21,11 +24,11 @@ def parse(path):
         us, gbs, gflops = map(float, parts[1].split())
         dnnl = float(parts[3].split()[1]) if len(parts) > 4 else None
         rows.setdefault(name, []).append((int(m), gbs, gflops, dnnl))
-    return rows
+    return rows, fmt
 
 
 def main(src, dst):
-    rows = parse(src)
+    rows, fmt = parse(src)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for name, pts in rows.items():
         m = [p[0] for p in pts]
@@ -41,7 +44,7 @@ def main(src, dst):
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle("tandem BF16 expert kernels, cold weights, top-8 steps")
+    fig.suptitle(f"tandem {fmt} expert kernels, cold weights, top-8 steps")
     fig.tight_layout()
     fig.savefig(dst, dpi=110)
 
