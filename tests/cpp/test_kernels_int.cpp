@@ -124,14 +124,14 @@ class KernelsInt : public ::testing::TestWithParam<Param> {
 };
 
 TEST_P(KernelsInt, GemmMatchesReferenceOverShapes) {
-  const int ms[] = {1, 2, 3, 4, 5, 6, 7, 9, 16, 17, 40};
+  const int ms[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 40};
   const int ns[] = {1, 17, 64, 65, 130};
   int cases = 0;
   for (const KernelVariant* v : variants)
     for (int m : ms)
       for (int n : ns)
         for (int k : ks()) {
-          if ((m * n + k) % 3 == 1 && m > 7) continue;  // thin the largest cases
+          if ((m * n + k) % 3 != 0 && m > 7) continue;  // thin the larger cases; every m keeps some
           const int lda = k + (m + k) % 3;
           auto w = random_weights(static_cast<size_t>(n) * k, rng);
           auto a = random_acts(static_cast<size_t>(m) * lda + 1, rng);
