@@ -136,9 +136,9 @@ void decode_rows(const WeightView& w, int r0, int rows, float* out) {
         const uint8_t* s = static_cast<const uint8_t*>(w.data) + src;
         for (int c = 0; c < w.k; ++c) o[c] = table[s[c]];
         if (w.block_scale) {
-          const int kb = (w.k + w.block_k - 1) / w.block_k;
-          const float* bs = w.block_scale + static_cast<size_t>((r0 + r) / w.block_n) * kb;
-          for (int c = 0; c < w.k; ++c) o[c] *= bs[c / w.block_k];
+          const int kb = w.scale_ld ? w.scale_ld : (w.k + w.block_k - 1) / w.block_k;
+          const float* bs = w.block_scale + static_cast<size_t>((w.row0 + r0 + r) / w.block_n) * kb;
+          for (int c = 0; c < w.k; ++c) o[c] *= bs[(w.col0 + c) / w.block_k];
         }
         break;
       }
@@ -359,6 +359,24 @@ PackedWeight pack_bf16_from_fp32(const float* w, int n, int k, int ld) {
 }
 PackedWeight pack_gate_up_bf16(const bf16_t* gate, const bf16_t* up, int n, int k, int ld) {
   return pack_gate_up({gate, SourceType::bf16, n, k, ld}, {up, SourceType::bf16, n, k, ld});
+}
+
+WeightView sub_view(const WeightView& w, int r0, int rows, int c0, int cols) {
+  TANDEM_CHECK(r0 >= 0 && rows >= 0 && r0 + rows <= w.n && c0 >= 0 && cols >= 0 && c0 + cols <= w.k,
+               Errc::invalid_argument, "sub_view: [", r0, ", ", r0 + rows, ") x [", c0, ", ", c0 + cols,
+               ") is outside the weight's [", w.n, " x ", w.k, "]");
+  size_t elem = 4;
+  if (w.type == SourceType::bf16 || w.type == SourceType::f16) elem = 2;
+  if (w.type == SourceType::f8_e4m3) elem = 1;
+  WeightView v = w;
+  v.data = static_cast<const std::byte*>(w.data) + (static_cast<size_t>(r0) * row_stride(w) + c0) * elem;
+  v.ld = row_stride(w);
+  v.n = rows;
+  v.k = cols;
+  v.row0 = w.row0 + r0;
+  v.col0 = w.col0 + c0;
+  v.scale_ld = w.scale_ld ? w.scale_ld : (w.k + w.block_k - 1) / w.block_k;
+  return v;
 }
 
 float source_value(const WeightView& w, int r, int c) {

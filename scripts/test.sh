@@ -20,6 +20,16 @@ cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DTANDEM_SANITIZE=add
 cmake --build build-asan -j "$(nproc)" --target tandem_tests
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 build-asan/tests/tandem_tests --gtest_brief=1
 
+echo "== pool, engine and trace tests under ThreadSanitizer =="
+# Only these: libgomp is not TSan-instrumented, so tests whose packing runs OpenMP
+# teams would report its internal synchronization; pool threads run OpenMP with one
+# thread (no team), and that is what these tests exercise.
+cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DTANDEM_SANITIZE=thread \
+  -DTANDEM_CUDA=OFF -DTANDEM_PYTHON=OFF -DTANDEM_BENCH=OFF >/dev/null
+cmake --build build-tsan -j "$(nproc)" --target tandem_tests
+OMP_NUM_THREADS=1 TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/tandem_tests --gtest_brief=1 \
+  --gtest_filter='Pool.*:*MoeEngine*:Trace.*'
+
 echo "== Python tests (pytest) =="
 .venv/bin/python -m pytest -q -ra tests/python "$@"
 

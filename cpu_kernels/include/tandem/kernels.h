@@ -67,7 +67,12 @@ struct WeightView {
   int64_t ld = 0;  // row stride in elements; 0 means k
   const float* block_scale = nullptr;
   int block_n = 128, block_k = 128;
+  // A view into part of a block-scaled weight starts at (row0, col0) of the full matrix,
+  // whose block-scale rows hold scale_ld entries (0: ceil(k / block_k)).
+  int row0 = 0, col0 = 0, scale_ld = 0;
 };
+// Rows [r0, r0 + rows) x columns [c0, c0 + cols) of w, as a view of its own.
+WeightView sub_view(const WeightView& w, int r0, int rows, int c0, int cols);
 
 struct PackOptions {
   WeightFormat format = WeightFormat::bf16;

@@ -1,0 +1,113 @@
+// tandem/moe.h: the routed experts of one MoE layer on the CPU worker pools.
+//
+// The layer owns its experts' packed weights, sharded along the intermediate dimension
+// across the pool's subpools: subpool s holds rows [i0_s, i1_s) of every expert's gate
+// and up and the same columns of its down, packed by its own threads (so the memory
+// is first-touched on its NUMA node) and stored once. A forward runs as one pool task:
+//   gather   tokens grouped per expert (and quantized, for int8 / int4 weights)
+//   gate_up  silu(x Wg^T) * (x Wu^T) per (expert, 64-row panel of the slice)
+//   act      the intermediate activations quantized (int8 / int4 only)
+//   down     each subpool's partial y_s = h_s Wd_s^T per (expert, 64-row panel of hidden)
+//   merge    out[t] (+)= sum_k w[t,k] * sum_s y_s[e_k][t], per block of tokens x hidden
+// Token grouping makes decode (a few tokens, many experts) and prefill (many tokens per
+// expert) take the same path; the kernels pick their small- or large-m variant per expert.
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tandem/kernels.h"
+#include "tandem/pool.h"
+#include "tandem/safetensors.h"
+
+namespace tandem {
+
+struct MoeShape {
+  int experts = 0, hidden = 0, inter = 0;
+};
+
+// One expert's three projections as they sit in memory (nn.Linear layout):
+// gate, up [inter x hidden], down [hidden x inter].
+struct ExpertSource {
+  WeightView gate, up, down;
+};
+
+// progress(done, total): called on the loading thread, at least every 100 ms and at the end.
+using Progress = std::function<void(int done, int total)>;
+
+// How a checkpoint names a layer's experts. {L} is the layer, {E} the expert; a weight
+// stored as FP8 may have a "<name>_scale_inv" block-scale tensor next to it.
+struct ExpertNaming {
+  std::string gate, up, down;
+  static ExpertNaming qwen3();    // model.layers.{L}.mlp.experts.{E}.{gate,up,down}_proj.weight (also DeepSeek)
+  static ExpertNaming mixtral();  // model.layers.{L}.block_sparse_moe.experts.{E}.{w1,w3,w2}.weight
+  // The first scheme whose expert-0 gate key for `layer` exists in the checkpoint.
+  static ExpertNaming detect(const Checkpoint& ckpt, int layer);
+};
+
+struct MoeInput {
+  const bf16_t* x = nullptr;     // [tokens x hidden], or
+  const float* x_f32 = nullptr;  //   fp32 (exactly one of the two)
+  int tokens = 0;
+  const int32_t* ids = nullptr;  // [tokens x top_k], or
+  const int64_t* ids_i64 = nullptr;  // int64 (exactly one); -1 = no expert in this slot
+  int top_k = 0;
+  const float* weights = nullptr;    // [tokens x top_k] routing weights
+  const uint8_t* expert_mask = nullptr;  // optional [experts]: 0 = held elsewhere, skipped here
+  float* out = nullptr;              // [tokens x hidden] fp32
+  bool accumulate = false;           // out += instead of out =
+};
+
+class MoeLayer {
+ public:
+  MoeLayer(Pool& pool, MoeShape shape, PackOptions format, int layer_index = 0);
+  ~MoeLayer();
+
+  // Packs every expert from `source(e)`, each subpool its own slice on its own threads.
+  void load(const std::function<ExpertSource(int expert)>& source, const Progress& progress = {});
+  // Loads layer `layer` from a checkpoint (safetensors, mmapped: the source bytes are
+  // read in place, no full-size intermediate copy). Errors name the missing key or the
+  // shape / dtype that does not fit.
+  void load(const Checkpoint& ckpt, int layer, const ExpertNaming& naming, const Progress& progress = {});
+
+  // Validates (errors name the problem and leave out untouched), then queues the layer
+  // on the pool and returns; x, ids, weights, mask and out must stay valid until
+  // pool().sync() says the task finished.
+  void submit(const MoeInput& in);
+  void forward(const MoeInput& in) {
+    submit(in);
+    pool_.sync();
+  }
+
+  const MoeShape& shape() const { return shape_; }
+  const PackOptions& format() const { return format_; }
+  Pool& pool() { return pool_; }
+  bool loaded() const { return loaded_; }
+  // Subpool s's slice [begin, end) of the intermediate dimension.
+  std::pair<int, int> slice(int subpool) const { return {slices_[subpool], slices_[subpool + 1]}; }
+  // Packed bytes held, all subpools.
+  size_t packed_bytes() const;
+  // The packed gate_up / down of expert e on subpool s (tests, benchmarks).
+  const PackedWeight& gate_up_pack(int subpool, int expert) const { return shards_[subpool].gate_up[expert]; }
+  const PackedWeight& down_pack(int subpool, int expert) const { return shards_[subpool].down[expert]; }
+
+ private:
+  struct Shard {
+    std::vector<PackedWeight> gate_up, down;
+  };
+  friend class MoeTask;
+  Pool& pool_;
+  MoeShape shape_;
+  PackOptions format_;
+  int layer_;
+  std::vector<int> slices_;
+  std::vector<Shard> shards_;
+  bool loaded_ = false;
+  struct Scratch;
+  std::unique_ptr<Scratch> scratch_;  // reused by this layer's tasks (they run one at a time)
+};
+
+}  // namespace tandem

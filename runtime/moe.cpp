@@ -1,0 +1,443 @@
+#include "tandem/moe.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "tandem/error.h"
+#include "tandem/trace.h"
+
+namespace tandem {
+namespace {
+
+// An uninitialized, growable array: pages are first touched by whoever writes them
+// (the subpool's own threads), not by the allocating thread.
+template <typename T>
+struct RawBuffer {
+  std::unique_ptr<T[]> p;
+  size_t cap = 0;
+  T* get(size_t n) {
+    if (n > cap) {
+      p.reset(new T[n]);
+      cap = n;
+    }
+    return p.get();
+  }
+};
+
+int units_of(const PackOptions& f) { return f.format == WeightFormat::int4 ? std::max(kPanel, f.group) : kPanel; }
+
+}  // namespace
+
+struct MoeLayer::Scratch {
+  RawBuffer<bf16_t> xg;                          // gathered input rows (bf16 weights)
+  std::vector<QuantizedActs> qin;                // per active expert (int weights)
+  std::vector<RawBuffer<bf16_t>> h;              // per subpool: [rows x slice]
+  std::vector<std::vector<QuantizedActs>> qmid;  // per subpool, per active expert
+  std::vector<RawBuffer<float>> y;               // per subpool: [rows x hidden]
+};
+
+ExpertNaming ExpertNaming::qwen3() {
+  return {"model.layers.{L}.mlp.experts.{E}.gate_proj.weight", "model.layers.{L}.mlp.experts.{E}.up_proj.weight",
+          "model.layers.{L}.mlp.experts.{E}.down_proj.weight"};
+}
+ExpertNaming ExpertNaming::mixtral() {
+  return {"model.layers.{L}.block_sparse_moe.experts.{E}.w1.weight", "model.layers.{L}.block_sparse_moe.experts.{E}.w3.weight",
+          "model.layers.{L}.block_sparse_moe.experts.{E}.w2.weight"};
+}
+
+namespace {
+
+std::string shape_str(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+std::string expand(const std::string& pattern, int layer, int expert) {
+  std::string s = pattern;
+  for (auto [key, v] : {std::pair<const char*, int>{"{L}", layer}, {"{E}", expert}}) {
+    for (size_t at; (at = s.find(key)) != std::string::npos;) s.replace(at, 3, std::to_string(v));
+  }
+  return s;
+}
+
+}  // namespace
+
+ExpertNaming ExpertNaming::detect(const Checkpoint& ckpt, int layer) {
+  for (const ExpertNaming& n : {qwen3(), mixtral()})
+    if (ckpt.contains(expand(n.gate, layer, 0))) return n;
+  TANDEM_FAIL(Errc::bad_format, "checkpoint ", ckpt.root().string(), " has no routed experts for layer ", layer,
+              " under a known naming (tried ", expand(qwen3().gate, layer, 0), " and ", expand(mixtral().gate, layer, 0),
+              ")");
+}
+
+MoeLayer::MoeLayer(Pool& pool, MoeShape shape, PackOptions format, int layer_index)
+    : pool_(pool), shape_(shape), format_(format), layer_(layer_index), scratch_(std::make_unique<Scratch>()) {
+  TANDEM_CHECK(shape.experts >= 1 && shape.hidden >= 1 && shape.inter >= 1, Errc::invalid_argument, "moe: shape (experts ",
+               shape.experts, ", hidden ", shape.hidden, ", intermediate ", shape.inter, ") must be positive");
+  if (format.format == WeightFormat::int4) {
+    TANDEM_CHECK(shape.hidden % format.group == 0 && shape.inter % format.group == 0, Errc::invalid_argument,
+                 "moe: int4 group ", format.group, " must divide hidden (", shape.hidden, ") and intermediate (",
+                 shape.inter, ")");
+  }
+  // Intermediate slices in whole units (a 64-row panel, or an int4 group if larger).
+  const int S = pool.subpools(), unit = units_of(format);
+  const int units = (shape.inter + unit - 1) / unit;
+  slices_.resize(S + 1);
+  for (int s = 0; s <= S; ++s) slices_[s] = std::min(shape.inter, static_cast<int>(static_cast<int64_t>(units) * s / S) * unit);
+  shards_.resize(S);
+  for (auto& sh : shards_) {
+    sh.gate_up.resize(shape.experts);
+    sh.down.resize(shape.experts);
+  }
+}
+
+MoeLayer::~MoeLayer() = default;
+
+size_t MoeLayer::packed_bytes() const {
+  size_t b = 0;
+  for (const auto& sh : shards_)
+    for (int e = 0; e < shape_.experts; ++e) b += sh.gate_up[e].bytes() + sh.down[e].bytes();
+  return b;
+}
+
+namespace {
+
+class LoadTask : public Task {
+ public:
+  LoadTask(MoeLayer& l, std::function<void(int s, int e)> f) : layer(l), fn(std::move(f)) {}
+  int phases() const override { return 1; }
+  int items(int, int) override { return layer.shape().experts; }
+  void run(int, int s, int e, int) override {
+    trace::Span span("pack", {-1, 1, -1});
+    fn(s, e);
+    done.fetch_add(1, std::memory_order_relaxed);
+  }
+  MoeLayer& layer;
+  std::function<void(int, int)> fn;
+  std::atomic<int> done{0};
+};
+
+}  // namespace
+
+void MoeLayer::load(const std::function<ExpertSource(int)>& source, const Progress& progress) {
+  TANDEM_CHECK(static_cast<bool>(source), Errc::invalid_argument, "moe: load without a weight source");
+  const MoeShape sh = shape_;
+  auto task = std::make_shared<LoadTask>(*this, [this, &source, sh](int s, int e) {
+    const ExpertSource src = source(e);
+    auto check = [&](const char* what, const WeightView& v, int n, int k) {
+      TANDEM_CHECK(v.n == n && v.k == k, Errc::invalid_argument, "moe: expert ", e, " ", what, " is [", v.n, " x ", v.k,
+                   "], the layer needs [", n, " x ", k, "]");
+    };
+    check("gate", src.gate, sh.inter, sh.hidden);
+    check("up", src.up, sh.inter, sh.hidden);
+    check("down", src.down, sh.hidden, sh.inter);
+    const int i0 = slices_[s], i1 = slices_[s + 1];
+    if (i0 == i1) return;
+    shards_[s].gate_up[e] = pack_gate_up(sub_view(src.gate, i0, i1 - i0, 0, sh.hidden),
+                                         sub_view(src.up, i0, i1 - i0, 0, sh.hidden), format_);
+    shards_[s].down[e] = pack(sub_view(src.down, 0, sh.hidden, i0, i1 - i0), format_);
+  });
+  const int total = shape_.experts * pool_.subpools();
+  pool_.submit(task);
+  for (;;) {
+    const bool finished = pool_.wait_for(0, 100);  // rethrows the task's error, if any
+    if (progress) progress(task->done.load(), total);
+    if (finished) break;
+  }
+  loaded_ = true;
+}
+
+void MoeLayer::load(const Checkpoint& ckpt, int layer, const ExpertNaming& naming, const Progress& progress) {
+  auto view = [&](const std::string& pattern, int e, int n, int k) {
+    const std::string name = expand(pattern, layer, e);
+    TANDEM_CHECK(ckpt.contains(name), Errc::bad_format, "checkpoint ", ckpt.root().string(), " has no tensor ", name);
+    const TensorView t = ckpt.tensor(name);
+    TANDEM_CHECK(t.info->shape.size() == 2 && t.info->shape[0] == n && t.info->shape[1] == k, Errc::bad_format, name,
+                 " has shape ", shape_str(t.info->shape), ", the layer needs [", n, ", ", k, "]");
+    WeightView v;
+    v.data = t.data;
+    v.n = n;
+    v.k = k;
+    switch (t.info->dtype) {
+      case Dtype::F32: v.type = SourceType::f32; break;
+      case Dtype::BF16: v.type = SourceType::bf16; break;
+      case Dtype::F16: v.type = SourceType::f16; break;
+      case Dtype::F8_E4M3: {
+        v.type = SourceType::f8_e4m3;
+        const std::string sname = name + "_scale_inv";
+        if (ckpt.contains(sname)) {
+          const TensorView st = ckpt.tensor(sname);
+          const int bn = static_cast<int>(st.info->shape.size() == 2 ? st.info->shape[0] : 0);
+          const int bk = static_cast<int>(st.info->shape.size() == 2 ? st.info->shape[1] : 0);
+          TANDEM_CHECK(st.info->dtype == Dtype::F32 && bn > 0 && bk > 0, Errc::bad_format, sname,
+                       " must be a 2-d F32 tensor of block scales");
+          TANDEM_CHECK(reinterpret_cast<uintptr_t>(st.data) % alignof(float) == 0, Errc::bad_format, sname,
+                       " is not 4-byte aligned in its file");
+          v.block_scale = reinterpret_cast<const float*>(st.data);
+          v.block_n = (n + bn - 1) / bn;
+          v.block_k = (k + bk - 1) / bk;
+          // Blocks are square powers of two in practice (128); recover them from the grid.
+          for (int b = 1; b <= n; b *= 2)
+            if ((n + b - 1) / b == bn) { v.block_n = b; break; }
+          for (int b = 1; b <= k; b *= 2)
+            if ((k + b - 1) / b == bk) { v.block_k = b; break; }
+          v.scale_ld = bk;
+        }
+        break;
+      }
+      default:
+        TANDEM_FAIL(Errc::unsupported, name, " has dtype ", dtype_name(t.info->dtype),
+                    "; expert weights must be F32, BF16, F16 or F8_E4M3");
+    }
+    return v;
+  };
+  // Resolve every expert's tensors up front so a missing key fails before any work.
+  std::vector<ExpertSource> sources(shape_.experts);
+  for (int e = 0; e < shape_.experts; ++e)
+    sources[e] = {view(naming.gate, e, shape_.inter, shape_.hidden), view(naming.up, e, shape_.inter, shape_.hidden),
+                  view(naming.down, e, shape_.hidden, shape_.inter)};
+  load([&](int e) { return sources[e]; }, progress);
+}
+
+// ---- forward ---------------------------------------------------------------------
+
+class MoeTask : public Task {
+ public:
+  enum Phase { kGather, kGateUp, kAct, kDown, kMerge, kPhases };
+  static constexpr const char* kNames[kPhases] = {"gather", "gate_up", "act", "down", "merge"};
+  static constexpr int kMergeCols = 512;
+
+  MoeTask(MoeLayer& l, const MoeInput& in) : L(l), in_(in) {}
+  int phases() const override { return kPhases; }
+
+  int items(int phase, int s) override {
+    const int S = L.pool_.subpools();
+    const int n = static_cast<int>(active.size());
+    const bool quant = L.format_.format != WeightFormat::bf16;
+    const auto [i0, i1] = L.slice(s);
+    const int len = i1 - i0;
+    switch (phase) {
+      case kGather:
+        if (s == 0) {
+          begin_ns = trace::now_ns();
+          prepare();
+        }
+        return n / S + (s < n % S ? 1 : 0);  // active expert i goes to subpool i % S
+      case kGateUp: return len ? n * ((len + kPanel - 1) / kPanel) : 0;
+      case kAct: return quant && len ? n : 0;
+      case kDown: return len ? n * ((L.shape_.hidden + kPanel - 1) / kPanel) : 0;
+      case kMerge: {
+        const int total = in_.tokens * merge_blocks();
+        return static_cast<int>(static_cast<int64_t>(total) * (s + 1) / S - static_cast<int64_t>(total) * s / S);
+      }
+    }
+    return 0;
+  }
+
+  void run(int phase, int s, int item, int) override {
+    trace::Span span(kNames[phase], {L.layer_, static_cast<int>(active.size()), in_.tokens});
+    switch (phase) {
+      case kGather: gather(active_index(s, item)); break;
+      case kGateUp: gate_up(s, item); break;
+      case kAct: act(s, item); break;
+      case kDown: down(s, item); break;
+      case kMerge: merge(s, item); break;
+    }
+  }
+
+  void finished() override { trace::record("moe_layer", begin_ns, trace::now_ns(), {L.layer_, static_cast<int>(active.size()), in_.tokens}); }
+
+  // Routing, computed at submit (validated there).
+  std::vector<int> active;       // experts with tokens, ascending
+  std::vector<int> count, offset;  // per active expert: rows and first row in the grouped buffers
+  std::vector<int> rows_token;   // grouped row -> token
+  std::vector<int> slot_row;     // [tokens x top_k] -> grouped row, -1: nothing to add
+  int total_rows = 0;
+
+ private:
+  int active_index(int s, int item) const { return s + item * L.pool_.subpools(); }
+  int merge_blocks() const { return (L.shape_.hidden + kMergeCols - 1) / kMergeCols; }
+  const PackedWeight& layout_gate_up(int e) const {
+    for (const auto& sh : L.shards_)
+      if (sh.gate_up[e].panels) return sh.gate_up[e];
+    return L.shards_[0].gate_up[e];
+  }
+
+  void prepare() {
+    auto& sc = *L.scratch_;
+    const int S = L.pool_.subpools(), n = static_cast<int>(active.size());
+    const bool quant = L.format_.format != WeightFormat::bf16;
+    if (quant) {
+      sc.qin.resize(n);
+      for (int i = 0; i < n; ++i) sc.qin[i].prepare(layout_gate_up(active[i]), count[i]);
+    } else {
+      sc.xg.get(static_cast<size_t>(total_rows) * L.shape_.hidden);
+    }
+    sc.h.resize(S);
+    sc.y.resize(S);
+    sc.qmid.resize(S);
+    for (int s = 0; s < S; ++s) {
+      const auto [i0, i1] = L.slice(s);
+      if (i0 == i1) continue;
+      sc.h[s].get(static_cast<size_t>(total_rows) * (i1 - i0));
+      sc.y[s].get(static_cast<size_t>(total_rows) * L.shape_.hidden);
+      if (quant) {
+        sc.qmid[s].resize(n);
+        for (int i = 0; i < n; ++i) sc.qmid[s][i].prepare(L.shards_[s].down[active[i]], count[i]);
+      }
+    }
+  }
+
+  void gather(int i) {
+    auto& sc = *L.scratch_;
+    const int H = L.shape_.hidden;
+    const bool quant = L.format_.format != WeightFormat::bf16;
+    const KernelTable& kt = kernels();
+    for (int r = 0; r < count[i]; ++r) {
+      const int t = rows_token[offset[i] + r];
+      const bf16_t* xb = in_.x ? in_.x + static_cast<size_t>(t) * H : nullptr;
+      const float* xf = in_.x_f32 ? in_.x_f32 + static_cast<size_t>(t) * H : nullptr;
+      if (quant) {
+        QuantizedActs& q = sc.qin[i];
+        const int groups = q.k_pad / q.group;
+        kt.quantize(xb, xf, 1, H, H, q.k_pad, q.group, q.q.data() + static_cast<size_t>(r) * q.k_pad, q.scale.data() + r,
+                    q.sums.data() + static_cast<size_t>(r) * groups);
+      } else {
+        bf16_t* dst = sc.xg.p.get() + static_cast<size_t>(offset[i] + r) * H;
+        if (xb)
+          std::memcpy(dst, xb, sizeof(bf16_t) * H);
+        else
+          fp32_to_bf16(xf, dst, H);
+      }
+    }
+  }
+
+  void gate_up(int s, int item) {
+    auto& sc = *L.scratch_;
+    const auto [i0, i1] = L.slice(s);
+    const int len = i1 - i0, P = (len + kPanel - 1) / kPanel;
+    const int i = item / P, p = item % P, e = active[i];
+    const PackedWeight& w = L.shards_[s].gate_up[e];
+    GateUpArgs g;
+    if (w.format == WeightFormat::bf16)
+      g.a = sc.xg.p.get() + static_cast<size_t>(offset[i]) * L.shape_.hidden;
+    else
+      g.qa = &sc.qin[i];
+    g.m = count[i];
+    g.lda = L.shape_.hidden;
+    g.h_bf16 = sc.h[s].p.get() + static_cast<size_t>(offset[i]) * len;
+    g.ldh = len;
+    g.panel_begin = p;
+    g.panel_end = p + 1;
+    kernels().of(w.format).pick(g.m).gate_up(w, g);
+  }
+
+  void act(int s, int i) {
+    auto& sc = *L.scratch_;
+    const auto [i0, i1] = L.slice(s);
+    const int len = i1 - i0;
+    quantize_activations(sc.qmid[s][i], sc.h[s].p.get() + static_cast<size_t>(offset[i]) * len, len, 0, count[i]);
+  }
+
+  void down(int s, int item) {
+    auto& sc = *L.scratch_;
+    const auto [i0, i1] = L.slice(s);
+    const int len = i1 - i0, H = L.shape_.hidden, P = (H + kPanel - 1) / kPanel;
+    const int i = item / P, p = item % P, e = active[i];
+    const PackedWeight& w = L.shards_[s].down[e];
+    GemmArgs g;
+    if (w.format == WeightFormat::bf16)
+      g.a = sc.h[s].p.get() + static_cast<size_t>(offset[i]) * len;
+    else
+      g.qa = &sc.qmid[s][i];
+    g.m = count[i];
+    g.lda = len;
+    g.c = sc.y[s].p.get() + static_cast<size_t>(offset[i]) * H;
+    g.ldc = H;
+    g.panel_begin = p;
+    g.panel_end = p + 1;
+    kernels().of(w.format).pick(g.m).gemm(w, g);
+  }
+
+  void merge(int s, int item) {
+    auto& sc = *L.scratch_;
+    const int S = L.pool_.subpools(), H = L.shape_.hidden, K = in_.top_k;
+    const int64_t total = static_cast<int64_t>(in_.tokens) * merge_blocks();
+    const int idx = static_cast<int>(total * s / S) + item;
+    const int t = idx / merge_blocks(), j0 = (idx % merge_blocks()) * kMergeCols, j1 = std::min(H, j0 + kMergeCols);
+    float* out = in_.out + static_cast<size_t>(t) * H;
+    if (!in_.accumulate) std::fill(out + j0, out + j1, 0.0f);
+    alignas(64) float sum[kMergeCols];
+    for (int k = 0; k < K; ++k) {
+      const int r = slot_row[static_cast<size_t>(t) * K + k];
+      if (r < 0) continue;
+      std::fill(sum, sum + (j1 - j0), 0.0f);
+      for (int q = 0; q < S; ++q) {
+        const auto [i0, i1] = L.slice(q);
+        if (i0 == i1) continue;
+        const float* y = sc.y[q].p.get() + static_cast<size_t>(r) * H;
+        for (int j = j0; j < j1; ++j) sum[j - j0] += y[j];
+      }
+      const float wgt = in_.weights[static_cast<size_t>(t) * K + k];
+      for (int j = j0; j < j1; ++j) out[j] += wgt * sum[j - j0];
+    }
+  }
+
+  MoeLayer& L;
+  MoeInput in_;
+  int64_t begin_ns = 0;
+};
+
+void MoeLayer::submit(const MoeInput& in) {
+  TANDEM_CHECK(loaded_, Errc::invalid_argument, "moe: layer ", layer_, " has no weights (call load first)");
+  TANDEM_CHECK(in.tokens >= 0, Errc::invalid_argument, "moe: tokens = ", in.tokens, " is negative");
+  if (in.tokens == 0) return;
+  TANDEM_CHECK((in.x != nullptr) != (in.x_f32 != nullptr), Errc::invalid_argument,
+               "moe: give exactly one input (bf16 x or fp32 x_f32)");
+  TANDEM_CHECK((in.ids != nullptr) != (in.ids_i64 != nullptr), Errc::invalid_argument,
+               "moe: give exactly one of topk_ids (int32) and topk_ids_i64");
+  TANDEM_CHECK(in.weights != nullptr, Errc::invalid_argument, "moe: topk_weights is null");
+  TANDEM_CHECK(in.out != nullptr, Errc::invalid_argument, "moe: output is null");
+  TANDEM_CHECK(in.top_k >= 1, Errc::invalid_argument, "moe: top_k = ", in.top_k, " must be at least 1");
+  const int E = shape_.experts, K = in.top_k, T = in.tokens;
+  auto task = std::make_shared<MoeTask>(*this, in);
+  std::vector<int> per_expert(E, 0);
+  task->slot_row.assign(static_cast<size_t>(T) * K, -1);
+  for (int t = 0; t < T; ++t)
+    for (int k = 0; k < K; ++k) {
+      const size_t i = static_cast<size_t>(t) * K + k;
+      const int64_t id = in.ids ? in.ids[i] : in.ids_i64[i];
+      TANDEM_CHECK(id >= -1 && id < E, Errc::invalid_argument, "moe: topk_ids[", t, ", ", k, "] = ", id,
+                   " is outside [-1, ", E, ")");
+      TANDEM_CHECK(std::isfinite(in.weights[i]), Errc::invalid_argument, "moe: topk_weights[", t, ", ", k, "] = ",
+                   in.weights[i], " is not finite");
+      if (id < 0 || (in.expert_mask && !in.expert_mask[id])) continue;
+      ++per_expert[id];
+    }
+  // Group rows per expert (experts ascending, tokens in order within each).
+  std::vector<int> first(E, -1);
+  for (int e = 0; e < E; ++e)
+    if (per_expert[e]) {
+      first[e] = task->total_rows;
+      task->active.push_back(e);
+      task->count.push_back(per_expert[e]);
+      task->offset.push_back(task->total_rows);
+      task->total_rows += per_expert[e];
+    }
+  task->rows_token.resize(task->total_rows);
+  std::vector<int> fill(E, 0);
+  for (int t = 0; t < T; ++t)
+    for (int k = 0; k < K; ++k) {
+      const size_t i = static_cast<size_t>(t) * K + k;
+      const int64_t id = in.ids ? in.ids[i] : in.ids_i64[i];
+      if (id < 0 || (in.expert_mask && !in.expert_mask[id])) continue;
+      const int row = first[id] + fill[id]++;
+      task->rows_token[row] = t;
+      task->slot_row[i] = row;
+    }
+  pool_.submit(std::move(task));
+}
+
+}  // namespace tandem

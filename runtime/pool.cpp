@@ -1,0 +1,248 @@
+#include "tandem/pool.h"
+
+#include <immintrin.h>
+#include <numa.h>
+#include <omp.h>
+#include <pthread.h>
+#include <sched.h>
+
+#include <chrono>
+
+#include "tandem/error.h"
+#include "tandem/topology.h"
+#include "tandem/trace.h"
+
+namespace tandem {
+
+PoolOptions pool_options(const Config::Cpu& cpu) {
+  const Topology& topo = topology();
+  TANDEM_CHECK(!topo.nodes.empty(), Errc::internal, "pool: the topology lists no NUMA node");
+  std::vector<const NumaNodeInfo*> nodes;
+  if (cpu.numa_nodes.empty()) {
+    for (const auto& n : topo.nodes)
+      if (!n.cores.empty()) nodes.push_back(&n);
+  } else {
+    for (int id : cpu.numa_nodes) {
+      const NumaNodeInfo* found = nullptr;
+      for (const auto& n : topo.nodes)
+        if (n.os_index == id) found = &n;
+      TANDEM_CHECK(found && !found->cores.empty(), Errc::invalid_argument, "cpu.numa_nodes: node ", id,
+                   found ? " has no cores this process may use" : " does not exist on this machine");
+      nodes.push_back(found);
+    }
+  }
+  TANDEM_CHECK(cpu.virtual_subpools >= 1, Errc::invalid_argument, "cpu.virtual_subpools = ", cpu.virtual_subpools,
+               " must be at least 1");
+  TANDEM_CHECK(cpu.threads >= 0, Errc::invalid_argument, "cpu.threads = ", cpu.threads, " must be >= 0");
+  PoolOptions o;
+  for (const NumaNodeInfo* n : nodes) {
+    const int cores = static_cast<int>(n->cores.size());
+    const int v = cpu.virtual_subpools;
+    for (int s = 0; s < v; ++s) {
+      SubpoolSpec sp;
+      sp.numa_node = n->os_index;
+      // Each virtual subpool takes its share of the node's cores; with more subpools than
+      // cores (tests on small machines) they share cores round-robin.
+      const int threads = cpu.threads > 0 ? cpu.threads : std::max(1, cores / v);
+      const int first = cores >= v ? s * (cores / v) : s % cores;
+      for (int t = 0; t < threads; ++t) sp.cpus.push_back(n->cores[(first + t) % cores].pus.front());
+      sp.threads = threads;
+      o.subpools.push_back(std::move(sp));
+    }
+  }
+  return o;
+}
+
+Pool::Pool(PoolOptions options) : options_(std::move(options)) {
+  TANDEM_CHECK(!options_.subpools.empty(), Errc::invalid_argument, "pool: no subpools");
+  for (size_t s = 0; s < options_.subpools.size(); ++s) {
+    auto& sp = options_.subpools[s];
+    if (!sp.cpus.empty()) sp.threads = static_cast<int>(sp.cpus.size());
+    TANDEM_CHECK(sp.threads >= 1, Errc::invalid_argument, "pool: subpool ", s, " has no threads");
+    subs_.emplace_back();
+    subs_.back().threads = sp.threads;
+  }
+  for (size_t s = 0; s < subs_.size(); ++s)
+    for (size_t o = 0; o < subs_.size(); ++o)
+      if (o != s && options_.subpools[o].numa_node == options_.subpools[s].numa_node)
+        subs_[s].steal_from.push_back(static_cast<int>(o));
+  int worker = 0;
+  for (size_t s = 0; s < subs_.size(); ++s) {
+    const auto& sp = options_.subpools[s];
+    for (int i = 0; i < sp.threads; ++i, ++worker)
+      workers_.emplace_back(&Pool::worker_main, this, static_cast<int>(s), worker, i, sp.cpus.empty() ? -1 : sp.cpus[i]);
+  }
+}
+
+Pool::~Pool() {
+  stop_.store(true);
+  wake_.fetch_add(1);
+  wake_.notify_all();
+  for (auto& t : workers_) t.join();
+}
+
+template <typename Pred>
+void Pool::wait_until(std::atomic<uint64_t>& word, Pred done) {
+  using Clock = std::chrono::steady_clock;
+  const auto until = Clock::now() + std::chrono::microseconds(options_.spin_us);
+  for (int i = 0; !done(); ++i) {
+    if ((i & 63) == 63 && Clock::now() > until) {
+      for (;;) {  // park
+        const uint64_t v = word.load(std::memory_order_acquire);
+        if (done()) return;
+        word.wait(v, std::memory_order_acquire);
+      }
+    }
+    _mm_pause();
+  }
+}
+
+void Pool::submit(std::shared_ptr<Task> task) {
+  TANDEM_CHECK(task != nullptr, Errc::invalid_argument, "pool: submit(nullptr)");
+  TANDEM_CHECK(!stop_.load(), Errc::invalid_argument, "pool: submit after shutdown began");
+  {
+    std::lock_guard<std::mutex> lock(queue_mu_);
+    queue_.push_back(std::move(task));
+  }
+  submitted_.fetch_add(1, std::memory_order_release);
+  wake_.fetch_add(1, std::memory_order_release);
+  wake_.notify_all();
+}
+
+bool Pool::wait_for(int allow_pending, int timeout_ms) {
+  TANDEM_CHECK(allow_pending >= 0, Errc::invalid_argument, "pool: sync(", allow_pending, "): must be >= 0");
+  std::unique_lock<std::mutex> lock(queue_mu_);
+  auto ok = [&] { return submitted_.load() - completed_.load() <= static_cast<uint64_t>(allow_pending); };
+  bool satisfied;
+  if (timeout_ms < 0) {
+    done_cv_.wait(lock, ok);
+    satisfied = true;
+  } else {
+    satisfied = done_cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), ok);
+  }
+  lock.unlock();
+  if (satisfied) {
+    std::exception_ptr e;
+    {
+      std::lock_guard<std::mutex> g(error_mu_);
+      std::swap(e, first_error_);
+    }
+    if (e) std::rethrow_exception(e);
+  }
+  return satisfied;
+}
+
+void Pool::sync(int allow_pending) { wait_for(allow_pending, -1); }
+
+void Pool::run(std::shared_ptr<Task> task) {
+  submit(std::move(task));
+  sync(0);
+}
+
+void Pool::fail(std::exception_ptr e) {
+  std::lock_guard<std::mutex> g(error_mu_);
+  if (!task_error_) task_error_ = e;
+  task_failed_.store(true, std::memory_order_relaxed);
+}
+
+void Pool::set_counts(Task& t, int phase) {
+  for (size_t s = 0; s < subs_.size(); ++s) {
+    int n = 0;
+    if (!task_failed_.load(std::memory_order_relaxed)) {
+      try {
+        n = t.items(phase, static_cast<int>(s));
+      } catch (...) {
+        fail(std::current_exception());
+      }
+    }
+    subs_[s].next.store(0, std::memory_order_relaxed);
+    subs_[s].count.store(std::max(n, 0), std::memory_order_relaxed);
+  }
+}
+
+void Pool::run_items(Task& t, int phase, int subpool, int worker) {
+  auto drain = [&](int s) {
+    Sub& sub = subs_[s];
+    const int n = sub.count.load(std::memory_order_relaxed);
+    for (int i; (i = sub.next.fetch_add(1, std::memory_order_relaxed)) < n;) {
+      if (task_failed_.load(std::memory_order_relaxed)) continue;  // skip the rest of a failed task
+      try {
+        t.run(phase, s, i, worker);
+      } catch (...) {
+        fail(std::current_exception());
+      }
+    }
+  };
+  drain(subpool);
+  for (int s : subs_[subpool].steal_from) drain(s);
+}
+
+// The phase barrier. The last thread to arrive sets up the next phase (or finishes the
+// task) and releases the others by bumping phase_gen_.
+void Pool::arrive(Task& t, int& phase) {
+  const uint64_t gen = phase_gen_.load(std::memory_order_acquire);
+  const int total = static_cast<int>(workers_.size());
+  if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == total) {
+    arrived_.store(0, std::memory_order_relaxed);
+    const int next = phase + 1;
+    if (next < t.phases()) {
+      set_counts(t, next);
+    } else {
+      try {
+        t.finished();
+      } catch (...) {
+        fail(std::current_exception());
+      }
+      {
+        std::lock_guard<std::mutex> lock(queue_mu_);
+        queue_.pop_front();
+        {
+          std::lock_guard<std::mutex> g(error_mu_);
+          if (task_error_ && !first_error_) first_error_ = task_error_;
+          task_error_ = nullptr;
+        }
+        task_failed_.store(false, std::memory_order_relaxed);
+        completed_.fetch_add(1, std::memory_order_release);
+      }
+      done_cv_.notify_all();
+    }
+    phase_gen_.fetch_add(1, std::memory_order_release);
+    phase_gen_.notify_all();
+  } else {
+    wait_until(phase_gen_, [&] { return phase_gen_.load(std::memory_order_acquire) != gen; });
+  }
+  ++phase;
+}
+
+void Pool::worker_main(int subpool, int worker, int index, int cpu) {
+  if (cpu >= 0) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    pthread_setaffinity_np(pthread_self(), sizeof(set), &set);  // best effort: a failure leaves it unpinned
+  }
+  if (numa_available() >= 0 && numa_num_configured_nodes() > 1) numa_set_preferred(options_.subpools[subpool].numa_node);
+  omp_set_num_threads(1);  // kernels and packers called from here must not start OpenMP teams
+  trace::name_thread(str_cat("subpool ", subpool, " worker ", index), subpool + 1,
+                     str_cat("tandem subpool ", subpool, " (NUMA node ", options_.subpools[subpool].numa_node, ")"));
+  uint64_t done = 0;
+  for (;;) {
+    wait_until(wake_, [&] { return submitted_.load(std::memory_order_acquire) > done || stop_.load(); });
+    if (submitted_.load(std::memory_order_acquire) == done) break;  // stopping, queue drained
+    std::shared_ptr<Task> task;
+    {
+      std::lock_guard<std::mutex> lock(queue_mu_);
+      task = queue_.front();
+    }
+    // Phase -1: everyone has picked the task up; the last one sets up phase 0.
+    int phase = -1;
+    arrive(*task, phase);
+    while (phase < task->phases()) {
+      run_items(*task, phase, subpool, worker);
+      arrive(*task, phase);
+    }
+    ++done;
+  }
+}
+
+}  // namespace tandem

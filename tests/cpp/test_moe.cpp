@@ -1,0 +1,322 @@
+// The CPU MoE engine against an fp64 reference MoE on the same (dequantized) weights.
+//
+// Reference: for each token, sum_k w_k * Wd_e (silu(Wg_e x) * (Wu_e x)) in fp64, with
+// the engine's weights as packed (unpack of every subpool's slices) and, for int8 /
+// int4, x quantized exactly as the kernels do (quantize_activations is deterministic).
+// What the reference does not mimic is the intermediate h: the engine rounds it to bf16
+// (and, for integer weights, quantizes each row of each subpool's slice to int8 with
+// step s = max|h| / 127). Per output element the error is therefore bounded by
+//   sum_k |w_k| sum_j |Wd_ij| (2^-8 |h_j| + s_j / 2) + 64 (hidden + inter) 2^-24 * magnitude,
+// and, the rounding errors being independent, its RMS over all outputs should follow the
+// uniform model (variance ulp_bf16(h)^2 / 12 + s^2 / 12 per term): the test asserts the
+// measured relative L2 error is below twice that prediction.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+#include "tandem/error.h"
+#include "tandem/moe.h"
+#include "test_util.h"
+
+namespace tandem {
+namespace {
+
+struct Case {
+  int experts, hidden, inter, top_k, tokens;
+  PackOptions fmt;
+  int subpools;
+  bool fp32_in = false, i64 = false, accumulate = false, mask = false, one_expert = false;
+};
+
+std::unique_ptr<Pool> make_pool(int subpools) {
+  Config::Cpu cpu;
+  cpu.virtual_subpools = subpools;
+  cpu.threads = 1;
+  return std::make_unique<Pool>(pool_options(cpu));
+}
+
+struct Weights {
+  std::vector<std::vector<float>> g, u, d;  // per expert, fp32 nn.Linear layout
+};
+
+Weights random_weights(const Case& c, std::mt19937_64& rng) {
+  std::normal_distribution<float> nd(0.f, 1.f);
+  Weights w;
+  const float sg = 1.0f / std::sqrt(float(c.hidden)), sd = 1.0f / std::sqrt(float(c.inter));
+  for (int e = 0; e < c.experts; ++e) {
+    std::vector<float> g(size_t(c.inter) * c.hidden), u(g.size()), d(size_t(c.hidden) * c.inter);
+    for (auto& x : g) x = nd(rng) * sg * 2;
+    for (auto& x : u) x = nd(rng) * sg * 2;
+    for (auto& x : d) x = nd(rng) * sd;
+    w.g.push_back(std::move(g));
+    w.u.push_back(std::move(u));
+    w.d.push_back(std::move(d));
+  }
+  return w;
+}
+
+void check_case(const Case& c, uint64_t seed) {
+  SCOPED_TRACE(testing::Message() << "experts " << c.experts << " hidden " << c.hidden << " inter " << c.inter << " top_k "
+                                  << c.top_k << " tokens " << c.tokens << " format " << format_name(c.fmt.format)
+                                  << " subpools " << c.subpools << " seed " << seed);
+  std::mt19937_64 rng(seed);
+  auto pool = make_pool(c.subpools);
+  MoeLayer layer(*pool, {c.experts, c.hidden, c.inter}, c.fmt, 7);
+  Weights w = random_weights(c, rng);
+  int progress_calls = 0, last_done = -1;
+  layer.load(
+      [&](int e) {
+        return ExpertSource{{w.g[e].data(), SourceType::f32, c.inter, c.hidden},
+                            {w.u[e].data(), SourceType::f32, c.inter, c.hidden},
+                            {w.d[e].data(), SourceType::f32, c.hidden, c.inter}};
+      },
+      [&](int done, int total) {
+        ++progress_calls;
+        last_done = done;
+        EXPECT_EQ(total, c.experts * c.subpools);
+      });
+  EXPECT_GE(progress_calls, 1);
+  EXPECT_EQ(last_done, c.experts * c.subpools);
+
+  // Inputs.
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::uniform_int_distribution<int> pick(0, c.experts - 1);
+  std::vector<float> xf(size_t(c.tokens) * c.hidden);
+  for (auto& v : xf) v = nd(rng);
+  std::vector<bf16_t> xb(xf.size());
+  fp32_to_bf16(xf.data(), xb.data(), xf.size());
+  if (!c.fp32_in)
+    for (size_t i = 0; i < xf.size(); ++i) xf[i] = bf16_to_fp32(xb[i]);
+  std::vector<int32_t> ids(size_t(c.tokens) * c.top_k);
+  std::vector<int64_t> ids64(ids.size());
+  std::vector<float> wts(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    ids[i] = c.one_expert ? 0 : (i % 11 == 10 ? -1 : pick(rng));
+    ids64[i] = ids[i];
+    wts[i] = std::abs(nd(rng)) / c.top_k;
+  }
+  std::vector<uint8_t> mask(c.experts, 1);
+  if (c.mask)
+    for (int e = 0; e < c.experts; e += 2) mask[e] = 0;
+  std::vector<float> out(size_t(c.tokens) * c.hidden), out0(out.size());
+  for (auto& v : out0) v = c.accumulate ? nd(rng) : 12345.f;  // =: must be overwritten
+  out = out0;
+
+  MoeInput in;
+  if (c.fp32_in) in.x_f32 = xf.data();
+  else in.x = xb.data();
+  in.tokens = c.tokens;
+  if (c.i64) in.ids_i64 = ids64.data();
+  else in.ids = ids.data();
+  in.top_k = c.top_k;
+  in.weights = wts.data();
+  in.expert_mask = c.mask ? mask.data() : nullptr;
+  in.out = out.data();
+  in.accumulate = c.accumulate;
+  layer.forward(in);
+
+  // Dequantized weights as the engine holds them, assembled from the slices.
+  const bool quant = c.fmt.format != WeightFormat::bf16;
+  std::vector<std::vector<float>> G(c.experts), U(c.experts), D(c.experts);
+  std::vector<int> slice_of(c.inter);
+  for (int e = 0; e < c.experts; ++e) {
+    G[e].assign(size_t(c.inter) * c.hidden, 0);
+    U[e] = G[e];
+    D[e].assign(size_t(c.hidden) * c.inter, 0);
+    for (int s = 0; s < c.subpools; ++s) {
+      const auto [i0, i1] = layer.slice(s);
+      if (i0 == i1) continue;
+      const int len = i1 - i0;
+      const auto gu = unpack(layer.gate_up_pack(s, e)), dn = unpack(layer.down_pack(s, e));
+      for (int r = 0; r < len; ++r)
+        for (int k = 0; k < c.hidden; ++k) {
+          G[e][size_t(i0 + r) * c.hidden + k] = gu[size_t(r) * c.hidden + k];
+          U[e][size_t(i0 + r) * c.hidden + k] = gu[size_t(len + r) * c.hidden + k];
+        }
+      for (int r = 0; r < c.hidden; ++r)
+        for (int j = 0; j < len; ++j) D[e][size_t(r) * c.inter + i0 + j] = dn[size_t(r) * len + j];
+      for (int j = i0; j < i1; ++j) slice_of[j] = s;
+    }
+  }
+  // x as the kernels see it.
+  std::vector<double> xq(xf.size());
+  if (quant) {
+    const PackedWeight& l0 = layer.gate_up_pack(0, 0).panels ? layer.gate_up_pack(0, 0) : layer.gate_up_pack(c.subpools - 1, 0);
+    std::vector<int8_t> q(size_t(c.tokens) * l0.k_pad);
+    std::vector<float> sc(c.tokens);
+    std::vector<int32_t> sums(size_t(c.tokens) * (l0.k_pad / l0.group));
+    quantize_activations(xf.data(), c.tokens, c.hidden, c.hidden, l0.k_pad, l0.group, q.data(), sc.data(), sums.data());
+    for (int t = 0; t < c.tokens; ++t)
+      for (int k = 0; k < c.hidden; ++k) xq[size_t(t) * c.hidden + k] = double(sc[t]) * q[size_t(t) * l0.k_pad + k];
+  } else {  // the BF16 kernels round fp32 input to bf16
+    for (size_t i = 0; i < xf.size(); ++i) xq[i] = bf16_to_fp32(fp32_to_bf16(xf[i]));
+  }
+
+  double err2 = 0, ref2 = 0, pred2 = 0;
+  std::vector<double> h(c.inter), step(c.inter);
+  for (int t = 0; t < c.tokens; ++t) {
+    std::vector<double> ref(c.hidden, 0), bound(c.hidden, 0), var(c.hidden, 0), mag(c.hidden, 0);
+    for (int k = 0; k < c.top_k; ++k) {
+      const int e = ids[size_t(t) * c.top_k + k];
+      if (e < 0 || !mask[e]) continue;
+      const double wk = wts[size_t(t) * c.top_k + k];
+      for (int j = 0; j < c.inter; ++j) {
+        double g = 0, u = 0;
+        for (int q = 0; q < c.hidden; ++q) {
+          g += G[e][size_t(j) * c.hidden + q] * xq[size_t(t) * c.hidden + q];
+          u += U[e][size_t(j) * c.hidden + q] * xq[size_t(t) * c.hidden + q];
+        }
+        h[j] = g / (1 + std::exp(-g)) * u;
+      }
+      // The int8 step of h per subpool slice.
+      std::vector<double> hmax(c.subpools, 0);
+      for (int j = 0; j < c.inter; ++j) hmax[slice_of[j]] = std::max(hmax[slice_of[j]], std::abs(h[j]) * (1 + 1.0 / 128));
+      for (int j = 0; j < c.inter; ++j) step[j] = quant ? hmax[slice_of[j]] / 127 : 0;
+      for (int r = 0; r < c.hidden; ++r) {
+        double s = 0, b = 0, v = 0, m = 0;
+        for (int j = 0; j < c.inter; ++j) {
+          const double dw = D[e][size_t(r) * c.inter + j];
+          s += dw * h[j];
+          b += std::abs(dw) * (std::ldexp(std::abs(h[j]), -8) + step[j] / 2);
+          const double ulp = h[j] == 0 ? 0 : std::ldexp(1.0, std::ilogb(h[j]) - 7);  // of bf16 at h
+          v += dw * dw * (ulp * ulp + step[j] * step[j]) / 12;
+          m += std::abs(dw * h[j]);
+        }
+        ref[r] += wk * s;
+        bound[r] += wk * b;
+        var[r] += wk * wk * v;
+        mag[r] += wk * m;
+      }
+    }
+    for (int r = 0; r < c.hidden; ++r) {
+      const size_t i = size_t(t) * c.hidden + r;
+      const double want = (c.accumulate ? out0[i] : 0.0) + ref[r];
+      const double tol = bound[r] + 64.0 * (c.hidden + c.inter) * std::ldexp(mag[r] + std::abs(want), -24) + 1e-30;
+      ASSERT_LE(std::abs(out[i] - want), tol) << "token " << t << " output " << r;
+      err2 += (out[i] - want) * (out[i] - want);
+      ref2 += ref[r] * ref[r];
+      pred2 += var[r];
+    }
+  }
+  if (ref2 > 0) {
+    const double rel = std::sqrt(err2 / ref2), pred = std::sqrt(pred2 / ref2);
+    EXPECT_LE(rel, 2 * pred + 1e-6) << "relative L2 " << rel << ", rounding model " << pred;
+  }
+}
+
+class MoeEngine : public ::testing::TestWithParam<int> {};  // param: subpools
+
+TEST_P(MoeEngine, MatchesTheFp64ReferenceOverRandomConfigs) {
+  const int subpools = GetParam();
+  const uint64_t seed = test::test_seed();
+  std::mt19937_64 rng(seed + subpools);
+  const PackOptions formats[] = {{WeightFormat::bf16}, {WeightFormat::int8}, {WeightFormat::int4, 32, false}};
+  for (int i = 0; i < 9; ++i) {
+    Case c{};
+    c.fmt = formats[i % 3];
+    const int expert_choices[] = {1, 3, 16, 128};
+    c.experts = expert_choices[std::uniform_int_distribution<int>(0, 3)(rng)];
+    c.hidden = 64 * std::uniform_int_distribution<int>(1, 3)(rng);
+    c.inter = 32 * std::uniform_int_distribution<int>(1, 6)(rng) + (c.fmt.format == WeightFormat::int4 ? 0 : 32);
+    c.top_k = std::uniform_int_distribution<int>(1, std::min(8, c.experts + 1))(rng);
+    const int token_choices[] = {1, 2, 5, 37, 600};
+    c.tokens = token_choices[std::uniform_int_distribution<int>(0, 4)(rng)];
+    if (c.tokens == 600) c.hidden = 64, c.inter = 64;  // keep the fp64 reference cheap
+    c.subpools = subpools;
+    c.fp32_in = i % 2;
+    c.i64 = i % 4 == 1;
+    c.accumulate = i % 3 == 1;
+    c.mask = i % 5 == 2;
+    check_case(c, seed + i);
+  }
+}
+
+TEST_P(MoeEngine, AllTokensOnOneExpertAndTheRestIdle) {
+  Case c{128, 128, 96, 2, 300, {WeightFormat::int8}, GetParam()};
+  c.one_expert = true;
+  check_case(c, test::test_seed());
+}
+
+INSTANTIATE_TEST_SUITE_P(Subpools, MoeEngine, ::testing::Values(1, 2, 3));
+
+TEST(MoeEngineApi, BadInputIsRefusedAndOutputUntouched) {
+  auto pool = make_pool(2);
+  MoeLayer layer(*pool, {4, 64, 64}, {WeightFormat::bf16});
+  std::vector<float> g(64 * 64, 0.01f);
+  MoeInput in;
+  std::vector<bf16_t> x(2 * 64, fp32_to_bf16(1.0f));
+  std::vector<int32_t> ids = {0, 1, 2, 4};
+  std::vector<float> wts = {0.5f, 0.5f, 0.5f, 0.5f}, out(2 * 64, 7.0f);
+  in.x = x.data();
+  in.tokens = 2;
+  in.ids = ids.data();
+  in.top_k = 2;
+  in.weights = wts.data();
+  in.out = out.data();
+  EXPECT_EQ(test::error_of([&] { layer.forward(in); }), "moe: layer 0 has no weights (call load first)");
+  layer.load([&](int) {
+    WeightView v{g.data(), SourceType::f32, 64, 64};
+    return ExpertSource{v, v, v};
+  });
+  EXPECT_EQ(test::error_of([&] { layer.forward(in); }), "moe: topk_ids[1, 1] = 4 is outside [-1, 4)");
+  ids[3] = -2;
+  EXPECT_EQ(test::error_of([&] { layer.forward(in); }), "moe: topk_ids[1, 1] = -2 is outside [-1, 4)");
+  ids[3] = 3;
+  wts[2] = NAN;
+  EXPECT_EQ(test::error_of([&] { layer.forward(in); }), "moe: topk_weights[1, 0] = nan is not finite");
+  wts[2] = 0.5f;
+  in.out = nullptr;
+  EXPECT_EQ(test::error_of([&] { layer.forward(in); }), "moe: output is null");
+  in.out = out.data();
+  in.x_f32 = reinterpret_cast<const float*>(x.data());
+  EXPECT_EQ(test::error_of([&] { layer.forward(in); }), "moe: give exactly one input (bf16 x or fp32 x_f32)");
+  for (float v : out) ASSERT_EQ(v, 7.0f);
+  in.x_f32 = nullptr;
+  layer.forward(in);  // and valid input still works
+  EXPECT_NE(out[0], 7.0f);
+  EXPECT_EQ(test::error_of([&] {
+              layer.load([&](int) {
+                WeightView v{g.data(), SourceType::f32, 64, 64}, bad{g.data(), SourceType::f32, 32, 64};
+                return ExpertSource{v, bad, v};
+              });
+            }),
+            "moe: expert 0 up is [32 x 64], the layer needs [64 x 64]");
+  EXPECT_EQ(test::error_of([&] { MoeLayer l(*pool, {4, 64, 48}, {WeightFormat::int4, 32}); }),
+            "moe: int4 group 32 must divide hidden (64) and intermediate (48)");
+}
+
+TEST(MoeEngineApi, LayersQueueInOrder) {
+  // Layer 2 accumulates into layer 1's output: correct only if they run in FIFO order.
+  auto pool = make_pool(2);
+  std::vector<float> g(64 * 64, 0.02f);
+  auto make = [&](int idx) {
+    auto l = std::make_unique<MoeLayer>(*pool, MoeShape{2, 64, 64}, PackOptions{WeightFormat::bf16}, idx);
+    l->load([&](int) {
+      WeightView v{g.data(), SourceType::f32, 64, 64};
+      return ExpertSource{v, v, v};
+    });
+    return l;
+  };
+  auto l1 = make(1), l2 = make(2);
+  std::vector<bf16_t> x(64, fp32_to_bf16(1.0f));
+  std::vector<int32_t> ids = {1};
+  std::vector<float> w = {1.0f}, out(64, -1.0f), once(64);
+  MoeInput in;
+  in.x = x.data();
+  in.tokens = 1;
+  in.ids = ids.data();
+  in.top_k = 1;
+  in.weights = w.data();
+  in.out = once.data();
+  l1->forward(in);
+  in.out = out.data();
+  l1->submit(in);
+  in.accumulate = true;
+  l2->submit(in);
+  pool->sync();
+  for (int j = 0; j < 64; ++j) EXPECT_FLOAT_EQ(out[j], 2 * once[j]);
+}
+
+}  // namespace
+}  // namespace tandem

@@ -1,0 +1,146 @@
+// Worker pools: phased tasks, FIFO order, dynamic items, errors, idle CPU, shutdown.
+#include <gtest/gtest.h>
+#include <sys/resource.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include "tandem/error.h"
+#include "tandem/pool.h"
+#include "test_util.h"
+
+namespace tandem {
+namespace {
+
+PoolOptions small_pool(int subpools, int threads) {
+  Config::Cpu cpu;
+  cpu.virtual_subpools = subpools;
+  cpu.threads = threads;
+  return pool_options(cpu);
+}
+
+// Phase p of subpool s has (p + 1) * (s + 2) items; every item bumps its counter once.
+struct CountingTask : Task {
+  explicit CountingTask(int subpools, int phases = 3) : P(phases), S(subpools), hits(P * S * 64) {}
+  int phases() const override { return P; }
+  int items(int p, int s) override {
+    // Phases run in order: everything of phase p - 1 is done before phase p is set up.
+    if (p > 0)
+      for (int q = 0; q < S; ++q)
+        for (int i = 0; i < p * (q + 2); ++i) EXPECT_EQ(hits[((p - 1) * S + q) * 64 + i].load(), 1);
+    return (p + 1) * (s + 2);
+  }
+  void run(int p, int s, int i, int) override { hits[(p * S + s) * 64 + i].fetch_add(1); }
+  void finished() override { finished_calls++; }
+  int P, S;
+  std::vector<std::atomic<int>> hits;
+  std::atomic<int> finished_calls{0};
+};
+
+TEST(Pool, RunsEveryItemOfEveryPhaseOnce) {
+  for (int subpools : {1, 2, 3}) {
+    Pool pool(small_pool(subpools, 1));
+    ASSERT_EQ(pool.subpools(), subpools);
+    auto t = std::make_shared<CountingTask>(subpools);
+    pool.run(t);
+    for (int p = 0; p < 3; ++p)
+      for (int s = 0; s < subpools; ++s)
+        for (int i = 0; i < 64; ++i)
+          ASSERT_EQ(t->hits[(p * subpools + s) * 64 + i].load(), i < (p + 1) * (s + 2) ? 1 : 0) << p << " " << s << " " << i;
+    EXPECT_EQ(t->finished_calls.load(), 1);
+  }
+}
+
+struct OrderTask : Task {
+  OrderTask(std::vector<int>& log, std::mutex& mu, int id) : log(log), mu(mu), id(id) {}
+  int phases() const override { return 1; }
+  int items(int, int) override { return 1; }
+  void run(int, int, int, int) override {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    std::lock_guard<std::mutex> g(mu);
+    log.push_back(id);
+  }
+  std::vector<int>& log;
+  std::mutex& mu;
+  int id;
+};
+
+TEST(Pool, SubmitReturnsAtOnceAndTasksRunInOrder) {
+  Pool pool(small_pool(2, 1));
+  std::vector<int> log;
+  std::mutex mu;
+  for (int i = 0; i < 10; ++i) pool.submit(std::make_shared<OrderTask>(log, mu, i));
+  pool.sync(3);  // at most 3 still pending
+  EXPECT_LE(pool.pending(), 3u);
+  pool.sync();
+  EXPECT_EQ(pool.pending(), 0u);
+  std::vector<int> want;
+  for (int i = 0; i < 10; ++i) want.push_back(i), want.push_back(i);  // one item per subpool
+  EXPECT_EQ(log, want);
+}
+
+struct ThrowingTask : Task {
+  int phases() const override { return 2; }
+  int items(int, int) override { return 8; }
+  void run(int p, int, int i, int) override {
+    if (p == 0 && i == 5) TANDEM_FAIL(Errc::invalid_argument, "item 5 is broken");
+    ran_phase1 += p == 1;
+  }
+  std::atomic<int> ran_phase1{0};
+};
+
+TEST(Pool, WorkerExceptionsReachSyncAndThePoolStaysUsable) {
+  Pool pool(small_pool(2, 1));
+  auto bad = std::make_shared<ThrowingTask>();
+  pool.submit(bad);
+  EXPECT_EQ(test::error_of([&] { pool.sync(); }), "item 5 is broken");
+  EXPECT_EQ(bad->ran_phase1.load(), 0) << "a failed task's later phases are skipped";
+  auto good = std::make_shared<CountingTask>(2);
+  pool.run(good);  // no stale error
+  EXPECT_EQ(good->finished_calls.load(), 1);
+}
+
+TEST(Pool, ShutdownWithTasksPendingRunsThemAndJoins) {
+  std::vector<int> log;
+  std::mutex mu;
+  {
+    Pool pool(small_pool(2, 1));
+    for (int i = 0; i < 5; ++i) pool.submit(std::make_shared<OrderTask>(log, mu, i));
+  }  // destructor: drains the queue, joins
+  EXPECT_EQ(log.size(), 10u);
+}
+
+double process_cpu_seconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_utime.tv_sec + u.ru_utime.tv_usec / 1e6 + u.ru_stime.tv_sec + u.ru_stime.tv_usec / 1e6;
+}
+
+// A resource check, not a speed test: parked workers must not burn CPU.
+TEST(Pool, IdlePoolUsesAlmostNoCpu) {
+  Pool pool(small_pool(2, 2));
+  pool.run(std::make_shared<CountingTask>(2));  // wake everyone once
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  const double before = process_cpu_seconds();
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  const double used = process_cpu_seconds() - before;
+  std::printf("[ idle     ] %d workers, 1 s idle: %.4f s CPU\n", pool.total_threads(), used);
+  EXPECT_LT(used, 0.02) << "idle workers are spinning";
+}
+
+TEST(Pool, OptionsComeFromTheConfigAndBadOnesAreNamed) {
+  Config::Cpu cpu;
+  cpu.virtual_subpools = 0;
+  EXPECT_EQ(test::error_of([&] { pool_options(cpu); }), "cpu.virtual_subpools = 0 must be at least 1");
+  cpu.virtual_subpools = 1;
+  cpu.numa_nodes = {99};
+  EXPECT_EQ(test::error_of([&] { pool_options(cpu); }), "cpu.numa_nodes: node 99 does not exist on this machine");
+  cpu.numa_nodes = {};
+  const PoolOptions o = pool_options(cpu);
+  EXPECT_GE(o.subpools.size(), 1u);
+  for (const auto& s : o.subpools) EXPECT_EQ(s.cpus.size(), static_cast<size_t>(s.threads));
+}
+
+}  // namespace
+}  // namespace tandem
