@@ -17,6 +17,7 @@
 
 #include "tandem/error.h"
 #include "tandem/moe.h"
+#include "tandem/safetensors.h"
 #include "test_util.h"
 
 namespace tandem {
@@ -284,6 +285,84 @@ TEST(MoeEngineApi, BadInputIsRefusedAndOutputUntouched) {
             "moe: expert 0 up is [32 x 64], the layer needs [64 x 64]");
   EXPECT_EQ(test::error_of([&] { MoeLayer l(*pool, {4, 64, 48}, {WeightFormat::int4, 32}); }),
             "moe: int4 group 32 must divide hidden (64) and intermediate (48)");
+}
+
+std::string bytes_of(const void* p, size_t n) { return std::string(static_cast<const char*>(p), n); }
+
+// A checkpoint loads to exactly the packs its raw weights give, under each naming and
+// source dtype (BF16 per-expert keys as Qwen3 / Mixtral save them, FP8 E4M3 with block
+// scales as DeepSeek-V3 ships them); a missing expert is named.
+TEST(MoeEngineApi, LoadsCheckpointsByKeyPattern) {
+  test::ScratchDir dir;
+  auto pool = make_pool(2);
+  const int E = 3, H = 128, I = 192, L = 4;
+  std::mt19937_64 rng(test::test_seed());
+  std::normal_distribution<float> nd(0.f, 0.1f);
+  auto rand_bf16 = [&](size_t n) {
+    std::vector<bf16_t> v(n);
+    for (auto& x : v) x = fp32_to_bf16(nd(rng));
+    return v;
+  };
+  std::vector<std::vector<bf16_t>> g, u, d;
+  std::vector<std::vector<uint8_t>> g8;
+  std::vector<test::Entry> qwen, mixtral, deepseek;
+  const std::vector<float> scale_gu = {0.5f, 2.0f};  // [2 x 1] blocks of 128 x 128
+  for (int e = 0; e < E; ++e) {
+    g.push_back(rand_bf16(size_t(I) * H));
+    u.push_back(rand_bf16(size_t(I) * H));
+    d.push_back(rand_bf16(size_t(H) * I));
+    g8.emplace_back(size_t(I) * H);
+    for (auto& b : g8.back()) b = static_cast<uint8_t>(std::uniform_int_distribution<int>(0, 0x7e)(rng) | (rng() & 0x80));
+    const std::string p = "model.layers." + std::to_string(L) + ".mlp.experts." + std::to_string(e) + ".";
+    const std::string m = "model.layers." + std::to_string(L) + ".block_sparse_moe.experts." + std::to_string(e) + ".";
+    qwen.push_back({p + "gate_proj.weight", "BF16", {I, H}, bytes_of(g[e].data(), g[e].size() * 2)});
+    qwen.push_back({p + "up_proj.weight", "BF16", {I, H}, bytes_of(u[e].data(), u[e].size() * 2)});
+    qwen.push_back({p + "down_proj.weight", "BF16", {H, I}, bytes_of(d[e].data(), d[e].size() * 2)});
+    mixtral.push_back({m + "w1.weight", "BF16", {I, H}, bytes_of(g[e].data(), g[e].size() * 2)});
+    mixtral.push_back({m + "w3.weight", "BF16", {I, H}, bytes_of(u[e].data(), u[e].size() * 2)});
+    mixtral.push_back({m + "w2.weight", "BF16", {H, I}, bytes_of(d[e].data(), d[e].size() * 2)});
+    deepseek.push_back({p + "gate_proj.weight", "F8_E4M3", {I, H}, bytes_of(g8[e].data(), g8[e].size())});
+    deepseek.push_back({p + "gate_proj.weight_scale_inv", "F32", {2, 1}, bytes_of(scale_gu.data(), 8)});
+    deepseek.push_back({p + "up_proj.weight", "BF16", {I, H}, bytes_of(u[e].data(), u[e].size() * 2)});
+    deepseek.push_back({p + "down_proj.weight", "BF16", {H, I}, bytes_of(d[e].data(), d[e].size() * 2)});
+  }
+  for (const PackOptions fmt : {PackOptions{WeightFormat::bf16}, PackOptions{WeightFormat::int4, 64, true}}) {
+    MoeLayer want(*pool, {E, H, I}, fmt, L);
+    want.load([&](int e) {
+      return ExpertSource{{g[e].data(), SourceType::bf16, I, H}, {u[e].data(), SourceType::bf16, I, H},
+                          {d[e].data(), SourceType::bf16, H, I}};
+    });
+    for (auto* entries : {&qwen, &mixtral}) {
+      test::write_file(dir / "model.safetensors", test::good_file(*entries));
+      const Checkpoint ckpt = Checkpoint::open(dir / "model.safetensors");
+      MoeLayer got(*pool, {E, H, I}, fmt, L);
+      got.load(ckpt, L, ExpertNaming::detect(ckpt, L));
+      for (int s = 0; s < 2; ++s)
+        for (int e = 0; e < E; ++e) {
+          ASSERT_EQ(unpack(got.gate_up_pack(s, e)), unpack(want.gate_up_pack(s, e)));
+          ASSERT_EQ(unpack(got.down_pack(s, e)), unpack(want.down_pack(s, e)));
+        }
+    }
+  }
+  // FP8 gate with 128 x 128 block scales; the subpool slices ([0, 64), [64, 192)) cut a block.
+  test::write_file(dir / "model.safetensors", test::good_file(deepseek));
+  const Checkpoint ckpt = Checkpoint::open(dir / "model.safetensors");
+  MoeLayer got(*pool, {E, H, I}, {WeightFormat::bf16}, L);
+  got.load(ckpt, L, ExpertNaming::detect(ckpt, L));
+  for (int e = 0; e < E; ++e) {
+    std::vector<float> gate(size_t(I) * H);
+    for (int r = 0; r < I; ++r)
+      for (int c = 0; c < H; ++c)
+        gate[size_t(r) * H + c] = bf16_to_fp32(fp32_to_bf16(fp8_e4m3_to_fp32(g8[e][size_t(r) * H + c]) * scale_gu[r / 128]));
+    for (int s = 0; s < 2; ++s) {
+      const auto [i0, i1] = got.slice(s);
+      const auto gu = unpack(got.gate_up_pack(s, e));
+      for (int r = i0; r < i1; ++r)
+        for (int c = 0; c < H; ++c) ASSERT_EQ(gu[size_t(r - i0) * H + c], gate[size_t(r) * H + c]) << e << " " << r << " " << c;
+    }
+  }
+  EXPECT_EQ(test::error_of([&] { got.load(ckpt, L + 1, ExpertNaming::qwen3()); }),
+            "checkpoint " + dir.path().string() + " has no tensor model.layers.5.mlp.experts.0.gate_proj.weight");
 }
 
 TEST(MoeEngineApi, LayersQueueInOrder) {

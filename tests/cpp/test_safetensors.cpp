@@ -17,36 +17,10 @@ using test::error_of;
 using test::ScratchDir;
 using test::write_file;
 
-std::string le64(uint64_t n) {
-  std::string s(8, '\0');
-  for (int i = 0; i < 8; ++i) s[i] = static_cast<char>((n >> (8 * i)) & 0xff);
-  return s;
-}
-
-// A file from a raw header text and data bytes, optionally lying about the length.
-std::string raw_file(const std::string& header, const std::string& data, int64_t length = -1) {
-  return le64(length < 0 ? header.size() : static_cast<uint64_t>(length)) + header + data;
-}
-
-struct Entry {
-  std::string name, dtype;
-  std::vector<int64_t> shape;
-  std::string bytes;
-};
-
-// A well-formed file, laid out as the reference writer does (header padded to 8).
-std::string good_file(const std::vector<Entry>& entries, const std::map<std::string, std::string>& meta = {}) {
-  nlohmann::ordered_json h;
-  if (!meta.empty()) h["__metadata__"] = meta;
-  std::string data;
-  for (const auto& e : entries) {
-    h[e.name] = {{"dtype", e.dtype}, {"shape", e.shape}, {"data_offsets", {data.size(), data.size() + e.bytes.size()}}};
-    data += e.bytes;
-  }
-  std::string text = h.dump();
-  while (text.size() % 8) text += ' ';
-  return raw_file(text, data);
-}
+using test::Entry;
+using test::good_file;
+using test::le64;
+using test::raw_file;
 
 std::string pattern(size_t n, uint8_t seed) {
   std::string s(n, '\0');

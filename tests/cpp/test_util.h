@@ -10,6 +10,10 @@
 #include <random>
 #include <string>
 
+#include <map>
+#include <nlohmann/json.hpp>
+#include <vector>
+
 #include "tandem/error.h"
 
 namespace tandem::test {
@@ -59,6 +63,38 @@ std::string error_of(F&& f, Errc* code = nullptr) {
   }
   ADD_FAILURE() << "expected a tandem::Error";
   return {};
+}
+
+// safetensors files built in memory.
+inline std::string le64(uint64_t n) {
+  std::string s(8, '\0');
+  for (int i = 0; i < 8; ++i) s[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+  return s;
+}
+
+// A file from a raw header text and data bytes, optionally lying about the length.
+inline std::string raw_file(const std::string& header, const std::string& data, int64_t length = -1) {
+  return le64(length < 0 ? header.size() : static_cast<uint64_t>(length)) + header + data;
+}
+
+struct Entry {
+  std::string name, dtype;
+  std::vector<int64_t> shape;
+  std::string bytes;
+};
+
+// A well-formed file, laid out as the reference writer does (header padded to 8).
+inline std::string good_file(const std::vector<Entry>& entries, const std::map<std::string, std::string>& meta = {}) {
+  nlohmann::ordered_json h;
+  if (!meta.empty()) h["__metadata__"] = meta;
+  std::string data;
+  for (const auto& e : entries) {
+    h[e.name] = {{"dtype", e.dtype}, {"shape", e.shape}, {"data_offsets", {data.size(), data.size() + e.bytes.size()}}};
+    data += e.bytes;
+  }
+  std::string text = h.dump();
+  while (text.size() % 8) text += ' ';
+  return raw_file(text, data);
 }
 
 }  // namespace tandem::test
