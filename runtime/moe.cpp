@@ -209,7 +209,8 @@ class MoeTask : public Task {
   static constexpr const char* kNames[kPhases] = {"gather", "gate_up", "act", "down", "merge"};
   static constexpr int kMergeCols = 512;
 
-  MoeTask(MoeLayer& l, const MoeInput& in) : L(l), in_(in) {}
+  MoeTask(MoeLayer& l, const MoeInput& in)
+      : L(l), in_(in), gu_chunk(l.pool_.subpools(), 1), dn_chunk(l.pool_.subpools(), 1) {}
   int phases() const override { return kPhases; }
 
   int items(int phase, int s) override {
@@ -225,9 +226,9 @@ class MoeTask : public Task {
           prepare();
         }
         return n / S + (s < n % S ? 1 : 0);  // active expert i goes to subpool i % S
-      case kGateUp: return len ? n * ((len + kPanel - 1) / kPanel) : 0;
+      case kGateUp: return len && n ? n * chunks(s, (len + kPanel - 1) / kPanel, gu_chunk, 2 * L.shards_[s].gate_up[active[0]].panel_stride) : 0;
       case kAct: return quant && len ? n : 0;
-      case kDown: return len ? n * ((L.shape_.hidden + kPanel - 1) / kPanel) : 0;
+      case kDown: return len && n ? n * chunks(s, (L.shape_.hidden + kPanel - 1) / kPanel, dn_chunk, L.shards_[s].down[active[0]].panel_stride) : 0;
       case kMerge: {
         const int total = in_.tokens * merge_blocks();
         return static_cast<int>(static_cast<int64_t>(total) * (s + 1) / S - static_cast<int64_t>(total) * s / S);
@@ -314,11 +315,25 @@ class MoeTask : public Task {
     }
   }
 
+  // Work items are runs of `chunk` panels of one expert: about kItemBytes of weights
+  // each (one panel of a small expert is too little to amortize an item's fixed cost and
+  // the prefetcher's ramp), but at least 4 items per thread in the phase.
+  static constexpr size_t kItemBytes = 512 << 10;
+  int chunks(int s, int panels, std::vector<int>& chunk, size_t panel_bytes) {
+    panel_bytes = std::max<size_t>(1, panel_bytes);
+    const int threads = L.pool_.threads(s), n = static_cast<int>(active.size());
+    int c = static_cast<int>(std::max<size_t>(1, kItemBytes / panel_bytes));
+    c = std::min(c, std::max(1, n * panels / (4 * threads)));
+    c = std::min(c, panels);
+    chunk[s] = c;
+    return (panels + c - 1) / c;
+  }
+
   void gate_up(int s, int item) {
     auto& sc = *L.scratch_;
     const auto [i0, i1] = L.slice(s);
-    const int len = i1 - i0, P = (len + kPanel - 1) / kPanel;
-    const int i = item / P, p = item % P, e = active[i];
+    const int len = i1 - i0, P = (len + kPanel - 1) / kPanel, c = gu_chunk[s], per = (P + c - 1) / c;
+    const int i = item / per, p = (item % per) * c, e = active[i];
     const PackedWeight& w = L.shards_[s].gate_up[e];
     GateUpArgs g;
     if (w.format == WeightFormat::bf16)
@@ -330,7 +345,7 @@ class MoeTask : public Task {
     g.h_bf16 = sc.h[s].p.get() + static_cast<size_t>(offset[i]) * len;
     g.ldh = len;
     g.panel_begin = p;
-    g.panel_end = p + 1;
+    g.panel_end = std::min(P, p + c);
     kernels().of(w.format).pick(g.m).gate_up(w, g);
   }
 
@@ -344,8 +359,8 @@ class MoeTask : public Task {
   void down(int s, int item) {
     auto& sc = *L.scratch_;
     const auto [i0, i1] = L.slice(s);
-    const int len = i1 - i0, H = L.shape_.hidden, P = (H + kPanel - 1) / kPanel;
-    const int i = item / P, p = item % P, e = active[i];
+    const int len = i1 - i0, H = L.shape_.hidden, P = (H + kPanel - 1) / kPanel, c = dn_chunk[s], per = (P + c - 1) / c;
+    const int i = item / per, p = (item % per) * c, e = active[i];
     const PackedWeight& w = L.shards_[s].down[e];
     GemmArgs g;
     if (w.format == WeightFormat::bf16)
@@ -357,7 +372,7 @@ class MoeTask : public Task {
     g.c = sc.y[s].p.get() + static_cast<size_t>(offset[i]) * H;
     g.ldc = H;
     g.panel_begin = p;
-    g.panel_end = p + 1;
+    g.panel_end = std::min(P, p + c);
     kernels().of(w.format).pick(g.m).gemm(w, g);
   }
 
@@ -388,6 +403,7 @@ class MoeTask : public Task {
   MoeLayer& L;
   MoeInput in_;
   int64_t begin_ns = 0;
+  std::vector<int> gu_chunk, dn_chunk;  // panels per work item, per subpool
 };
 
 void MoeLayer::submit(const MoeInput& in) {

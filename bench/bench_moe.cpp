@@ -1,0 +1,214 @@
+// A whole routed-expert MoE layer on the CPU engine (runtime/moe.h), cold weights,
+// next to the machine's ceilings and the bare kernels on the same packs.
+//
+// Per token count: time per layer forward, effective weight GB/s (packed bytes of the
+// distinct experts the batch touches), GFLOP/s, the read bandwidth and compute peak
+// measured interleaved (A B A B, medians of the pairs), and, for decode, the ratio to
+// the bare kernels: the same 8 experts' gate_up + down called directly with OpenMP
+// threads splitting the panels (bench_kernels' harness), i.e. what scheduling costs.
+//
+//   build/bench/bench_moe [--shape qwen3-235b|deepseek-v3|all] [--format bf16|int8|int4]
+//                         [--tokens 1,4,16,64,256,1024] [--reps R] [--budget-gb G]
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "ceilings.h"
+#include "tandem/moe.h"
+
+using namespace tandem;
+using namespace tandem::bench;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+struct Shape {
+  const char* name;
+  int experts, hidden, inter, top_k;
+};
+const Shape kShapes[] = {{"qwen3-235b", 128, 4096, 1536, 8}, {"deepseek-v3", 256, 7168, 2048, 8}};
+
+double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+std::vector<int> parse_list(const char* s) {
+  std::vector<int> v;
+  std::stringstream ss(s);
+  for (std::string x; std::getline(ss, x, ',');) v.push_back(std::atoi(x.c_str()));
+  return v;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string which = "all";
+  std::vector<int> token_counts = {1, 4, 16, 64, 256, 1024};
+  int reps = 5;
+  double budget_gb = 6;
+  PackOptions opt;
+  for (int i = 1; i < argc; ++i) {
+    auto next = [&] { return i + 1 < argc ? argv[++i] : ""; };
+    if (!std::strcmp(argv[i], "--shape")) which = next();
+    else if (!std::strcmp(argv[i], "--format")) opt.format = parse_format(next());
+    else if (!std::strcmp(argv[i], "--group")) opt.group = std::atoi(next());
+    else if (!std::strcmp(argv[i], "--tokens")) token_counts = parse_list(next());
+    else if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(next());
+    else if (!std::strcmp(argv[i], "--budget-gb")) budget_gb = std::atof(next());
+    else { std::fprintf(stderr, "unknown option %s\n", argv[i]); return 2; }
+  }
+  const bool is_int = opt.format != WeightFormat::bf16;
+  Pool pool(pool_options(Config::Cpu{}));
+  const int threads = pool.total_threads();
+  std::printf("machine: %s; format: %s; engine: %d subpool(s), %d threads; %d repetitions, medians\n",
+              machine_line().c_str(), std::string(format_name(opt.format)).c_str(), pool.subpools(), threads, reps);
+  ReadBandwidth bw(size_t(1) << 30, threads);
+  std::printf("%-12s %6s %5s | %10s %8s %8s | %6s %6s | %s\n", "shape", "tokens", "exp", "us/layer", "GB/s", "GFLOP/s",
+              "%bw", "%peak", "vs bare kernels (decode)");
+  for (Shape s : kShapes) {
+    if (which != "all" && which != s.name) continue;
+    std::mt19937_64 rng(42);
+    std::normal_distribution<float> nd(0.f, 0.05f);
+    std::vector<bf16_t> g(size_t(s.inter) * s.hidden), d(size_t(s.hidden) * s.inter);
+    for (auto& x : g) x = fp32_to_bf16(nd(rng));
+    for (auto& x : d) x = fp32_to_bf16(nd(rng));
+    auto source = [&](int) {
+      return ExpertSource{{g.data(), SourceType::bf16, s.inter, s.hidden}, {g.data(), SourceType::bf16, s.inter, s.hidden},
+                          {d.data(), SourceType::bf16, s.hidden, s.inter}};
+    };
+    // Experts to allocate: the real count if it fits the memory budget, else fewer (still
+    // gigabytes, far beyond the LLC, so every forward streams from DRAM).
+    double per_expert;
+    {
+      MoeLayer probe(pool, {1, s.hidden, s.inter}, opt);
+      probe.load(source);
+      per_expert = double(probe.packed_bytes());
+    }
+    const int E = std::max(s.top_k, std::min(s.experts, int(budget_gb * 1e9 / per_expert)));
+    MoeLayer layer(pool, {E, s.hidden, s.inter}, opt);
+    const auto t_load = Clock::now();
+    layer.load(source);
+    std::printf("# %s: %d of %d experts allocated (%.2f GB packed, %.1f MB each), loaded in %.1f s\n", s.name, E, s.experts,
+                layer.packed_bytes() / 1e9, per_expert / 1e6, since(t_load));
+    double bare_gbs = 0;
+    for (int T : token_counts) {
+      // 32 random routings (top-k distinct experts per token), cycled.
+      const int R = 32;
+      std::vector<std::vector<int32_t>> ids(R, std::vector<int32_t>(size_t(T) * s.top_k));
+      double distinct = 0;
+      for (auto& v : ids) {
+        std::set<int> used;
+        for (int t = 0; t < T; ++t) {
+          std::set<int> mine;
+          while (int(mine.size()) < s.top_k) mine.insert(std::uniform_int_distribution<int>(0, E - 1)(rng));
+          int k = 0;
+          for (int e : mine) v[size_t(t) * s.top_k + k++] = e, used.insert(e);
+        }
+        distinct += used.size();
+      }
+      distinct /= R;
+      std::vector<bf16_t> x(size_t(T) * s.hidden);
+      for (auto& v : x) v = fp32_to_bf16(nd(rng) * 20);
+      std::vector<float> w(size_t(T) * s.top_k, 1.0f / s.top_k), out(size_t(T) * s.hidden);
+      MoeInput in;
+      in.x = x.data();
+      in.tokens = T;
+      in.top_k = s.top_k;
+      in.weights = w.data();
+      in.out = out.data();
+      int r = 0;
+      auto forward = [&] {
+        in.ids = ids[r++ % R].data();
+        layer.forward(in);
+      };
+      auto timed = [&](auto f) {
+        f();
+        int n = 0;
+        const auto t0 = Clock::now();
+        do f(), ++n;
+        while (since(t0) < 0.3);
+        return since(t0) / n;
+      };
+      std::vector<double> ts, rb, rp;
+      for (int rep = 0; rep < reps; ++rep) {
+        const double c_bw = bw.measure(1);
+        const double t = timed(forward);
+        const double c_peak = is_int ? peak_dpbusd(threads) : peak_dpbf16(threads);
+        ts.push_back(t);
+        rb.push_back(distinct * per_expert / t / 1e9 / c_bw);
+        rp.push_back(2.0 * 3 * s.hidden * s.inter * T * s.top_k / t / 1e9 / c_peak);
+      }
+      const double t = median(ts);
+      const double gbs = distinct * per_expert / t / 1e9;
+      std::printf("%-12s %6d %5.0f | %10.1f %8.1f %8.1f | %5.0f%% %5.0f%%", s.name, T, distinct, t * 1e6, gbs,
+                  2.0 * 3 * s.hidden * s.inter * T * s.top_k / t / 1e9, 100 * median(rb), 100 * median(rp));
+      if (T == 1 && pool.subpools() == 1) {
+        // The bare kernels on the same packs: 8 experts, panels split over OpenMP threads.
+        QuantizedActs q_in, q_mid;
+        std::vector<bf16_t> h(s.inter);
+        std::vector<float> acc(s.hidden);
+        const KernelTable& kt = kernels();
+        auto bare = [&] {
+          const int32_t* route = ids[r++ % R].data();
+          if (is_int) {
+            q_in.prepare(layer.gate_up_pack(0, 0), 1);
+            q_mid.prepare(layer.down_pack(0, 0), 1);
+            quantize_activations(q_in, x.data(), s.hidden, 0, 1);
+          }
+#pragma omp parallel num_threads(threads)
+          {
+            const int th = omp_get_thread_num(), nt = omp_get_num_threads();
+            for (int k = 0; k < s.top_k; ++k) {
+              const PackedWeight& wg = layer.gate_up_pack(0, route[k]);
+              GateUpArgs ga;
+              if (is_int) ga.qa = &q_in;
+              else ga.a = x.data();
+              ga.m = 1;
+              ga.lda = s.hidden;
+              ga.h_bf16 = h.data();
+              ga.ldh = s.inter;
+              ga.panel_begin = wg.panels * th / nt;
+              ga.panel_end = wg.panels * (th + 1) / nt;
+              kt.of(wg.format).pick(1).gate_up(wg, ga);
+#pragma omp barrier
+              if (is_int) {
+                if (th == 0) quantize_activations(q_mid, h.data(), s.inter, 0, 1);
+#pragma omp barrier
+              }
+              const PackedWeight& wd = layer.down_pack(0, route[k]);
+              GemmArgs da;
+              if (is_int) da.qa = &q_mid;
+              else da.a = h.data();
+              da.m = 1;
+              da.lda = s.inter;
+              da.c = acc.data();
+              da.ldc = s.hidden;
+              da.accumulate = true;
+              da.row_scale = w.data();
+              da.panel_begin = wd.panels * th / nt;
+              da.panel_end = wd.panels * (th + 1) / nt;
+              kt.of(wd.format).pick(1).gemm(wd, da);
+#pragma omp barrier
+            }
+          }
+        };
+        std::vector<double> ratio;
+        for (int rep = 0; rep < reps; ++rep) {
+          const double te = timed(forward), tb = timed(bare);
+          ratio.push_back(tb / te);
+          bare_gbs = s.top_k * per_expert / tb / 1e9;
+        }
+        std::printf(" | engine / bare: %.0f%% (bare %.1f GB/s)", 100 * median(ratio), bare_gbs);
+      }
+      std::printf("\n");
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}
