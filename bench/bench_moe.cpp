@@ -23,6 +23,7 @@
 
 #include "ceilings.h"
 #include "tandem/moe.h"
+#include "tandem/trace.h"
 
 using namespace tandem;
 using namespace tandem::bench;
@@ -35,6 +36,34 @@ struct Shape {
   int experts, hidden, inter, top_k;
 };
 const Shape kShapes[] = {{"qwen3-235b", 128, 4096, 1536, 8}, {"deepseek-v3", 256, 7168, 2048, 8}};
+
+// Resident-set high-water mark (VmHWM) in bytes; reset_peak_rss() restarts it (Linux).
+double peak_rss() {
+  std::FILE* f = std::fopen("/proc/self/status", "r");
+  if (!f) return 0;
+  char line[256];
+  double kb = 0;
+  while (std::fgets(line, sizeof line, f))
+    if (std::sscanf(line, "VmHWM: %lf kB", &kb) == 1) break;
+  std::fclose(f);
+  return kb * 1024;
+}
+double current_rss() {
+  std::FILE* f = std::fopen("/proc/self/status", "r");
+  if (!f) return 0;
+  char line[256];
+  double kb = 0;
+  while (std::fgets(line, sizeof line, f))
+    if (std::sscanf(line, "VmRSS: %lf kB", &kb) == 1) break;
+  std::fclose(f);
+  return kb * 1024;
+}
+void reset_peak_rss() {
+  if (std::FILE* f = std::fopen("/proc/self/clear_refs", "w")) {
+    std::fputs("5", f);
+    std::fclose(f);
+  }
+}
 
 double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
@@ -68,6 +97,18 @@ int main(int argc, char** argv) {
   const int threads = pool.total_threads();
   std::printf("machine: %s; format: %s; engine: %d subpool(s), %d threads; %d repetitions, medians\n",
               machine_line().c_str(), std::string(format_name(opt.format)).c_str(), pool.subpools(), threads, reps);
+  {  // What a span costs: the engine records one per work item.
+    auto span_ns = [](bool on) {
+      trace::enable(on);
+      const int n = 2'000'000;
+      const auto t0 = Clock::now();
+      for (int i = 0; i < n; ++i) trace::Span sp("probe");
+      trace::enable(false);
+      return since(t0) / n * 1e9;
+    };
+    const double off = span_ns(false), on = span_ns(true);
+    std::printf("trace: a span costs %.1f ns disabled, %.1f ns recording\n", off, on);
+  }
   ReadBandwidth bw(size_t(1) << 30, threads);
   std::printf("%-12s %6s %5s | %10s %8s %8s | %6s %6s | %s\n", "shape", "tokens", "exp", "us/layer", "GB/s", "GFLOP/s",
               "%bw", "%peak", "vs bare kernels (decode)");
@@ -92,10 +133,14 @@ int main(int argc, char** argv) {
     }
     const int E = std::max(s.top_k, std::min(s.experts, int(budget_gb * 1e9 / per_expert)));
     MoeLayer layer(pool, {E, s.hidden, s.inter}, opt);
+    const double rss0 = current_rss();
+    reset_peak_rss();
     const auto t_load = Clock::now();
     layer.load(source);
-    std::printf("# %s: %d of %d experts allocated (%.2f GB packed, %.1f MB each), loaded in %.1f s\n", s.name, E, s.experts,
-                layer.packed_bytes() / 1e9, per_expert / 1e6, since(t_load));
+    std::printf("# %s: %d of %d experts allocated (%.2f GB packed, %.1f MB each), loaded in %.1f s; "
+                "peak RSS while loading: +%.2f GB over the %.2f GB before\n",
+                s.name, E, s.experts, layer.packed_bytes() / 1e9, per_expert / 1e6, since(t_load),
+                (peak_rss() - rss0) / 1e9, rss0 / 1e9);
     double bare_gbs = 0;
     for (int T : token_counts) {
       // 32 random routings (top-k distinct experts per token), cycled.

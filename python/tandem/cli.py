@@ -1,6 +1,8 @@
 """The `tandem` command line.
 
     tandem doctor [--config FILE] [--json]   what tandem can use here; validate a config
+    tandem trace-merge TANDEM.json TORCH.json -o OUT.json
+                                             put tandem's spans on a torch.profiler timeline
 """
 from __future__ import annotations
 
@@ -20,6 +22,14 @@ def _doctor(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _trace_merge(args: argparse.Namespace) -> int:
+    from tandem.trace_merge import merge
+
+    shift = merge(args.tandem, args.torch, args.output)
+    print(f"wrote {args.output} (tandem events shifted by {shift / 1e6:+.6f} s)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -30,6 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true", help="machine-readable output")
     d.add_argument("--no-gpu-kernel", action="store_true", help="skip the test kernel launch on each GPU")
     d.set_defaults(func=_doctor)
+    m = sub.add_parser("trace-merge", help="merge a tandem trace into a torch.profiler Chrome trace")
+    m.add_argument("tandem", help="tandem trace (TANDEM_TRACE=... or tandem::trace::write)")
+    m.add_argument("torch", help="torch.profiler trace (prof.export_chrome_trace)")
+    m.add_argument("-o", "--output", required=True, help="merged trace to write")
+    m.set_defaults(func=_trace_merge)
     return p
 
 
