@@ -1,5 +1,0 @@
-if(EXISTS "/work/main/build-tsan/tests/tandem_tests[1]_tests.cmake")
-  include("/work/main/build-tsan/tests/tandem_tests[1]_tests.cmake")
-else()
-  add_test(tandem_tests_NOT_BUILT tandem_tests_NOT_BUILT)
-endif()
