@@ -202,12 +202,6 @@ struct OneDnn {
   }
 };
 
-std::vector<int> parse_list(const char* s) {
-  std::vector<int> v;
-  std::stringstream ss(s);
-  for (std::string x; std::getline(ss, x, ',');) v.push_back(std::atoi(x.c_str()));
-  return v;
-}
 
 }  // namespace
 
@@ -220,7 +214,7 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     auto next = [&] { return i + 1 < argc ? argv[++i] : ""; };
     if (!std::strcmp(argv[i], "--shape")) which = next();
-    else if (!std::strcmp(argv[i], "--m")) ms = parse_list(next());
+    else if (!std::strcmp(argv[i], "--m")) ms = parse_int_list(next());
     else if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(next());
     else if (!std::strcmp(argv[i], "--experts")) experts = std::atoi(next());
     else if (!std::strcmp(argv[i], "--no-onednn")) onednn = false;

@@ -37,24 +37,16 @@ struct Shape {
 };
 const Shape kShapes[] = {{"qwen3-235b", 128, 4096, 1536, 8}, {"deepseek-v3", 256, 7168, 2048, 8}};
 
-// Resident-set high-water mark (VmHWM) in bytes; reset_peak_rss() restarts it (Linux).
-double peak_rss() {
+// A "Key: N kB" line of /proc/self/status in bytes: VmRSS (resident now), VmHWM (its
+// high-water mark, which reset_peak_rss() restarts).
+double proc_status_bytes(const char* key) {
   std::FILE* f = std::fopen("/proc/self/status", "r");
   if (!f) return 0;
   char line[256];
   double kb = 0;
+  const size_t n = std::strlen(key);
   while (std::fgets(line, sizeof line, f))
-    if (std::sscanf(line, "VmHWM: %lf kB", &kb) == 1) break;
-  std::fclose(f);
-  return kb * 1024;
-}
-double current_rss() {
-  std::FILE* f = std::fopen("/proc/self/status", "r");
-  if (!f) return 0;
-  char line[256];
-  double kb = 0;
-  while (std::fgets(line, sizeof line, f))
-    if (std::sscanf(line, "VmRSS: %lf kB", &kb) == 1) break;
+    if (!std::strncmp(line, key, n) && line[n] == ':' && std::sscanf(line + n + 1, "%lf", &kb) == 1) break;
   std::fclose(f);
   return kb * 1024;
 }
@@ -67,12 +59,6 @@ void reset_peak_rss() {
 
 double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-std::vector<int> parse_list(const char* s) {
-  std::vector<int> v;
-  std::stringstream ss(s);
-  for (std::string x; std::getline(ss, x, ',');) v.push_back(std::atoi(x.c_str()));
-  return v;
-}
 
 }  // namespace
 
@@ -87,7 +73,7 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--shape")) which = next();
     else if (!std::strcmp(argv[i], "--format")) opt.format = parse_format(next());
     else if (!std::strcmp(argv[i], "--group")) opt.group = std::atoi(next());
-    else if (!std::strcmp(argv[i], "--tokens")) token_counts = parse_list(next());
+    else if (!std::strcmp(argv[i], "--tokens")) token_counts = parse_int_list(next());
     else if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(next());
     else if (!std::strcmp(argv[i], "--budget-gb")) budget_gb = std::atof(next());
     else { std::fprintf(stderr, "unknown option %s\n", argv[i]); return 2; }
@@ -133,14 +119,14 @@ int main(int argc, char** argv) {
     }
     const int E = std::max(s.top_k, std::min(s.experts, int(budget_gb * 1e9 / per_expert)));
     MoeLayer layer(pool, {E, s.hidden, s.inter}, opt);
-    const double rss0 = current_rss();
+    const double rss0 = proc_status_bytes("VmRSS");
     reset_peak_rss();
     const auto t_load = Clock::now();
     layer.load(source);
     std::printf("# %s: %d of %d experts allocated (%.2f GB packed, %.1f MB each), loaded in %.1f s; "
                 "peak RSS while loading: +%.2f GB over the %.2f GB before\n",
                 s.name, E, s.experts, layer.packed_bytes() / 1e9, per_expert / 1e6, since(t_load),
-                (peak_rss() - rss0) / 1e9, rss0 / 1e9);
+                (proc_status_bytes("VmHWM") - rss0) / 1e9, rss0 / 1e9);
     double bare_gbs = 0;
     for (int T : token_counts) {
       // 32 random routings (top-k distinct experts per token), cycled.

@@ -2,6 +2,9 @@
 // ceilings_avx512.cpp (compiled with AVX-512 flags, called only after the check).
 #include "ceilings.h"
 
+#include <cstdlib>
+#include <sstream>
+
 #include <omp.h>
 #include <sys/mman.h>
 
@@ -109,6 +112,13 @@ int default_threads() { return std::max(1, topology().cores); }
 std::string machine_line() {
   return str_cat(cpu_features().brand, ", ", topology().cores, " cores, ", topology().nodes.size(),
                  " NUMA node(s), kernel level ", isa_name(hardware_isa()));
+}
+
+std::vector<int> parse_int_list(const char* s) {
+  std::vector<int> v;
+  std::stringstream ss(s);
+  for (std::string x; std::getline(ss, x, ',');) v.push_back(std::atoi(x.c_str()));
+  return v;
 }
 
 }  // namespace tandem::bench

@@ -37,6 +37,7 @@ double peak_dpbusd(int threads);      // vpdpbusd zmm: 128 OP/instruction
 
 double median(std::vector<double> v);
 int default_threads();  // physical cores usable by this process
-std::string machine_line();  // "AMD EPYC ..., 2 cores, avx512_bf16"
+std::string machine_line();
+std::vector<int> parse_int_list(const char* s);  // "1,8,32" -> {1, 8, 32}  // "AMD EPYC ..., 2 cores, avx512_bf16"
 
 }  // namespace tandem::bench
