@@ -210,7 +210,7 @@ class MoeTask : public Task {
   static constexpr int kMergeCols = 512;
 
   MoeTask(MoeLayer& l, const MoeInput& in)
-      : L(l), in_(in), gu_chunk(l.pool_.subpools(), 1), dn_chunk(l.pool_.subpools(), 1) {}
+      : L(l), in_(in), gu_runs(l.pool_.subpools()), dn_runs(l.pool_.subpools()) {}
   int phases() const override { return kPhases; }
 
   int items(int phase, int s) override {
@@ -226,9 +226,11 @@ class MoeTask : public Task {
           prepare();
         }
         return n / S + (s < n % S ? 1 : 0);  // active expert i goes to subpool i % S
-      case kGateUp: return len && n ? n * chunks(s, (len + kPanel - 1) / kPanel, gu_chunk, 2 * L.shards_[s].gate_up[active[0]].panel_stride) : 0;
+      case kGateUp:
+        return len && n ? n * plan(s, (len + kPanel - 1) / kPanel, 2 * L.shards_[s].gate_up[active[0]].panel_stride, gu_runs) : 0;
       case kAct: return quant && len ? n : 0;
-      case kDown: return len && n ? n * chunks(s, (L.shape_.hidden + kPanel - 1) / kPanel, dn_chunk, L.shards_[s].down[active[0]].panel_stride) : 0;
+      case kDown:
+        return len && n ? n * plan(s, (L.shape_.hidden + kPanel - 1) / kPanel, L.shards_[s].down[active[0]].panel_stride, dn_runs) : 0;
       case kMerge: {
         const int total = in_.tokens * merge_blocks();
         return static_cast<int>(static_cast<int64_t>(total) * (s + 1) / S - static_cast<int64_t>(total) * s / S);
@@ -319,22 +321,32 @@ class MoeTask : public Task {
   // each (one panel of a small expert is too little to amortize an item's fixed cost and
   // the prefetcher's ramp), but at least 4 items per thread in the phase.
   static constexpr size_t kItemBytes = 512 << 10;
-  int chunks(int s, int panels, std::vector<int>& chunk, size_t panel_bytes) {
-    panel_bytes = std::max<size_t>(1, panel_bytes);
+  struct Runs {
+    int panels = 1, chunk = 1, per_expert = 1;  // per_expert = ceil(panels / chunk)
+  };
+  struct Run {
+    int i, begin, end;  // active expert index, panel range
+  };
+  // Sets subpool s's runs for a phase; returns the items per expert.
+  int plan(int s, int panels, size_t panel_bytes, std::vector<Runs>& runs) {
     const int threads = L.pool_.threads(s), n = static_cast<int>(active.size());
-    int c = static_cast<int>(std::max<size_t>(1, kItemBytes / panel_bytes));
+    int c = static_cast<int>(std::max<size_t>(1, kItemBytes / std::max<size_t>(1, panel_bytes)));
     c = std::min(c, std::max(1, n * panels / (4 * threads)));
     c = std::min(c, panels);
-    chunk[s] = c;
-    return (panels + c - 1) / c;
+    runs[s] = {panels, c, (panels + c - 1) / c};
+    return runs[s].per_expert;
+  }
+  static Run run_of(const Runs& r, int item) {
+    const int begin = (item % r.per_expert) * r.chunk;
+    return {item / r.per_expert, begin, std::min(r.panels, begin + r.chunk)};
   }
 
   void gate_up(int s, int item) {
     auto& sc = *L.scratch_;
     const auto [i0, i1] = L.slice(s);
-    const int len = i1 - i0, P = (len + kPanel - 1) / kPanel, c = gu_chunk[s], per = (P + c - 1) / c;
-    const int i = item / per, p = (item % per) * c, e = active[i];
-    const PackedWeight& w = L.shards_[s].gate_up[e];
+    const int len = i1 - i0;
+    const auto [i, begin, end] = run_of(gu_runs[s], item);
+    const PackedWeight& w = L.shards_[s].gate_up[active[i]];
     GateUpArgs g;
     if (w.format == WeightFormat::bf16)
       g.a = sc.xg.p.get() + static_cast<size_t>(offset[i]) * L.shape_.hidden;
@@ -344,8 +356,8 @@ class MoeTask : public Task {
     g.lda = L.shape_.hidden;
     g.h_bf16 = sc.h[s].p.get() + static_cast<size_t>(offset[i]) * len;
     g.ldh = len;
-    g.panel_begin = p;
-    g.panel_end = std::min(P, p + c);
+    g.panel_begin = begin;
+    g.panel_end = end;
     kernels().of(w.format).pick(g.m).gate_up(w, g);
   }
 
@@ -359,9 +371,9 @@ class MoeTask : public Task {
   void down(int s, int item) {
     auto& sc = *L.scratch_;
     const auto [i0, i1] = L.slice(s);
-    const int len = i1 - i0, H = L.shape_.hidden, P = (H + kPanel - 1) / kPanel, c = dn_chunk[s], per = (P + c - 1) / c;
-    const int i = item / per, p = (item % per) * c, e = active[i];
-    const PackedWeight& w = L.shards_[s].down[e];
+    const int len = i1 - i0, H = L.shape_.hidden;
+    const auto [i, begin, end] = run_of(dn_runs[s], item);
+    const PackedWeight& w = L.shards_[s].down[active[i]];
     GemmArgs g;
     if (w.format == WeightFormat::bf16)
       g.a = sc.h[s].p.get() + static_cast<size_t>(offset[i]) * len;
@@ -371,8 +383,8 @@ class MoeTask : public Task {
     g.lda = len;
     g.c = sc.y[s].p.get() + static_cast<size_t>(offset[i]) * H;
     g.ldc = H;
-    g.panel_begin = p;
-    g.panel_end = std::min(P, p + c);
+    g.panel_begin = begin;
+    g.panel_end = end;
     kernels().of(w.format).pick(g.m).gemm(w, g);
   }
 
@@ -403,7 +415,7 @@ class MoeTask : public Task {
   MoeLayer& L;
   MoeInput in_;
   int64_t begin_ns = 0;
-  std::vector<int> gu_chunk, dn_chunk;  // panels per work item, per subpool
+  std::vector<Runs> gu_runs, dn_runs;  // per subpool: how gate_up / down items map to panels
 };
 
 void MoeLayer::submit(const MoeInput& in) {
