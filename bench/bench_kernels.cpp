@@ -15,7 +15,6 @@
 //   build/bench/bench_kernels [--shape qwen3-30b|qwen3-235b|deepseek-v3|all] [--m 1,8,32,128,512]
 //                             [--experts N] [--reps R] [--no-onednn]
 //                             [--format bf16|int8|int4] [--group 32|64|128] [--asym]
-#include <omp.h>
 
 #include <chrono>
 #include <cstdio>
@@ -30,11 +29,11 @@
 #include <vector>
 
 #include "ceilings.h"
+#include "harness.h"
 #include "tandem/kernels.h"
 
 using namespace tandem;
 using namespace tandem::bench;
-using Clock = std::chrono::steady_clock;
 
 namespace {
 
@@ -56,21 +55,6 @@ std::vector<bf16_t> random_bf16(size_t n, uint64_t seed) {
   return v;
 }
 
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
-
-// Runs f() repeatedly for at least min_s seconds; returns seconds per call.
-template <typename F>
-double time_per_call(F f, double min_s = 0.25) {
-  f();  // warm-up (page faults, primitive caches)
-  long n = 0;
-  auto t0 = Clock::now();
-  do {
-    f();
-    ++n;
-  } while (seconds_since(t0) < min_s);
-  return seconds_since(t0) / n;
-}
-
 struct Ours {
   const Shape& s;
   int threads;
@@ -86,57 +70,15 @@ struct Ours {
     }
   }
   double bytes_per_expert() const { return double(gu[0].bytes() + down[0].bytes()); }
-  QuantizedActs q_in, q_mid;  // integer formats: activations quantized once per product, rows split over threads
+  QuantizedActs q_in, q_mid;
   // One step: experts e0..e0+7 on m rows.
   void step(int e0, int m, const bf16_t* a, bf16_t* h, float* out, const float* rw) {
-    const KernelTable& kt = kernels();
-    const bool quant = gu[0].format != WeightFormat::bf16;
-    if (quant) {
-      q_in.prepare(gu[0], m);
-      q_mid.prepare(down[0], m);
+    std::vector<const PackedWeight*> g8, d8;
+    for (int i = 0; i < 8; ++i) {
+      g8.push_back(&gu[(e0 + i) % s.experts]);
+      d8.push_back(&down[(e0 + i) % s.experts]);
     }
-#pragma omp parallel num_threads(threads)
-    {
-      const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-      const int r0 = m * t / nt, r1 = m * (t + 1) / nt;
-      if (quant) {  // the input is the same for all 8 experts
-        quantize_activations(q_in, a, s.hidden, r0, r1);
-#pragma omp barrier
-      }
-      for (int i = 0; i < 8; ++i) {
-        const int e = (e0 + i) % s.experts;
-        const PackedWeight& wg = gu[e];
-        GateUpArgs ga;
-        if (quant) ga.qa = &q_in;
-        else ga.a = a;
-        ga.m = m;
-        ga.lda = s.hidden;
-        ga.h_bf16 = h;
-        ga.ldh = s.inter;
-        ga.panel_begin = wg.panels * t / nt;
-        ga.panel_end = wg.panels * (t + 1) / nt;
-        kt.of(wg.format).pick(m).gate_up(wg, ga);
-#pragma omp barrier
-        if (quant) {
-          quantize_activations(q_mid, h, s.inter, r0, r1);
-#pragma omp barrier
-        }
-        const PackedWeight& wd = down[e];
-        GemmArgs da;
-        if (quant) da.qa = &q_mid;
-        else da.a = h;
-        da.m = m;
-        da.lda = s.inter;
-        da.c = out;
-        da.ldc = s.hidden;
-        da.accumulate = true;
-        da.row_scale = rw;
-        da.panel_begin = wd.panels * t / nt;
-        da.panel_end = wd.panels * (t + 1) / nt;
-        kt.of(wd.format).pick(m).gemm(wd, da);
-#pragma omp barrier
-      }
-    }
+    expert_step(threads, g8, d8, m, a, h, out, rw, q_in, q_mid);
   }
 };
 

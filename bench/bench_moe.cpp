@@ -9,7 +9,6 @@
 //
 //   build/bench/bench_moe [--shape qwen3-235b|deepseek-v3|all] [--format bf16|int8|int4]
 //                         [--tokens 1,4,16,64,256,1024] [--reps R] [--budget-gb G]
-#include <omp.h>
 
 #include <algorithm>
 #include <chrono>
@@ -22,12 +21,12 @@
 #include <vector>
 
 #include "ceilings.h"
+#include "harness.h"
 #include "tandem/moe.h"
 #include "tandem/trace.h"
 
 using namespace tandem;
 using namespace tandem::bench;
-using Clock = std::chrono::steady_clock;
 
 namespace {
 
@@ -57,7 +56,6 @@ void reset_peak_rss() {
   }
 }
 
-double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 
 }  // namespace
@@ -90,7 +88,7 @@ int main(int argc, char** argv) {
       const auto t0 = Clock::now();
       for (int i = 0; i < n; ++i) trace::Span sp("probe");
       trace::enable(false);
-      return since(t0) / n * 1e9;
+      return seconds_since(t0) / n * 1e9;
     };
     const double off = span_ns(false), on = span_ns(true);
     std::printf("trace: a span costs %.1f ns disabled, %.1f ns recording\n", off, on);
@@ -125,7 +123,7 @@ int main(int argc, char** argv) {
     layer.load(source);
     std::printf("# %s: %d of %d experts allocated (%.2f GB packed, %.1f MB each), loaded in %.1f s; "
                 "peak RSS while loading: +%.2f GB over the %.2f GB before\n",
-                s.name, E, s.experts, layer.packed_bytes() / 1e9, per_expert / 1e6, since(t_load),
+                s.name, E, s.experts, layer.packed_bytes() / 1e9, per_expert / 1e6, seconds_since(t_load),
                 (proc_status_bytes("VmHWM") - rss0) / 1e9, rss0 / 1e9);
     double bare_gbs = 0;
     for (int T : token_counts) {
@@ -158,14 +156,7 @@ int main(int argc, char** argv) {
         in.ids = ids[r++ % R].data();
         layer.forward(in);
       };
-      auto timed = [&](auto f) {
-        f();
-        int n = 0;
-        const auto t0 = Clock::now();
-        do f(), ++n;
-        while (since(t0) < 0.3);
-        return since(t0) / n;
-      };
+      auto timed = [](auto f) { return time_per_call(f, 0.3); };
       std::vector<double> ts, rb, rp;
       for (int rep = 0; rep < reps; ++rep) {
         const double c_bw = bw.measure(1);
@@ -184,50 +175,14 @@ int main(int argc, char** argv) {
         QuantizedActs q_in, q_mid;
         std::vector<bf16_t> h(s.inter);
         std::vector<float> acc(s.hidden);
-        const KernelTable& kt = kernels();
         auto bare = [&] {
           const int32_t* route = ids[r++ % R].data();
-          if (is_int) {
-            q_in.prepare(layer.gate_up_pack(0, 0), 1);
-            q_mid.prepare(layer.down_pack(0, 0), 1);
-            quantize_activations(q_in, x.data(), s.hidden, 0, 1);
+          std::vector<const PackedWeight*> gu, dn;
+          for (int k = 0; k < s.top_k; ++k) {
+            gu.push_back(&layer.gate_up_pack(0, route[k]));
+            dn.push_back(&layer.down_pack(0, route[k]));
           }
-#pragma omp parallel num_threads(threads)
-          {
-            const int th = omp_get_thread_num(), nt = omp_get_num_threads();
-            for (int k = 0; k < s.top_k; ++k) {
-              const PackedWeight& wg = layer.gate_up_pack(0, route[k]);
-              GateUpArgs ga;
-              if (is_int) ga.qa = &q_in;
-              else ga.a = x.data();
-              ga.m = 1;
-              ga.lda = s.hidden;
-              ga.h_bf16 = h.data();
-              ga.ldh = s.inter;
-              ga.panel_begin = wg.panels * th / nt;
-              ga.panel_end = wg.panels * (th + 1) / nt;
-              kt.of(wg.format).pick(1).gate_up(wg, ga);
-#pragma omp barrier
-              if (is_int) {
-                if (th == 0) quantize_activations(q_mid, h.data(), s.inter, 0, 1);
-#pragma omp barrier
-              }
-              const PackedWeight& wd = layer.down_pack(0, route[k]);
-              GemmArgs da;
-              if (is_int) da.qa = &q_mid;
-              else da.a = h.data();
-              da.m = 1;
-              da.lda = s.inter;
-              da.c = acc.data();
-              da.ldc = s.hidden;
-              da.accumulate = true;
-              da.row_scale = w.data();
-              da.panel_begin = wd.panels * th / nt;
-              da.panel_end = wd.panels * (th + 1) / nt;
-              kt.of(wd.format).pick(1).gemm(wd, da);
-#pragma omp barrier
-            }
-          }
+          expert_step(threads, gu, dn, 1, x.data(), h.data(), acc.data(), w.data(), q_in, q_mid);
         };
         std::vector<double> ratio;
         for (int rep = 0; rep < reps; ++rep) {

@@ -1,0 +1,37 @@
+// Shared by the benchmarks: timing, and the "bare kernels" expert step that
+// bench_kernels measures and bench_moe compares the engine against.
+#pragma once
+
+#include <chrono>
+#include <vector>
+
+#include "tandem/kernels.h"
+
+namespace tandem::bench {
+
+using Clock = std::chrono::steady_clock;
+
+inline double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// Runs f() once to warm up (page faults, primitive caches), then repeatedly for at
+// least min_s seconds; returns seconds per call.
+template <typename F>
+double time_per_call(F f, double min_s = 0.25) {
+  f();
+  long n = 0;
+  const auto t0 = Clock::now();
+  do {
+    f();
+    ++n;
+  } while (seconds_since(t0) < min_s);
+  return seconds_since(t0) / n;
+}
+
+// One routed step on the bare kernels: for each expert in turn, gate_up (bf16 out into
+// h) then down (accumulated into out with row weights rw), m rows, with `threads`
+// OpenMP threads splitting each product's panels and meeting at a barrier after each.
+// Integer packs get their input quantized once per product, rows split over threads.
+void expert_step(int threads, const std::vector<const PackedWeight*>& gate_up, const std::vector<const PackedWeight*>& down,
+                 int m, const bf16_t* a, bf16_t* h, float* out, const float* rw, QuantizedActs& q_in, QuantizedActs& q_mid);
+
+}  // namespace tandem::bench
