@@ -19,6 +19,8 @@
 namespace tandem {
 namespace {
 
+using test::gemm_args;
+
 constexpr double kU = 1.0 / (1 << 24);  // fp32 unit roundoff
 
 struct Problem {
@@ -55,16 +57,6 @@ void reference(const Problem& p, const bf16_t* a, std::vector<double>& ref, std:
       ref[static_cast<size_t>(r) * p.n + j] = s;
       mag[static_cast<size_t>(r) * p.n + j] = m;
     }
-}
-
-GemmArgs gemm_args(const bf16_t* a, int m, int lda, float* c, int ldc) {
-  GemmArgs g;
-  g.a = a;
-  g.m = m;
-  g.lda = lda;
-  g.c = c;
-  g.ldc = ldc;
-  return g;
 }
 
 class KernelsBf16 : public ::testing::TestWithParam<IsaLevel> {

@@ -30,6 +30,8 @@
 namespace tandem {
 namespace {
 
+using test::gemm_args;
+
 constexpr double kU = 1.0 / (1 << 24);
 
 struct FormatCase {
@@ -137,13 +139,7 @@ TEST_P(KernelsInt, GemmMatchesReferenceOverShapes) {
           auto a = random_acts(static_cast<size_t>(m) * lda + 1, rng);
           PackedWeight pw = pack({w.data(), SourceType::f32, n, k}, opt);
           std::vector<float> c(static_cast<size_t>(m) * (n + 1), -7.f);
-          GemmArgs g;
-          g.a = a.data() + 1;  // misaligned on purpose
-          g.m = m;
-          g.lda = lda;
-          g.c = c.data();
-          g.ldc = n + 1;
-          v->gemm(pw, g);
+          v->gemm(pw, gemm_args(a.data() + 1, m, lda, c.data(), n + 1));  // A misaligned on purpose
           std::vector<double> ref, mag;
           reference(unpack(pw), 0, n, k, dequantized_acts(pw, a.data() + 1, m, lda), m, ref, mag);
           for (int r = 0; r < m; ++r) {
@@ -180,12 +176,7 @@ TEST_P(KernelsInt, Fp32InputAccumulateRowScaleAndPanelRange) {
   reference(unpack(pw), 0, n, k, aq, m, ref, mag);
   for (const KernelVariant* v : variants) {
     std::vector<float> c = c0;
-    GemmArgs g;
-    g.a_f32 = af.data();
-    g.m = m;
-    g.lda = k;
-    g.c = c.data();
-    g.ldc = n;
+    GemmArgs g = gemm_args(af.data(), m, k, c.data(), n);
     g.accumulate = true;
     g.row_scale = scale.data();
     g.panel_begin = 1;
@@ -216,12 +207,7 @@ TEST_P(KernelsInt, PrequantizedInputGivesTheSameBits) {
   quantize_activations(qa, a.data(), k, 5, m);
   for (const KernelVariant* v : variants) {
     std::vector<float> c1(static_cast<size_t>(m) * n), c2(c1.size());
-    GemmArgs g;
-    g.a = a.data();
-    g.m = m;
-    g.lda = k;
-    g.c = c1.data();
-    g.ldc = n;
+    GemmArgs g = gemm_args(a.data(), m, k, c1.data(), n);
     v->gemm(pw, g);
     g.a = nullptr;
     g.qa = &qa;
@@ -229,13 +215,9 @@ TEST_P(KernelsInt, PrequantizedInputGivesTheSameBits) {
     v->gemm(pw, g);
     EXPECT_EQ(c1, c2) << v->name;
   }
-  GemmArgs g;
-  g.qa = &qa;
-  g.m = m + 1;
-  g.c = nullptr;
   std::vector<float> c(static_cast<size_t>(m + 1) * n);
-  g.c = c.data();
-  g.ldc = n;
+  GemmArgs g = gemm_args(static_cast<const bf16_t*>(nullptr), m + 1, 0, c.data(), n);
+  g.qa = &qa;
   EXPECT_EQ(test::error_of([&] { gemm(pw, g); }), "gemm: quantized activations hold 13 rows, m = 14");
   PackedWeight other = pack({w.data(), SourceType::f32, n / 2, 2 * k}, opt);
   g.m = m;
@@ -288,13 +270,7 @@ TEST_P(KernelsInt, NanAndInfRowsBecomeNan) {
   PackedWeight pw = pack({w.data(), SourceType::f32, n, k}, opt);
   for (const KernelVariant* v : variants) {
     std::vector<float> c(static_cast<size_t>(m) * n);
-    GemmArgs g;
-    g.a = a.data();
-    g.m = m;
-    g.lda = k;
-    g.c = c.data();
-    g.ldc = n;
-    v->gemm(pw, g);
+    v->gemm(pw, gemm_args(a.data(), m, k, c.data(), n));
     for (int j = 0; j < n; ++j) {
       EXPECT_TRUE(std::isfinite(c[j])) << v->name << " " << j;
       EXPECT_TRUE(std::isnan(c[n + j])) << v->name << " " << j;
@@ -310,13 +286,7 @@ TEST_P(KernelsInt, QuantizationErrorMatchesTheRoundingModel) {
   auto af = random_weights(static_cast<size_t>(m) * k, rng);
   PackedWeight pw = pack({w.data(), SourceType::f32, n, k}, opt);
   std::vector<float> c(static_cast<size_t>(m) * n);
-  GemmArgs g;
-  g.a_f32 = af.data();
-  g.m = m;
-  g.lda = k;
-  g.c = c.data();
-  g.ldc = n;
-  variants[0]->gemm(pw, g);
+  variants[0]->gemm(pw, gemm_args(af.data(), m, k, c.data(), n));
   // Exact product of the unquantized fp32 values, and the predicted error variance.
   std::vector<float> amax(m, 0.f);
   for (int r = 0; r < m; ++r)
@@ -519,12 +489,7 @@ TEST(KernelsBf16Input, Fp32InputIsRoundedToBf16) {
   fp32_to_bf16(af.data(), ab.data(), af.size());
   PackedWeight p = pack({w.data(), SourceType::f32, n, k});
   std::vector<float> c1(static_cast<size_t>(m) * n), c2(c1.size());
-  GemmArgs g;
-  g.a = ab.data();
-  g.m = m;
-  g.lda = k;
-  g.c = c1.data();
-  g.ldc = n;
+  GemmArgs g = gemm_args(ab.data(), m, k, c1.data(), n);
   gemm(p, g);
   g.a = nullptr;
   g.a_f32 = af.data();

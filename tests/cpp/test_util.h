@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "tandem/error.h"
+#include "tandem/kernels.h"
 
 namespace tandem::test {
 
@@ -95,6 +96,22 @@ inline std::string good_file(const std::vector<Entry>& entries, const std::map<s
   std::string text = h.dump();
   while (text.size() % 8) text += ' ';
   return raw_file(text, data);
+}
+
+// Kernel arguments for C[m x ldc] = A[m x lda] . W^T, A bf16 or fp32.
+inline GemmArgs gemm_args(const bf16_t* a, int m, int lda, float* c, int ldc) {
+  GemmArgs g;
+  g.a = a;
+  g.m = m;
+  g.lda = lda;
+  g.c = c;
+  g.ldc = ldc;
+  return g;
+}
+inline GemmArgs gemm_args(const float* a, int m, int lda, float* c, int ldc) {
+  GemmArgs g = gemm_args(static_cast<const bf16_t*>(nullptr), m, lda, c, ldc);
+  g.a_f32 = a;
+  return g;
 }
 
 }  // namespace tandem::test
