@@ -282,6 +282,12 @@ Config parse_config(std::string_view yaml, std::string_view origin, const fs::pa
   Section buf(top.get("buffers"), "buffers", c, {"pinned_slots", "max_tokens"});
   if (auto n = buf.value("pinned_slots"); present(n)) cfg.buffers.pinned_slots = static_cast<int>(read_int(c, n, "buffers.pinned_slots", 1, 4));
   if (auto n = buf.value("max_tokens"); present(n)) cfg.buffers.max_tokens = static_cast<int>(read_int(c, n, "buffers.max_tokens", 1, 1 << 20));
+  if (cfg.gpu.deferred_experts > 0 && cfg.buffers.pinned_slots < 2) {
+    // A deferred task still reads its layer's slot while the next layer fills the next
+    // one; with a single slot the two would be the same buffer.
+    fail(c, buf.value("pinned_slots"), "buffers.pinned_slots",
+         "must be at least 2 when gpu.deferred_experts > 0 (deferred experts read their slot during the next layer)");
+  }
 
   Section trace(top.get("trace"), "trace", c, {"path", "enabled"});
   if (auto n = trace.value("path"); present(n)) cfg.trace.path = read_string(c, n, "trace.path");

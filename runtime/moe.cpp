@@ -121,10 +121,21 @@ class LoadTask : public Task {
 
 }  // namespace
 
+void MoeLayer::exclude(const std::vector<int>& experts) {
+  TANDEM_CHECK(!loaded_, Errc::invalid_argument, "moe: layer ", layer_, ": exclude() after load()");
+  excluded_.assign(shape_.experts, 0);
+  for (int e : experts) {
+    TANDEM_CHECK(e >= 0 && e < shape_.experts, Errc::invalid_argument, "moe: layer ", layer_, ": excluded expert ", e,
+                 " is outside [0, ", shape_.experts, ")");
+    excluded_[e] = 1;
+  }
+}
+
 void MoeLayer::load(const std::function<ExpertSource(int)>& source, const Progress& progress) {
   TANDEM_CHECK(static_cast<bool>(source), Errc::invalid_argument, "moe: load without a weight source");
   const MoeShape sh = shape_;
   auto task = std::make_shared<LoadTask>(*this, [this, &source, sh](int s, int e) {
+    if (excluded(e)) return;
     const ExpertSource src = source(e);
     auto check = [&](const char* what, const WeightView& v, int n, int k) {
       TANDEM_CHECK(v.n == n && v.k == k, Errc::invalid_argument, "moe: expert ", e, " ", what, " is [", v.n, " x ", v.k,
@@ -196,7 +207,7 @@ void MoeLayer::load(const Checkpoint& ckpt, int layer, const ExpertNaming& namin
   // Resolve every expert's tensors up front so a missing key fails before any work.
   std::vector<ExpertSource> sources(shape_.experts);
   for (int e = 0; e < shape_.experts; ++e)
-    sources[e] = {view(naming.gate, e, shape_.inter, shape_.hidden), view(naming.up, e, shape_.inter, shape_.hidden),
+    if (!excluded(e)) sources[e] = {view(naming.gate, e, shape_.inter, shape_.hidden), view(naming.up, e, shape_.inter, shape_.hidden),
                   view(naming.down, e, shape_.hidden, shape_.inter)};
   load([&](int e) { return sources[e]; }, progress);
 }
@@ -418,10 +429,10 @@ class MoeTask : public Task {
   std::vector<Runs> gu_runs, dn_runs;  // per subpool: how gate_up / down items map to panels
 };
 
-void MoeLayer::submit(const MoeInput& in) {
+uint64_t MoeLayer::submit(const MoeInput& in) {
   TANDEM_CHECK(loaded_, Errc::invalid_argument, "moe: layer ", layer_, " has no weights (call load first)");
   TANDEM_CHECK(in.tokens >= 0, Errc::invalid_argument, "moe: tokens = ", in.tokens, " is negative");
-  if (in.tokens == 0) return;
+  if (in.tokens == 0) return 0;
   TANDEM_CHECK((in.x != nullptr) != (in.x_f32 != nullptr), Errc::invalid_argument,
                "moe: give exactly one input (bf16 x or fp32 x_f32)");
   TANDEM_CHECK((in.ids != nullptr) != (in.ids_i64 != nullptr), Errc::invalid_argument,
@@ -442,6 +453,8 @@ void MoeLayer::submit(const MoeInput& in) {
       TANDEM_CHECK(std::isfinite(in.weights[i]), Errc::invalid_argument, "moe: topk_weights[", t, ", ", k, "] = ",
                    in.weights[i], " is not finite");
       if (id < 0 || (in.expert_mask && !in.expert_mask[id])) continue;
+      TANDEM_CHECK(!excluded(static_cast<int>(id)), Errc::invalid_argument, "moe: topk_ids[", t, ", ", k, "] = ", id,
+                   ": layer ", layer_, " does not hold that expert on the CPU (excluded: it is placed elsewhere)");
       ++per_expert[id];
     }
   // Group rows per expert (experts ascending, tokens in order within each).
@@ -465,7 +478,7 @@ void MoeLayer::submit(const MoeInput& in) {
       task->rows_token[row] = t;
       task->slot_row[i] = row;
     }
-  pool_.submit(std::move(task));
+  return pool_.submit(std::move(task));
 }
 
 }  // namespace tandem

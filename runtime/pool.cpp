@@ -97,16 +97,33 @@ void Pool::wait_until(std::atomic<uint64_t>& word, Pred done) {
   }
 }
 
-void Pool::submit(std::shared_ptr<Task> task) {
+uint64_t Pool::submit(std::shared_ptr<Task> task) {
   TANDEM_CHECK(task != nullptr, Errc::invalid_argument, "pool: submit(nullptr)");
   TANDEM_CHECK(!stop_.load(), Errc::invalid_argument, "pool: submit after shutdown began");
+  uint64_t ticket;
   {
     std::lock_guard<std::mutex> lock(queue_mu_);
     queue_.push_back(std::move(task));
+    ticket = submitted_.fetch_add(1, std::memory_order_release) + 1;
   }
-  submitted_.fetch_add(1, std::memory_order_release);
   wake_.fetch_add(1, std::memory_order_release);
   wake_.notify_all();
+  return ticket;
+}
+
+void Pool::wait(uint64_t ticket) {
+  TANDEM_CHECK(ticket <= submitted_.load(), Errc::invalid_argument, "pool: wait(", ticket, ") for a task never submitted (",
+               submitted_.load(), " so far)");
+  {
+    std::unique_lock<std::mutex> lock(queue_mu_);
+    done_cv_.wait(lock, [&] { return completed_.load() >= ticket; });
+  }
+  std::exception_ptr e;
+  {
+    std::lock_guard<std::mutex> g(error_mu_);
+    std::swap(e, first_error_);
+  }
+  if (e) std::rethrow_exception(e);
 }
 
 bool Pool::wait_for(int allow_pending, int timeout_ms) {

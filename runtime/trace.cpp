@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "tandem/error.h"
+#include "tandem/fileio.h"
 
 namespace tandem::trace {
 namespace {
@@ -193,17 +194,7 @@ void write(const std::filesystem::path& path) {
     }
   }
   out += "\n]}\n";
-  const auto tmp = std::filesystem::path(path.string() + ".tmp");
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    TANDEM_CHECK(f.good(), Errc::io, "trace: cannot open ", tmp.string(), " for writing");
-    f.write(out.data(), static_cast<std::streamsize>(out.size()));
-    f.flush();
-    TANDEM_CHECK(f.good(), Errc::io, "trace: writing ", tmp.string(), " failed");
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  TANDEM_CHECK(!ec, Errc::io, "trace: cannot rename ", tmp.string(), " to ", path.string(), ": ", ec.message());
+  write_file_atomic(path, out, "trace");
 }
 
 }  // namespace tandem::trace

@@ -66,6 +66,11 @@ class MoeLayer {
   MoeLayer(Pool& pool, MoeShape shape, PackOptions format, int layer_index = 0);
   ~MoeLayer();
 
+  // Experts held elsewhere (hot on a GPU): load() does not pack them and routing a token
+  // to one of them here (without masking it) is an error. Call before load().
+  void exclude(const std::vector<int>& experts);
+  bool excluded(int expert) const { return !excluded_.empty() && excluded_[expert]; }
+
   // Packs every expert from `source(e)`, each subpool its own slice on its own threads.
   void load(const std::function<ExpertSource(int expert)>& source, const Progress& progress = {});
   // Loads layer `layer` from a checkpoint (safetensors, mmapped: the source bytes are
@@ -75,14 +80,16 @@ class MoeLayer {
 
   // Validates (errors name the problem and leave out untouched), then queues the layer
   // on the pool and returns; x, ids, weights, mask and out must stay valid until
-  // pool().sync() says the task finished.
-  void submit(const MoeInput& in);
+  // pool().sync() (or pool().wait(ticket)) says the task finished. Returns the pool
+  // ticket, 0 when there was nothing to do (no tokens).
+  uint64_t submit(const MoeInput& in);
   void forward(const MoeInput& in) {
     submit(in);
     pool_.sync();
   }
 
   const MoeShape& shape() const { return shape_; }
+  int layer_index() const { return layer_; }
   const PackOptions& format() const { return format_; }
   Pool& pool() { return pool_; }
   bool loaded() const { return loaded_; }
@@ -106,6 +113,7 @@ class MoeLayer {
   std::vector<int> slices_;
   std::vector<Shard> shards_;
   bool loaded_ = false;
+  std::vector<uint8_t> excluded_;  // [experts], empty: none
   struct Scratch;
   std::unique_ptr<Scratch> scratch_;  // reused by this layer's tasks (they run one at a time)
 };

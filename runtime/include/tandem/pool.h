@@ -11,8 +11,8 @@
 // before the next starts; the last thread to arrive asks the task for the next phase's
 // item counts, so they can depend on the previous phase's results.
 //
-// submit() queues a task and returns at once; tasks run one after another in FIFO
-// order. sync(n) blocks (without spinning) until at most n tasks are pending and
+// submit() queues a task and returns at once with its ticket; tasks run one after
+// another in FIFO order, and wait(ticket) blocks until that one finished. sync(n) blocks (without spinning) until at most n tasks are pending and
 // rethrows the first exception a finished task threw (the pool stays usable). Idle
 // workers spin for a few microseconds, then park on a futex.
 #pragma once
@@ -75,7 +75,11 @@ class Pool {
   int total_threads() const { return static_cast<int>(workers_.size()); }
   const SubpoolSpec& spec(int subpool) const { return options_.subpools[subpool]; }
 
-  void submit(std::shared_ptr<Task> task);
+  // Queues a task; returns its ticket (1, 2, 3, ... in submission order).
+  uint64_t submit(std::shared_ptr<Task> task);
+  // Waits until the task with this ticket (and so every earlier one: FIFO) finished,
+  // then rethrows the first error of the finished tasks (clearing it). Ticket 0: no wait.
+  void wait(uint64_t ticket);
   // Waits until at most `allow_pending` submitted tasks have not finished, then rethrows
   // the first error of the finished tasks (clearing it).
   void sync(int allow_pending = 0);

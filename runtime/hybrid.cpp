@@ -1,0 +1,399 @@
+#include "tandem/hybrid.h"
+
+#include <algorithm>
+#include <fstream>
+#include <numeric>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "tandem/error.h"
+#include "tandem/fileio.h"
+
+namespace tandem {
+
+// Pinned host memory of one slot.
+struct HybridMoe::Slot {
+  void* x = nullptr;          // [T x H] copy of the layer input
+  int32_t* ids3 = nullptr;    // [3][T x K] hot | cold | deferred
+  float* w = nullptr;         // [T x K]
+  float* out = nullptr;       // [T x H] cold experts' output
+  float* dout = nullptr;      // [T x H] deferred experts' output
+};
+
+// The host functions' argument for one (batch shape, layer): fixed address, fixed
+// contents after creation (the stream's thread writes only the tickets and spans).
+struct HybridMoe::Job {
+  HybridMoe* self = nullptr;
+  int layer = 0, tokens = 0, top_k = 0;
+  Slot* slot = nullptr;
+  bool defers = false;        // this layer defers experts to the next
+  Job* prev = nullptr;        // the layer whose deferred output this one adds
+  MoeInput cold, deferred;    // point into the slot
+  uint64_t ticket_cold = 0, ticket_deferred = 0;
+  StreamSpan copy_in, hot, copy_out;
+};
+
+struct HybridMoe::Batch {
+  Stream* stream = nullptr;
+  int tokens = 0, top_k = 0;
+  XType xt = XType::bf16;
+  std::vector<Slot> slots;
+  std::vector<void*> pinned, device;  // owned allocations
+  int32_t* ids3_dev = nullptr;        // [3][T x K]
+  float* back_dev = nullptr;          // [T x H] cold output, copied back
+  float* dback_dev = nullptr;         // [T x H] deferred output, copied back
+  std::vector<std::unique_ptr<Job>> jobs;
+  ~Batch() {
+    for (void* p : pinned) stream->free_pinned(p);
+    for (void* p : device) stream->free_device(p);
+  }
+};
+
+namespace {
+enum Where { kHot = 0, kCold = 1, kDeferred = 2 };
+}
+
+HybridMoe::HybridMoe(Stream& stream, std::vector<MoeLayer*> cpu, HybridOptions options)
+    : stream_(stream), cpu_(std::move(cpu)), opt_(options) {
+  TANDEM_CHECK(!cpu_.empty(), Errc::invalid_argument, "hybrid: no layers");
+  for (size_t i = 0; i < cpu_.size(); ++i)
+    TANDEM_CHECK(cpu_[i] != nullptr, Errc::invalid_argument, "hybrid: layer ", i, " is null");
+  shape_ = cpu_[0]->shape();
+  for (size_t i = 1; i < cpu_.size(); ++i) {
+    const MoeShape& s = cpu_[i]->shape();
+    TANDEM_CHECK(s.experts == shape_.experts && s.hidden == shape_.hidden && s.inter == shape_.inter,
+                 Errc::invalid_argument, "hybrid: layer ", i, " has shape (experts ", s.experts, ", hidden ", s.hidden,
+                 ", intermediate ", s.inter, "), layer 0 has (", shape_.experts, ", ", shape_.hidden, ", ", shape_.inter,
+                 ")");
+    TANDEM_CHECK(&cpu_[i]->pool() == &cpu_[0]->pool(), Errc::invalid_argument,
+                 "hybrid: all layers must run on one pool (layer ", i, " does not)");
+  }
+  TANDEM_CHECK(opt_.pinned_slots >= 1 && opt_.pinned_slots <= 4, Errc::invalid_argument, "hybrid: pinned_slots = ",
+               opt_.pinned_slots, " is outside [1, 4]");
+  TANDEM_CHECK(opt_.max_tokens >= 1, Errc::invalid_argument, "hybrid: max_tokens = ", opt_.max_tokens,
+               " must be positive");
+  TANDEM_CHECK(opt_.deferred >= 0 && opt_.deferred <= kRouterMaxTopK, Errc::invalid_argument,
+               "hybrid: deferred_experts = ", opt_.deferred, " is outside [0, ", kRouterMaxTopK, "]");
+  TANDEM_CHECK(opt_.deferred == 0 || opt_.pinned_slots >= 2, Errc::invalid_argument,
+               "hybrid: deferred experts need at least 2 pinned slots (buffers.pinned_slots = ", opt_.pinned_slots, ")");
+  const int L = layers(), E = shape_.experts;
+  hot_.resize(L);
+  hot_ids_.resize(L);
+  hot_mask_dev_.resize(L, nullptr);
+  const size_t n = static_cast<size_t>(L) * (3 * E + 1);
+  counts_ = std::make_unique<std::atomic<uint64_t>[]>(n);
+  for (size_t i = 0; i < n; ++i) counts_[i].store(0, std::memory_order_relaxed);
+  const std::vector<uint8_t> none(E, 0);
+  for (int l = 0; l < L; ++l) {
+    hot_mask_dev_[l] = static_cast<uint8_t*>(stream_.alloc_device(E));
+    stream_.upload(hot_mask_dev_[l], none.data(), E);
+  }
+}
+
+HybridMoe::~HybridMoe() {
+  try {
+    stream_.synchronize();  // nothing may still use the slots, jobs or masks
+  } catch (...) {
+  }
+  for (int l = 0; l < layers(); ++l)
+    if (hot_mask_dev_[l]) stream_.free_device(hot_mask_dev_[l]);
+}
+
+void HybridMoe::set_hot(int layer, std::vector<int> experts, const std::function<ExpertSource(int)>& source) {
+  TANDEM_CHECK(layer >= 0 && layer < layers(), Errc::invalid_argument, "hybrid: layer ", layer, " is outside [0, ",
+               layers(), ")");
+  std::sort(experts.begin(), experts.end());
+  std::vector<uint8_t> mask(shape_.experts, 0);
+  for (int e : experts) {
+    TANDEM_CHECK(e >= 0 && e < shape_.experts, Errc::invalid_argument, "hybrid: layer ", layer, ": hot expert ", e,
+                 " is outside [0, ", shape_.experts, ")");
+    TANDEM_CHECK(!mask[e], Errc::invalid_argument, "hybrid: layer ", layer, ": hot expert ", e, " is listed twice");
+    mask[e] = 1;
+  }
+  stream_.synchronize();  // no enqueued work may still use the old set
+  hot_[layer].reset();
+  if (!experts.empty()) hot_[layer] = stream_.upload_experts(shape_, experts, source);
+  hot_ids_[layer] = std::move(experts);
+  stream_.upload(hot_mask_dev_[layer], mask.data(), mask.size());
+}
+
+const std::vector<int>& HybridMoe::hot(int layer) const {
+  TANDEM_CHECK(layer >= 0 && layer < layers(), Errc::invalid_argument, "hybrid: layer ", layer, " is outside [0, ",
+               layers(), ")");
+  return hot_ids_[layer];
+}
+
+HybridMoe::Batch& HybridMoe::batch(int tokens, int top_k, XType xt) {
+  auto& b = batches_[{tokens, top_k, static_cast<int>(xt)}];
+  if (b) return *b;
+  b = std::make_unique<Batch>();
+  b->stream = &stream_;
+  b->tokens = tokens;
+  b->top_k = top_k;
+  b->xt = xt;
+  const size_t T = tokens, K = top_k, H = shape_.hidden;
+  auto pinned = [&](size_t bytes) {
+    void* p = stream_.alloc_pinned(bytes);
+    b->pinned.push_back(p);
+    return p;
+  };
+  auto device = [&](size_t bytes) {
+    void* p = stream_.alloc_device(bytes);
+    b->device.push_back(p);
+    return p;
+  };
+  b->slots.resize(opt_.pinned_slots);
+  for (Slot& s : b->slots) {
+    s.x = pinned(T * H * xtype_size(xt));
+    s.ids3 = static_cast<int32_t*>(pinned(3 * T * K * sizeof(int32_t)));
+    s.w = static_cast<float*>(pinned(T * K * sizeof(float)));
+    s.out = static_cast<float*>(pinned(T * H * sizeof(float)));
+    s.dout = opt_.deferred ? static_cast<float*>(pinned(T * H * sizeof(float))) : nullptr;
+  }
+  b->ids3_dev = static_cast<int32_t*>(device(3 * T * K * sizeof(int32_t)));
+  b->back_dev = static_cast<float*>(device(T * H * sizeof(float)));
+  b->dback_dev = opt_.deferred ? static_cast<float*>(device(T * H * sizeof(float))) : nullptr;
+  for (int l = 0; l < layers(); ++l) {
+    auto j = std::make_unique<Job>();
+    j->self = this;
+    j->layer = l;
+    j->tokens = tokens;
+    j->top_k = top_k;
+    j->slot = &b->slots[l % opt_.pinned_slots];
+    j->defers = opt_.deferred > 0 && l + 1 < layers();
+    j->prev = opt_.deferred > 0 && l > 0 ? b->jobs[l - 1].get() : nullptr;
+    MoeInput in;
+    (xt == XType::bf16 ? reinterpret_cast<const void*&>(in.x) : reinterpret_cast<const void*&>(in.x_f32)) = j->slot->x;
+    in.tokens = tokens;
+    in.top_k = top_k;
+    in.weights = j->slot->w;
+    j->cold = in;
+    j->cold.ids = j->slot->ids3 + T * K * kCold;
+    j->cold.out = j->slot->out;
+    j->deferred = in;
+    j->deferred.ids = j->slot->ids3 + T * K * kDeferred;
+    j->deferred.out = j->slot->dout;
+    const trace::Args args{cpu_[l]->layer_index(), -1, tokens};
+    j->copy_in = {"copy_in", args};
+    j->hot = {"hot_experts", args};
+    j->copy_out = {"copy_back", args};
+    b->jobs.push_back(std::move(j));
+  }
+  return *b;
+}
+
+void HybridMoe::submit_fn(void* p) {
+  Job& j = *static_cast<Job*>(p);
+  HybridMoe& h = *j.self;
+  trace::Span span("submit_cpu", {h.cpu_[j.layer]->layer_index(), -1, j.tokens});
+  try {
+    const int E = h.shape_.experts;
+    const size_t n = static_cast<size_t>(j.tokens) * j.top_k;
+    std::atomic<uint64_t>* c = &h.counts_[static_cast<size_t>(j.layer) * (3 * E + 1)];
+    for (int where = 0; where < 3; ++where) {
+      const int32_t* ids = j.slot->ids3 + n * where;
+      for (size_t i = 0; i < n; ++i)
+        if (ids[i] >= 0) c[where * E + ids[i]].fetch_add(1, std::memory_order_relaxed);
+    }
+    c[3 * E].fetch_add(j.tokens, std::memory_order_relaxed);
+    MoeLayer& cpu = *h.cpu_[j.layer];
+    j.ticket_cold = cpu.submit(j.cold);
+    j.ticket_deferred = j.defers ? cpu.submit(j.deferred) : 0;
+  } catch (...) {
+    h.stream_.set_error(std::current_exception());
+  }
+}
+
+void HybridMoe::wait_fn(void* p) {
+  Job& j = *static_cast<Job*>(p);
+  HybridMoe& h = *j.self;
+  trace::Span span("wait_cpu", {h.cpu_[j.layer]->layer_index(), -1, j.tokens});
+  try {
+    Pool& pool = h.cpu_[j.layer]->pool();
+    if (j.prev) pool.wait(j.prev->ticket_deferred);
+    pool.wait(j.ticket_cold);
+  } catch (...) {
+    h.stream_.set_error(std::current_exception());
+  }
+}
+
+void HybridMoe::enqueue(int layer, const LayerIO& io) {
+  TANDEM_CHECK(layer >= 0 && layer < layers(), Errc::invalid_argument, "hybrid: layer ", layer, " is outside [0, ",
+               layers(), ")");
+  TANDEM_CHECK(io.tokens >= 1 && io.tokens <= opt_.max_tokens, Errc::invalid_argument, "hybrid: layer ", layer,
+               ": tokens = ", io.tokens, " is outside [1, buffers.max_tokens = ", opt_.max_tokens, "]");
+  TANDEM_CHECK(io.top_k >= 1 && io.top_k <= kRouterMaxTopK, Errc::invalid_argument, "hybrid: layer ", layer,
+               ": top_k = ", io.top_k, " is outside [1, ", kRouterMaxTopK, "]");
+  TANDEM_CHECK(io.x && io.ids && io.weights && io.out, Errc::invalid_argument, "hybrid: layer ", layer, ": ",
+               !io.x ? "x" : !io.ids ? "ids" : !io.weights ? "weights" : "out", " is null");
+  TANDEM_CHECK(io.x_type == XType::bf16 || io.x_type == XType::f32, Errc::invalid_argument, "hybrid: layer ", layer,
+               ": unknown x dtype ", static_cast<int>(io.x_type));
+  for (const MoeLayer* l : cpu_)
+    TANDEM_CHECK(l->loaded(), Errc::invalid_argument, "hybrid: model layer ", l->layer_index(), " has no CPU weights");
+  Batch& b = batch(io.tokens, io.top_k, io.x_type);
+  if (opt_.deferred > 0 && layer > 0) {
+    TANDEM_CHECK(last_layer_ == layer - 1 && last_batch_ == &b, Errc::invalid_argument, "hybrid: layer ", layer,
+                 " enqueued after ", last_layer_ < 0 ? std::string("no layer") : str_cat("layer ", last_layer_),
+                 last_batch_ && last_batch_ != &b ? " of another batch shape" : "",
+                 "; with deferred experts each step enqueues layers 0, 1, 2, ... in order with one batch shape");
+  }
+  Job& j = *b.jobs[layer];
+  Slot& sl = *j.slot;
+  const size_t T = io.tokens, K = io.top_k, H = shape_.hidden;
+  const bool tracing = trace::enabled();
+  const SplitSpec split{shape_.experts, io.top_k, j.defers ? opt_.deferred : 0};
+  validate_split(split);
+
+  if (tracing) j.copy_in.begin(stream_);
+  stream_.split(io.ids, io.ids_i64, io.weights, io.tokens, hot_mask_dev_[layer], split, b.ids3_dev);
+  stream_.copy(sl.x, io.x, T * H * xtype_size(io.x_type));
+  stream_.copy(sl.ids3, b.ids3_dev, 3 * T * K * sizeof(int32_t));
+  stream_.copy(sl.w, io.weights, T * K * sizeof(float));
+  if (tracing) j.copy_in.end(stream_);
+  stream_.host(submit_fn, &j);
+  if (tracing) j.hot.begin(stream_);
+  if (hot_[layer])
+    hot_[layer]->forward(io.x, io.x_type, io.tokens, b.ids3_dev + T * K * kHot, io.weights, io.top_k, io.out);
+  else
+    stream_.zero(io.out, T * H * sizeof(float));
+  if (tracing) j.hot.end(stream_);
+  stream_.host(wait_fn, &j);
+  if (tracing) j.copy_out.begin(stream_);
+  stream_.copy(b.back_dev, sl.out, T * H * sizeof(float));
+  stream_.add(io.out, b.back_dev, T * H);
+  if (j.prev) {
+    stream_.copy(b.dback_dev, j.prev->slot->dout, T * H * sizeof(float));
+    stream_.add(io.out, b.dback_dev, T * H);
+  }
+  if (tracing) j.copy_out.end(stream_);
+  last_layer_ = layer;
+  last_batch_ = &b;
+}
+
+PlacementCounts HybridMoe::counts(int layer) const {
+  TANDEM_CHECK(layer >= 0 && layer < layers(), Errc::invalid_argument, "hybrid: layer ", layer, " is outside [0, ",
+               layers(), ")");
+  const int E = shape_.experts;
+  const std::atomic<uint64_t>* c = &counts_[static_cast<size_t>(layer) * (3 * E + 1)];
+  PlacementCounts p;
+  for (auto [where, v] : {std::pair{kHot, &p.hot}, {kCold, &p.cold}, {kDeferred, &p.deferred}}) {
+    v->resize(E);
+    for (int e = 0; e < E; ++e) (*v)[e] = c[where * E + e].load(std::memory_order_relaxed);
+  }
+  p.tokens = c[3 * E].load(std::memory_order_relaxed);
+  return p;
+}
+
+void HybridMoe::reset_counts() {
+  const size_t n = static_cast<size_t>(layers()) * (3 * shape_.experts + 1);
+  for (size_t i = 0; i < n; ++i) counts_[i].store(0, std::memory_order_relaxed);
+}
+
+void HybridMoe::write_statistics(const std::filesystem::path& path) const {
+  RoutingStatistics st;
+  st.experts = shape_.experts;
+  for (int l = 0; l < layers(); ++l) {
+    const PlacementCounts p = counts(l);
+    std::vector<uint64_t> total(shape_.experts);
+    for (int e = 0; e < shape_.experts; ++e) total[e] = p.hot[e] + p.cold[e] + p.deferred[e];
+    st.layers[cpu_[l]->layer_index()] = std::move(total);
+  }
+  save_routing_statistics(st, path);
+}
+
+// ---- placement ----------------------------------------------------------------------
+
+namespace {
+constexpr const char* kStatsFormat = "tandem.routing_statistics";
+}
+
+void save_routing_statistics(const RoutingStatistics& stats, const std::filesystem::path& path) {
+  nlohmann::json j;
+  j["format"] = kStatsFormat;
+  j["version"] = 1;
+  j["experts"] = stats.experts;
+  nlohmann::json layers = nlohmann::json::object();
+  for (const auto& [l, c] : stats.layers) layers[std::to_string(l)] = c;
+  j["layers"] = layers;
+  write_file_atomic(path, j.dump(1) + "\n", "routing statistics");
+}
+
+RoutingStatistics load_routing_statistics(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  TANDEM_CHECK(in.good(), Errc::io, "routing statistics: cannot read ", path.string());
+  std::stringstream ss;
+  ss << in.rdbuf();
+  nlohmann::json j = nlohmann::json::parse(ss.str(), nullptr, false);
+  const std::string f = path.string();
+  TANDEM_CHECK(!j.is_discarded() && j.is_object(), Errc::bad_format, f, ": not a JSON object");
+  TANDEM_CHECK(j.value("format", "") == kStatsFormat, Errc::bad_format, f, ": \"format\" is not \"", kStatsFormat, "\"");
+  TANDEM_CHECK(j.value("version", 0) == 1, Errc::bad_format, f, ": \"version\" must be 1");
+  TANDEM_CHECK(j.contains("experts") && j["experts"].is_number_integer() && j["experts"].get<int64_t>() >= 1,
+               Errc::bad_format, f, ": \"experts\" must be a positive integer");
+  TANDEM_CHECK(j.contains("layers") && j["layers"].is_object(), Errc::bad_format, f,
+               ": \"layers\" must map layer numbers to count lists");
+  RoutingStatistics st;
+  st.experts = j["experts"].get<int>();
+  for (const auto& [key, v] : j["layers"].items()) {
+    int layer = -1;
+    try {
+      size_t used = 0;
+      layer = std::stoi(key, &used);
+      if (used != key.size()) layer = -1;
+    } catch (...) {
+    }
+    TANDEM_CHECK(layer >= 0, Errc::bad_format, f, ": layers.\"", key, "\": not a layer number");
+    TANDEM_CHECK(v.is_array() && static_cast<int>(v.size()) == st.experts, Errc::bad_format, f, ": layers.", key,
+                 ": must list ", st.experts, " counts");
+    std::vector<uint64_t> c;
+    for (const auto& x : v) {
+      TANDEM_CHECK(x.is_number_unsigned() || (x.is_number_integer() && x.get<int64_t>() >= 0), Errc::bad_format, f,
+                   ": layers.", key, ": counts must be non-negative integers");
+      c.push_back(x.get<uint64_t>());
+    }
+    st.layers[layer] = std::move(c);
+  }
+  return st;
+}
+
+std::vector<int> choose_hot_experts(const HotExpertsConfig& c, int layer, int experts, const RoutingStatistics* stats) {
+  using P = HotExpertsConfig::Policy;
+  std::vector<int> out;
+  switch (c.policy) {
+    case P::none: return out;
+    case P::explicit_lists: {
+      auto it = c.layers.find(layer);
+      if (it == c.layers.end()) return out;
+      for (int e : it->second)
+        TANDEM_CHECK(e >= 0 && e < experts, Errc::invalid_argument, "gpu.hot_experts.layers.", layer, ": expert ", e,
+                     " is outside [0, ", experts, ")");
+      out = it->second;
+      break;
+    }
+    case P::uniform: {
+      const int n = std::min(c.count, experts);
+      for (int i = 0; i < n; ++i) out.push_back(static_cast<int>(static_cast<int64_t>(i) * experts / n));
+      break;
+    }
+    case P::statistics: {
+      TANDEM_CHECK(stats != nullptr, Errc::invalid_argument, "gpu.hot_experts.statistics: ", c.statistics.string(),
+                   " was not loaded");
+      TANDEM_CHECK(stats->experts == experts, Errc::invalid_argument, "gpu.hot_experts.statistics: ",
+                   c.statistics.string(), " counts ", stats->experts, " experts per layer, the model has ", experts);
+      auto it = stats->layers.find(layer);
+      TANDEM_CHECK(it != stats->layers.end(), Errc::invalid_argument, "gpu.hot_experts.statistics: ",
+                   c.statistics.string(), " has no counts for layer ", layer);
+      std::vector<int> order(experts);
+      std::iota(order.begin(), order.end(), 0);
+      const auto& cnt = it->second;
+      std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return cnt[a] > cnt[b]; });
+      out.assign(order.begin(), order.begin() + std::min(c.count, experts));
+      break;
+    }
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+}  // namespace tandem

@@ -1,0 +1,131 @@
+// tandem/hybrid.h: the hybrid scheduler. One MoE layer's routed experts run split
+// between a stream's device (the hot experts, resident there) and the CPU pools (the
+// cold ones), both busy at once; a layer's lowest-weighted CPU experts can be
+// "deferred" to run while the device works on the next layer.
+//
+// Per layer, all in stream order (HybridMoe::enqueue):
+//   split      routing ids -> hot | cold | deferred (device op)
+//   copy in    x, the split ids and the weights -> pinned slot (layer % pinned_slots)
+//   host fn    submit the CPU task for the cold experts, then one for the deferred ones
+//   hot        the device's hot experts write out (= their weighted sum)
+//   host fn    wait for the cold task (and the previous layer's deferred task)
+//   copy back  the CPU partials -> device; out += cold (+ previous layer's deferred)
+// Layer L's deferred experts run on the CPU after its cold ones, while the device goes on
+// to layer L+1 (attention, router, ...); their output is added into layer L+1's output.
+// The last layer defers nothing; deferral 0 is exactly the standard MoE.
+//
+// Buffers are kept per batch shape (tokens, top_k, x dtype): pinned slots, device
+// scratch, and the host functions' arguments all keep fixed addresses, so a captured
+// decode step (CUDA graph) replays with the CPU experts included.
+#pragma once
+
+#include <atomic>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <tuple>
+#include <vector>
+
+#include "tandem/config.h"
+#include "tandem/moe.h"
+#include "tandem/stream.h"
+
+namespace tandem {
+
+struct HybridOptions {
+  int pinned_slots = 2;    // 1 .. 4; at least 2 with deferral
+  int max_tokens = 4096;   // the largest batch enqueue accepts
+  int deferred = 0;        // per token, this many of its lowest-weighted CPU experts are deferred
+};
+
+// One layer's inputs and output, all in the stream's device memory.
+struct LayerIO {
+  const void* x = nullptr;  // [tokens x hidden]
+  XType x_type = XType::bf16;
+  int tokens = 0;
+  const void* ids = nullptr;  // [tokens x top_k] int32 (or int64 with ids_i64); -1: empty slot
+  bool ids_i64 = false;
+  const float* weights = nullptr;  // [tokens x top_k]
+  int top_k = 0;
+  float* out = nullptr;  // [tokens x hidden] fp32, written
+};
+
+// Routed (token, expert) pairs per layer and expert, by where they ran.
+struct PlacementCounts {
+  std::vector<uint64_t> hot, cold, deferred;  // [experts]
+  uint64_t tokens = 0;                        // tokens seen
+};
+
+class HybridMoe {
+ public:
+  // cpu[i]: the CPU engine of MoE layer i (the scheduler's layer index; MoeLayer's own
+  // index names the model layer), all with the same shape. The layers may hold all
+  // experts or only the ones not hot.
+  HybridMoe(Stream& stream, std::vector<MoeLayer*> cpu, HybridOptions options);
+  ~HybridMoe();
+  HybridMoe(const HybridMoe&) = delete;
+  HybridMoe& operator=(const HybridMoe&) = delete;
+
+  // Puts experts (global ids) of layer i on the device, from `source` (any source type;
+  // converted to bf16). Replaces the previous set; call before enqueueing.
+  void set_hot(int layer, std::vector<int> experts, const std::function<ExpertSource(int)>& source);
+  const std::vector<int>& hot(int layer) const;
+
+  // Enqueues layer `layer` on the stream (see the header comment); returns at once. With
+  // deferral, layers of one step must be enqueued in order 0, 1, 2, ... with the same
+  // batch shape (layer 0 starts a step). Errors here name the problem; errors found
+  // while the stream runs (an id out of range) are rethrown by stream().synchronize().
+  void enqueue(int layer, const LayerIO& io);
+
+  int layers() const { return static_cast<int>(cpu_.size()); }
+  Stream& stream() { return stream_; }
+  const HybridOptions& options() const { return opt_; }
+  // Batch shapes with buffers (each holds pinned_slots slots).
+  int batch_shapes() const { return static_cast<int>(batches_.size()); }
+
+  // Counted by the stream's host functions: read them after stream().synchronize().
+  PlacementCounts counts(int layer) const;
+  void reset_counts();
+  // Writes the routing statistics (routed counts per model layer and expert, all
+  // placements) as JSON, atomically; read back by load_routing_statistics.
+  void write_statistics(const std::filesystem::path& path) const;
+
+ private:
+  struct Slot;
+  struct Job;
+  struct Batch;
+  Batch& batch(int tokens, int top_k, XType xt);
+  static void submit_fn(void* job);
+  static void wait_fn(void* job);
+
+  Stream& stream_;
+  std::vector<MoeLayer*> cpu_;
+  HybridOptions opt_;
+  MoeShape shape_;
+  std::vector<std::unique_ptr<DeviceExperts>> hot_;
+  std::vector<std::vector<int>> hot_ids_;
+  std::vector<uint8_t*> hot_mask_dev_;  // [experts] per layer, device memory
+  std::map<std::tuple<int, int, int>, std::unique_ptr<Batch>> batches_;
+  std::unique_ptr<std::atomic<uint64_t>[]> counts_;  // [layer][3][experts] then tokens per layer
+  int last_layer_ = -1;
+  Batch* last_batch_ = nullptr;
+};
+
+// ---- placement ----------------------------------------------------------------------
+
+// Routed counts per model layer, [experts] each.
+struct RoutingStatistics {
+  int experts = 0;
+  std::map<int, std::vector<uint64_t>> layers;
+};
+RoutingStatistics load_routing_statistics(const std::filesystem::path& path);
+void save_routing_statistics(const RoutingStatistics& stats, const std::filesystem::path& path);
+
+// The hot experts of model layer `layer` under the config's policy (ascending ids):
+// explicit lists as given; `count` most-routed per the statistics file (ties: lower id);
+// or, with a count and no statistics, `count` experts spread evenly over the ids.
+// Errors name the config key or the statistics file.
+std::vector<int> choose_hot_experts(const HotExpertsConfig& config, int layer, int experts,
+                                    const RoutingStatistics* stats = nullptr);
+
+}  // namespace tandem
