@@ -104,10 +104,9 @@ void quantize_activations(const float* a, int m, int k, int lda, int k_pad, int 
 }
 
 namespace {
-
 int64_t row_stride(const WeightView& w) { return w.ld ? w.ld : w.k; }
+}  // namespace
 
-// Decodes rows [r0, r0 + rows) of a source into fp32, row stride k.
 void decode_rows(const WeightView& w, int r0, int rows, float* out) {
   const int64_t ld = row_stride(w);
   for (int r = 0; r < rows; ++r) {
@@ -145,6 +144,8 @@ void decode_rows(const WeightView& w, int r0, int rows, float* out) {
     }
   }
 }
+
+namespace {
 
 void check_view(const char* what, const WeightView& w) {
   TANDEM_CHECK(w.data != nullptr, Errc::invalid_argument, "pack: ", what, " pointer is null");

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 
@@ -11,7 +12,10 @@
 namespace tandem {
 
 void write_file_atomic(const std::filesystem::path& path, std::string_view data, std::string_view what) {
-  const std::filesystem::path tmp = path.string() + ".tmp." + std::to_string(::getpid());
+  // Unique per process and call, so concurrent writers of one path never share a temporary.
+  static std::atomic<uint64_t> serial{0};
+  const std::filesystem::path tmp =
+      path.string() + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(serial.fetch_add(1));
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   TANDEM_CHECK(fd >= 0, Errc::io, what, ": cannot open ", tmp.string(), " for writing: ", std::strerror(errno));
   size_t done = 0;

@@ -131,9 +131,7 @@ class HostStream : public Stream {
   }
   void host(HostFn fn, void* arg) override {
     TANDEM_CHECK(fn != nullptr, Errc::invalid_argument, "stream: host(nullptr)");
-    enqueue([this, fn, arg] {
-      if (!failed()) fn(arg);
-    });
+    enqueue([fn, arg] { fn(arg); });
   }
   void route(const float* logits, int tokens, const float* bias, const RouterSpec& spec, int32_t* ids,
              float* weights) override {

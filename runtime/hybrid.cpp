@@ -96,6 +96,10 @@ HybridMoe::~HybridMoe() {
     stream_.synchronize();  // nothing may still use the slots, jobs or masks
   } catch (...) {
   }
+  try {
+    cpu_[0]->pool().sync();  // nor a CPU task
+  } catch (...) {
+  }
   for (int l = 0; l < layers(); ++l)
     if (hot_mask_dev_[l]) stream_.free_device(hot_mask_dev_[l]);
 }
@@ -186,6 +190,7 @@ HybridMoe::Batch& HybridMoe::batch(int tokens, int top_k, XType xt) {
 void HybridMoe::submit_fn(void* p) {
   Job& j = *static_cast<Job*>(p);
   HybridMoe& h = *j.self;
+  if (h.stream_.failed()) return;  // the split (or an earlier layer) failed: nothing valid to submit
   trace::Span span("submit_cpu", {h.cpu_[j.layer]->layer_index(), -1, j.tokens});
   try {
     const int E = h.shape_.experts;
@@ -208,6 +213,8 @@ void HybridMoe::submit_fn(void* p) {
 void HybridMoe::wait_fn(void* p) {
   Job& j = *static_cast<Job*>(p);
   HybridMoe& h = *j.self;
+  // No failed() check: a task submitted before a failure must still finish before the
+  // stream moves on (its slot is reused); tickets of skipped submits are old and done.
   trace::Span span("wait_cpu", {h.cpu_[j.layer]->layer_index(), -1, j.tokens});
   try {
     Pool& pool = h.cpu_[j.layer]->pool();
@@ -309,6 +316,11 @@ constexpr const char* kStatsFormat = "tandem.routing_statistics";
 }
 
 void save_routing_statistics(const RoutingStatistics& stats, const std::filesystem::path& path) {
+  TANDEM_CHECK(stats.experts >= 1, Errc::invalid_argument, "routing statistics: experts = ", stats.experts,
+               " must be positive");
+  for (const auto& [l, c] : stats.layers)
+    TANDEM_CHECK(static_cast<int>(c.size()) == stats.experts, Errc::invalid_argument, "routing statistics: layer ", l,
+                 " has ", c.size(), " counts, not ", stats.experts);
   nlohmann::json j;
   j["format"] = kStatsFormat;
   j["version"] = 1;
@@ -329,20 +341,18 @@ RoutingStatistics load_routing_statistics(const std::filesystem::path& path) {
   TANDEM_CHECK(!j.is_discarded() && j.is_object(), Errc::bad_format, f, ": not a JSON object");
   TANDEM_CHECK(j.value("format", "") == kStatsFormat, Errc::bad_format, f, ": \"format\" is not \"", kStatsFormat, "\"");
   TANDEM_CHECK(j.value("version", 0) == 1, Errc::bad_format, f, ": \"version\" must be 1");
-  TANDEM_CHECK(j.contains("experts") && j["experts"].is_number_integer() && j["experts"].get<int64_t>() >= 1,
-               Errc::bad_format, f, ": \"experts\" must be a positive integer");
+  TANDEM_CHECK(j.contains("experts") && j["experts"].is_number_integer() && j["experts"].get<int64_t>() >= 1 &&
+                   j["experts"].get<int64_t>() <= (1 << 20),
+               Errc::bad_format, f, ": \"experts\" must be an integer in [1, 2^20]");
   TANDEM_CHECK(j.contains("layers") && j["layers"].is_object(), Errc::bad_format, f,
                ": \"layers\" must map layer numbers to count lists");
   RoutingStatistics st;
   st.experts = j["experts"].get<int>();
   for (const auto& [key, v] : j["layers"].items()) {
     int layer = -1;
-    try {
-      size_t used = 0;
-      layer = std::stoi(key, &used);
-      if (used != key.size()) layer = -1;
-    } catch (...) {
-    }
+    if (!key.empty() && key.size() <= 9 && std::all_of(key.begin(), key.end(), [](char ch) { return ch >= '0' && ch <= '9'; }) &&
+        (key == "0" || key[0] != '0'))
+      layer = std::stoi(key);
     TANDEM_CHECK(layer >= 0, Errc::bad_format, f, ": layers.\"", key, "\": not a layer number");
     TANDEM_CHECK(v.is_array() && static_cast<int>(v.size()) == st.experts, Errc::bad_format, f, ": layers.", key,
                  ": must list ", st.experts, " counts");
@@ -369,6 +379,9 @@ std::vector<int> choose_hot_experts(const HotExpertsConfig& c, int layer, int ex
         TANDEM_CHECK(e >= 0 && e < experts, Errc::invalid_argument, "gpu.hot_experts.layers.", layer, ": expert ", e,
                      " is outside [0, ", experts, ")");
       out = it->second;
+      std::sort(out.begin(), out.end());
+      TANDEM_CHECK(std::adjacent_find(out.begin(), out.end()) == out.end(), Errc::invalid_argument,
+                   "gpu.hot_experts.layers.", layer, ": an expert is listed twice");
       break;
     }
     case P::uniform: {
@@ -384,6 +397,9 @@ std::vector<int> choose_hot_experts(const HotExpertsConfig& c, int layer, int ex
       auto it = stats->layers.find(layer);
       TANDEM_CHECK(it != stats->layers.end(), Errc::invalid_argument, "gpu.hot_experts.statistics: ",
                    c.statistics.string(), " has no counts for layer ", layer);
+      TANDEM_CHECK(static_cast<int>(it->second.size()) == experts, Errc::invalid_argument,
+                   "gpu.hot_experts.statistics: ", c.statistics.string(), ": layer ", layer, " has ", it->second.size(),
+                   " counts, not ", experts);
       std::vector<int> order(experts);
       std::iota(order.begin(), order.end(), 0);
       const auto& cnt = it->second;

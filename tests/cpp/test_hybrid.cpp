@@ -19,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "tandem/error.h"
+#include "tandem/gpu_info.h"
 #include "tandem/hybrid.h"
 #include "tandem/trace.h"
 #include "test_util.h"
@@ -28,6 +29,28 @@ namespace {
 
 using test::error_of;
 using test::test_seed;
+
+// The stream a test runs on: "host" everywhere, "cuda" where a GPU is present (the
+// test skips otherwise).
+bool cuda_available() {
+  static const bool ok = [] {
+    const gpu::GpuReport r = gpu::query_gpus(false);
+    return r.cuda_built && !r.gpus.empty();
+  }();
+  return ok;
+}
+
+std::unique_ptr<Stream> make_stream(const std::string& kind) {
+  return kind == "cuda" ? make_cuda_stream(0) : make_host_stream();
+}
+
+class Hybrid : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    if (GetParam() == "cuda" && !cuda_available()) GTEST_SKIP() << "no CUDA device (or tandem built without CUDA)";
+  }
+  std::unique_ptr<Stream> stream() const { return make_stream(GetParam()); }
+};
 
 std::unique_ptr<Pool> make_pool(int subpools) {
   Config::Cpu cpu;
@@ -172,6 +195,61 @@ std::vector<int> random_subset(int E, int n, std::mt19937_64& rng) {
   return all;
 }
 
+// ---- routing and split on the stream (CUDA: the kernels) == the host code -------------
+
+TEST_P(Hybrid, RoutingAndSplitOnTheStreamMatchTheHost) {
+  const uint64_t seed = test_seed();
+  std::mt19937_64 rng(seed);
+  auto st = stream();
+  const int T = 37;
+  RouterSpec softmax{128, 8, Scoring::softmax, true};
+  RouterSpec sigmoid{256, 8, Scoring::sigmoid, true, 8, 4, 2.5f};
+  for (const RouterSpec& spec : {softmax, sigmoid}) {
+    SCOPED_TRACE(spec.scoring == Scoring::softmax ? "softmax" : "sigmoid");
+    const int E = spec.experts, K = spec.top_k;
+    // Logits on a grid of distinct values, so no two scores are within rounding of each
+    // other and device expf (a few ulp from the host's) cannot reorder them.
+    std::vector<float> logits(size_t(T) * E), bias(E);
+    for (int t = 0; t < T; ++t) {
+      std::vector<int> perm(E);
+      for (int e = 0; e < E; ++e) perm[e] = e;
+      std::shuffle(perm.begin(), perm.end(), rng);
+      for (int e = 0; e < E; ++e) logits[size_t(t) * E + e] = -2.0f + 4.0f * perm[e] / E;
+    }
+    for (int e = 0; e < E; ++e) bias[e] = 0.5f * e / E - 0.25f;
+    std::vector<int32_t> ids_h(size_t(T) * K), ids_d(ids_h.size());
+    std::vector<float> w_h(ids_h.size()), w_d(ids_h.size());
+    route(logits.data(), T, spec.scoring == Scoring::sigmoid ? bias.data() : nullptr, spec, ids_h.data(), w_h.data());
+    DevBuf dl(*st, logits.size() * 4), db(*st, bias.size() * 4), di(*st, ids_h.size() * 4), dw(*st, w_h.size() * 4);
+    st->upload(dl.p, logits.data(), logits.size() * 4);
+    st->upload(db.p, bias.data(), bias.size() * 4);
+    st->route(dl.as<float>(), T, spec.scoring == Scoring::sigmoid ? db.as<float>() : nullptr, spec, di.as<int32_t>(),
+              dw.as<float>());
+    st->synchronize();
+    st->download(ids_d.data(), di.p, ids_d.size() * 4);
+    st->download(w_d.data(), dw.p, w_d.size() * 4);
+    EXPECT_EQ(ids_d, ids_h);
+    for (size_t i = 0; i < w_h.size(); ++i)  // expf within a few ulp; sums of <= 256 terms
+      EXPECT_NEAR(w_d[i], w_h[i], 1e-5f * std::abs(w_h[i]) + 1e-7f) << "slot " << i;
+
+    // The split of those ids, with a hot set and deferral.
+    std::vector<uint8_t> mask(E, 0);
+    for (int e = 0; e < E; e += 3) mask[e] = 1;
+    DevBuf dm(*st, E), d3(*st, 3 * ids_h.size() * 4);
+    st->upload(dm.p, mask.data(), E);
+    for (int deferred : {0, 2}) {
+      const SplitSpec sp{E, K, deferred};
+      std::vector<int32_t> want(3 * ids_h.size()), got(want.size());
+      const size_t n = ids_h.size();
+      split(ids_h.data(), w_h.data(), T, mask.data(), sp, want.data(), want.data() + n, want.data() + 2 * n);
+      st->split(di.p, false, dw.as<float>(), T, dm.as<uint8_t>(), sp, d3.as<int32_t>());
+      st->synchronize();
+      st->download(got.data(), d3.p, got.size() * 4);
+      EXPECT_EQ(got, want) << "deferred " << deferred;
+    }
+  }
+}
+
 // ---- hybrid layer == CPU engine == fp64 reference ------------------------------------
 
 struct SplitCase {
@@ -181,7 +259,7 @@ struct SplitCase {
   bool exclude, f32_in;
 };
 
-void check_split_case(const SplitCase& c, uint64_t seed) {
+void check_split_case(const std::string& kind, const SplitCase& c, uint64_t seed) {
   SCOPED_TRACE(testing::Message() << "E " << c.E << " H " << c.H << " I " << c.I << " K " << c.K << " tokens "
                                   << c.tokens << " subpools " << c.subpools << " format " << format_name(c.fmt.format)
                                   << " hot " << c.hot << " seed " << seed);
@@ -195,7 +273,7 @@ void check_split_case(const SplitCase& c, uint64_t seed) {
   if (c.exclude) cpu.exclude(hot);
   cpu.load(m.source(0));
   full.load(m.source(0));
-  auto stream = make_host_stream();
+  auto stream = make_stream(kind);
   HybridMoe hy(*stream, {&cpu}, {});
   hy.set_hot(0, hot, m.source(0));
   EXPECT_EQ(hy.hot(0), hot);
@@ -289,7 +367,7 @@ void check_split_case(const SplitCase& c, uint64_t seed) {
   }
 }
 
-TEST(HybridHost, RandomHotColdSplitsMatchCpuEngineAndReference) {
+TEST_P(Hybrid, RandomHotColdSplitsMatchCpuEngineAndReference) {
   const uint64_t seed = test_seed();
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<int> ue(1, 16), uk(1, 4), ut(1, 40), us(1, 2);
@@ -299,15 +377,15 @@ TEST(HybridHost, RandomHotColdSplitsMatchCpuEngineAndReference) {
     c.K = std::min(c.E, uk(rng));
     if (it == 0) c.hot = 0;        // all on the CPU
     if (it == 1) c.hot = c.E;      // all on the device
-    check_split_case(c, seed + it);
+    check_split_case(GetParam(), c, seed + it);
   }
 }
 
-TEST(HybridHost, QuantizedColdExpertsWithBf16HotExperts) {
+TEST_P(Hybrid, QuantizedColdExpertsWithBf16HotExperts) {
   const uint64_t seed = test_seed();
   PackOptions int4{WeightFormat::int4, 64, false}, int8{WeightFormat::int8};
-  check_split_case({8, 128, 128, 3, 17, 2, int4, 3, true, false}, seed);
-  check_split_case({6, 128, 64, 2, 9, 1, int8, 2, false, true}, seed + 1);
+  check_split_case(GetParam(), {8, 128, 128, 3, 17, 2, int4, 3, true, false}, seed);
+  check_split_case(GetParam(), {6, 128, 64, 2, 9, 1, int8, 2, false, true}, seed + 1);
 }
 
 // ---- deferral, slots, graphs ---------------------------------------------------------
@@ -403,7 +481,7 @@ struct Stack {
   }
 };
 
-TEST(HybridHost, DeferredExpertsLandInTheNextLayer) {
+TEST_P(Hybrid, DeferredExpertsLandInTheNextLayer) {
   const uint64_t seed = test_seed();
   for (int deferred : {0, 1, 2, 4}) {
     std::mt19937_64 rng(seed + deferred);
@@ -411,7 +489,7 @@ TEST(HybridHost, DeferredExpertsLandInTheNextLayer) {
     std::vector<std::vector<int>> hot;
     for (int l = 0; l < m.layers; ++l) hot.push_back(random_subset(m.E, l % 3, rng));
     Stack st(m, 2, hot);
-    auto stream = make_host_stream();
+    auto stream = this->stream();
     HybridMoe hy(*stream, st.ptrs, {2, 64, deferred});
     for (int l = 0; l < m.layers; ++l) hy.set_hot(l, hot[l], m.source(l));
     Chain ch(*stream, m, 7, 4, rng);
@@ -426,7 +504,7 @@ TEST(HybridHost, DeferredExpertsLandInTheNextLayer) {
   }
 }
 
-TEST(HybridHost, SlotsAreReusedAcrossLayersStepsAndBatchSizes) {
+TEST_P(Hybrid, SlotsAreReusedAcrossLayersStepsAndBatchSizes) {
   const uint64_t seed = test_seed();
   for (int slots : {1, 2, 3}) {
     std::mt19937_64 rng(seed + slots);
@@ -434,7 +512,7 @@ TEST(HybridHost, SlotsAreReusedAcrossLayersStepsAndBatchSizes) {
     std::vector<std::vector<int>> hot;
     for (int l = 0; l < m.layers; ++l) hot.push_back(random_subset(m.E, 1 + l % 2, rng));
     Stack st(m, 1 + slots % 2, hot);
-    auto stream = make_host_stream();
+    auto stream = this->stream();
     const int deferred = slots >= 2 ? 1 : 0;
     HybridMoe hy(*stream, st.ptrs, {slots, 16, deferred});
     for (int l = 0; l < m.layers; ++l) hy.set_hot(l, hot[l], m.source(l));
@@ -451,13 +529,13 @@ TEST(HybridHost, SlotsAreReusedAcrossLayersStepsAndBatchSizes) {
   }
 }
 
-TEST(HybridHost, CapturedStepReplaysWithTheCpuExperts) {
+TEST_P(Hybrid, CapturedStepReplaysWithTheCpuExperts) {
   const uint64_t seed = test_seed();
   std::mt19937_64 rng(seed);
   Model m(3, 8, 64, 64, rng);
   std::vector<std::vector<int>> hot{{1, 2}, {}, {0, 7}};
   Stack st(m, 2, hot);
-  auto stream = make_host_stream();
+  auto stream = this->stream();
   HybridMoe hy(*stream, st.ptrs, {2, 8, 1});
   for (int l = 0; l < m.layers; ++l) hy.set_hot(l, hot[l], m.source(l));
   Chain ch(*stream, m, 2, 3, rng);
@@ -486,13 +564,13 @@ TEST(HybridHost, CapturedStepReplaysWithTheCpuExperts) {
 
 // ---- trace ----------------------------------------------------------------------------
 
-TEST(HybridHost, TraceShowsCpuWorkOverlappingTheStream) {
+TEST_P(Hybrid, TraceShowsCpuWorkOverlappingTheStream) {
   const uint64_t seed = test_seed();
   std::mt19937_64 rng(seed);
   Model m(2, 8, 512, 256, rng);
   std::vector<std::vector<int>> hot{{0, 1, 2, 3}, {0, 1, 2, 3}};
   Stack st(m, 1, hot);
-  auto stream = make_host_stream();
+  auto stream = this->stream();
   HybridMoe hy(*stream, st.ptrs, {2, 64, 0});
   for (int l = 0; l < m.layers; ++l) hy.set_hot(l, hot[l], m.source(l));
   // Every token on two hot and two cold experts, so both sides have work.
@@ -540,11 +618,11 @@ TEST(HybridHost, TraceShowsCpuWorkOverlappingTheStream) {
 
 // ---- errors ---------------------------------------------------------------------------
 
-TEST(HybridHost, BadInputGetsAClearError) {
+TEST_P(Hybrid, BadInputGetsAClearError) {
   std::mt19937_64 rng(test_seed());
   Model m(2, 4, 64, 64, rng);
   Stack st(m, 1, {{}, {}});
-  auto stream = make_host_stream();
+  auto stream = this->stream();
   EXPECT_NE(error_of([&] { HybridMoe(*stream, st.ptrs, {1, 8, 1}); }).find("pinned slots"), std::string::npos);
   EXPECT_NE(error_of([&] { HybridMoe(*stream, {}, {}); }).find("no layers"), std::string::npos);
   HybridMoe hy(*stream, st.ptrs, {2, 8, 1});
@@ -588,11 +666,11 @@ TEST(HybridHost, BadInputGetsAClearError) {
   EXPECT_NE(msg2.find("does not hold that expert"), std::string::npos) << msg2;
 }
 
-TEST(HybridHost, StatisticsRoundTripAndChooseTheHottest) {
+TEST_P(Hybrid, StatisticsRoundTripAndChooseTheHottest) {
   std::mt19937_64 rng(test_seed());
   Model m(2, 6, 64, 64, rng);
   Stack st(m, 1, {{}, {}});
-  auto stream = make_host_stream();
+  auto stream = this->stream();
   HybridMoe hy(*stream, st.ptrs, {});
   Chain ch(*stream, m, 20, 2, rng);
   ch.enqueue(hy);
@@ -616,6 +694,9 @@ TEST(HybridHost, StatisticsRoundTripAndChooseTheHottest) {
         for (int h : chosen) EXPECT_GE(c[h], c[e]);
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Streams, Hybrid, ::testing::Values("host", "cuda"),
+                         [](const auto& info) { return info.param; });
 
 }  // namespace
 }  // namespace tandem

@@ -127,6 +127,8 @@ PackedWeight pack_gate_up_bf16(const bf16_t* gate, const bf16_t* up, int n, int 
 // The dense fp32 matrix a packed weight represents, i.e. the dequantized weights:
 // [n x k], or [2n x k] (gate rows, then up rows) for a gate_up pack.
 std::vector<float> unpack(const PackedWeight& w);
+// Rows [r0, r0 + rows) of a source decoded to fp32 (block scales applied), row stride k.
+void decode_rows(const WeightView& w, int r0, int rows, float* out);
 // One element of a source weight as fp32 (references, tests).
 float source_value(const WeightView& w, int r, int c);
 

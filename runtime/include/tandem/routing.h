@@ -126,24 +126,29 @@ TANDEM_HD inline void route_token(const float* logits, const float* bias, const 
 
 // One token: ids, weights [top_k]; hot_mask [experts] (nonzero: on the device) ->
 // hot, cold, deferred [top_k].
-// Ids outside [0, experts) count as empty (the host entry point refuses them first).
+// An id outside [-1, experts) is never hot or deferred: it goes to the cold list as it
+// is (clamped to int32), where the CPU engine refuses it naming its [token, slot]. (The
+// host entry point below refuses it first.)
 template <typename Id>
 TANDEM_HD inline void split_token(const Id* ids, const float* weights, const uint8_t* hot_mask, const SplitSpec& s,
                                   int32_t* hot, int32_t* cold, int32_t* deferred) {
   int n_cold = 0;
   for (int k = 0; k < s.top_k; ++k) {
-    const int32_t id = ids[k] >= 0 && ids[k] < s.experts ? static_cast<int32_t>(ids[k]) : -1;
-    const bool on_device = id >= 0 && hot_mask && hot_mask[id];
+    const bool valid = ids[k] >= 0 && ids[k] < s.experts;
+    const int32_t id = valid ? static_cast<int32_t>(ids[k]) : -1;
+    const bool on_device = valid && hot_mask && hot_mask[id];
     hot[k] = on_device ? id : -1;
-    cold[k] = id >= 0 && !on_device ? id : -1;
+    cold[k] = valid && !on_device ? id : -1;
+    if (!valid && ids[k] != -1)
+      cold[k] = ids[k] > 2147483647 ? 2147483647 : ids[k] < -2147483647 ? -2147483647 : static_cast<int32_t>(ids[k]);
     deferred[k] = -1;
-    n_cold += cold[k] >= 0;
+    n_cold += valid && cold[k] >= 0;
   }
   const int n_def = s.deferred < n_cold ? s.deferred : n_cold;
   for (int j = 0; j < n_def; ++j) {
     int pick = -1;
     for (int k = 0; k < s.top_k; ++k)
-      if (cold[k] >= 0 && (pick < 0 || weights[k] <= weights[pick])) pick = k;
+      if (cold[k] >= 0 && cold[k] < s.experts && (pick < 0 || weights[k] <= weights[pick])) pick = k;
     deferred[pick] = cold[pick];
     cold[pick] = -1;
   }

@@ -13,8 +13,9 @@
 // included) alive and unchanged for as long as the graph is replayed.
 //
 // Host functions cannot throw into a CUDA stream: they report failures with
-// set_error(); synchronize() rethrows the first one. After an error, later host
-// functions of the stream are skipped until synchronize() has reported it.
+// set_error(); synchronize() rethrows the first one. The stream still runs the work
+// behind a failure (as CUDA does), so a host function that depends on earlier work
+// checks failed() first and does nothing when it is set.
 #pragma once
 
 #include <cstddef>

@@ -1,0 +1,825 @@
+// Expert routing (softmax / DeepSeek-V3 sigmoid), the hot / cold / deferred split, hot
+// expert placement and the routing statistics files.
+//
+// Routing is checked against an independent fp64 reference written here (softmax in
+// double, top-k by sorting; the sigmoid path mirrors the Hugging Face DeepseekV3 gate).
+// The inputs are generated with no exact or near ties, so the chosen ids must match
+// exactly; the weights must match within a bound derived from the fp32 arithmetic of
+// route_token (see softmax_tolerance / sigmoid_tolerance).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <set>
+#include <sstream>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "tandem/config.h"
+#include "tandem/error.h"
+#include "tandem/hybrid.h"
+#include "tandem/routing.h"
+#include "test_util.h"
+
+namespace tandem {
+namespace {
+
+constexpr double kU = 0x1p-24;  // unit roundoff of fp32 (half an ulp at 1)
+constexpr size_t npos = std::string::npos;
+
+// ---- fp64 references ------------------------------------------------------------------
+
+struct Routed {
+  std::vector<int32_t> ids;
+  std::vector<double> weights;
+};
+
+// Indices of v sorted by descending value, ties by lower index; only where allowed.
+std::vector<int> order_desc(const std::vector<double>& v, const std::vector<bool>& allowed) {
+  std::vector<int> idx;
+  for (int i = 0; i < static_cast<int>(v.size()); ++i)
+    if (allowed[i]) idx.push_back(i);
+  std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) { return v[a] > v[b]; });
+  return idx;
+}
+
+Routed softmax_reference(const float* logits, const RouterSpec& s) {
+  const int E = s.experts, K = s.top_k;
+  double mx = -std::numeric_limits<double>::infinity();
+  for (int e = 0; e < E; ++e) mx = std::max(mx, static_cast<double>(logits[e]));
+  std::vector<double> p(E);
+  double sum = 0;
+  for (int e = 0; e < E; ++e) sum += p[e] = std::exp(static_cast<double>(logits[e]) - mx);
+  for (auto& x : p) x /= sum;
+  const std::vector<int> order = order_desc(p, std::vector<bool>(E, true));
+  Routed r;
+  double top = 0;
+  for (int k = 0; k < K; ++k) {
+    r.ids.push_back(order[k]);
+    r.weights.push_back(p[order[k]]);
+    top += p[order[k]];
+  }
+  if (s.renormalize)
+    for (auto& w : r.weights) w /= top;
+  return r;
+}
+
+// Mirrors transformers' DeepseekV3TopkRouter / MoE gate:
+//   scores = sigmoid(logits); scores_for_choice = scores + e_score_correction_bias
+//   group_scores = scores_for_choice.view(n_group, -1).topk(2).sum(-1)
+//   keep topk_group groups; top_k of scores_for_choice among the kept experts
+//   weights = scores.gather(ids); if norm_topk_prob: weights /= sum + 1e-20
+//   weights *= routed_scaling_factor
+// Experts outside the kept groups are excluded outright, as in DeepSeek's own inference
+// code and vLLM (-inf). HF's masked_fill(..., 0.0) differs only when a kept expert's
+// choice s + bias is negative and would lose to a masked 0.0; tandem excludes.
+struct SigmoidRef {
+  Routed routed;
+  std::vector<double> choice, group_score;
+};
+
+SigmoidRef sigmoid_reference(const float* logits, const float* bias, const RouterSpec& s) {
+  const int E = s.experts, K = s.top_k, G = s.groups, per = E / G;
+  SigmoidRef r;
+  std::vector<double> score(E);
+  r.choice.resize(E);
+  for (int e = 0; e < E; ++e) {
+    score[e] = 1.0 / (1.0 + std::exp(-static_cast<double>(logits[e])));
+    r.choice[e] = score[e] + (bias ? static_cast<double>(bias[e]) : 0.0);
+  }
+  std::vector<bool> allowed(E, true);
+  if (G > 1) {
+    r.group_score.resize(G);
+    for (int g = 0; g < G; ++g) {
+      std::vector<double> v(r.choice.begin() + g * per, r.choice.begin() + (g + 1) * per);
+      std::sort(v.begin(), v.end(), std::greater<>());
+      r.group_score[g] = v[0] + v[1];
+    }
+    const std::vector<int> gorder = order_desc(r.group_score, std::vector<bool>(G, true));
+    std::vector<bool> kept(G, false);
+    for (int j = 0; j < s.topk_groups; ++j) kept[gorder[j]] = true;
+    for (int e = 0; e < E; ++e) allowed[e] = kept[e / per];
+  }
+  const std::vector<int> order = order_desc(r.choice, allowed);
+  double top = 0;
+  for (int k = 0; k < K; ++k) {
+    r.routed.ids.push_back(order[k]);
+    r.routed.weights.push_back(score[order[k]]);
+    top += score[order[k]];
+  }
+  for (auto& w : r.routed.weights) w = (s.renormalize ? w / (top + 1e-20) : w) * s.scaling;
+  return r;
+}
+
+// ---- tolerances -----------------------------------------------------------------------
+
+// route_token's softmax in fp32, u = 2^-24, D = max_e (mx - l_e):
+//   d_e = fl(l_e - mx) is off by at most u*D, which moves expf(d_e) by a relative u*D;
+//   expf itself is within 1 ulp (relative 2u)                 -> numerator  (D + 2) u
+//   the sum of E positive terms adds (E - 1) u on top of that  -> sum        (D + 2 + E - 1) u
+//   p = numerator / sum, plus u for the division               -> p          (2D + E + 4) u
+// With renormalization, top = sum of K such p's adds (K - 1) u and the division another
+// u, so w = p / top is within (2 (2D + E + 4) + K) u. First-order bounds; a factor 2 of
+// slack covers the second-order terms and the double reference's own (~1e-16) error.
+double softmax_tolerance(const float* logits, const RouterSpec& s) {
+  double mx = logits[0], mn = logits[0];
+  for (int e = 1; e < s.experts; ++e) {
+    mx = std::max(mx, static_cast<double>(logits[e]));
+    mn = std::min(mn, static_cast<double>(logits[e]));
+  }
+  const double D = mx - mn;
+  const double p_bound = 2 * D + s.experts + 4;
+  return 2 * (s.renormalize ? 2 * p_bound + s.top_k : p_bound) * kU;
+}
+
+// route_token's sigmoid, s = 1 / (1 + expf(-l)): expf within 2u, the (1 + x) rounding u
+// (the error of x shrinks by x / (1 + x) <= 1), the division u -> s within 4u.
+// Renormalized: the sum of K adds (K - 1) u, the division u (the +1e-20 is below an ulp
+// of any sum of sigmoids here), the scaling product u -> (4 + 4 + K - 1 + 1 + 1) u =
+// (K + 9) u; without renormalization 4u + u. Factor 2 of slack as above.
+double sigmoid_tolerance(const RouterSpec& s) { return 2 * (s.renormalize ? s.top_k + 9 : 5) * kU; }
+
+// ---- input generation -----------------------------------------------------------------
+
+// E distinct logits on a grid of spacing 2 * scale / (64 E) in [-scale, scale): no ties,
+// and the gap between any two is far above an fp32 ulp.
+std::vector<float> distinct_logits(int E, double scale, std::mt19937_64& rng) {
+  std::uniform_int_distribution<int> pick(0, 64 * E - 1);
+  std::set<int> used;
+  std::vector<float> l;
+  while (static_cast<int>(l.size()) < E) {
+    const int n = pick(rng);
+    if (!used.insert(n).second) continue;
+    l.push_back(static_cast<float>(scale * ((n + 0.5) / (32.0 * E) - 1.0)));
+  }
+  return l;
+}
+
+// True when no two values are within `gap` of each other.
+bool separated(std::vector<double> v, double gap) {
+  std::sort(v.begin(), v.end());
+  for (size_t i = 1; i < v.size(); ++i)
+    if (v[i] - v[i - 1] < gap) return false;
+  return true;
+}
+
+void expect_weights_near(const float* got, const std::vector<double>& ref, double rel_tol, int token) {
+  for (size_t k = 0; k < ref.size(); ++k)
+    EXPECT_LE(std::abs(static_cast<double>(got[k]) - ref[k]), rel_tol * ref[k] + 1e-30)
+        << "token " << token << " slot " << k << ": got " << got[k] << ", reference " << ref[k] << ", tolerance "
+        << rel_tol * ref[k];
+}
+
+// ---- routing --------------------------------------------------------------------------
+
+TEST(RoutingSoftmax, MatchesTheFp64Reference) {
+  const uint64_t seed = test::test_seed();
+  std::mt19937_64 rng(seed);
+  const double scales[] = {0.05, 1.0, 4.0, 12.0};
+  int cases = 0;
+  for (int E : {1, 2, 8, 60, 128, 256}) {
+    for (int K = 1; K <= std::min(8, E); ++K) {
+      for (bool renorm : {false, true}) {
+        const int tokens = std::uniform_int_distribution<int>(1, 50)(rng);
+        const double scale = scales[std::uniform_int_distribution<int>(0, 3)(rng)];
+        RouterSpec s;
+        s.experts = E;
+        s.top_k = K;
+        s.scoring = Scoring::softmax;
+        s.renormalize = renorm;
+        SCOPED_TRACE(testing::Message() << "experts " << E << " top_k " << K << " renormalize " << renorm << " tokens "
+                                        << tokens << " scale " << scale << " seed " << seed);
+        std::vector<float> logits;
+        for (int t = 0; t < tokens; ++t) {
+          const auto l = distinct_logits(E, scale, rng);
+          logits.insert(logits.end(), l.begin(), l.end());
+        }
+        std::vector<int32_t> ids(size_t(tokens) * K, -7);
+        std::vector<float> w(size_t(tokens) * K, -7.f);
+        route(logits.data(), tokens, nullptr, s, ids.data(), w.data());
+        for (int t = 0; t < tokens; ++t) {
+          const float* l = logits.data() + size_t(t) * E;
+          const Routed ref = softmax_reference(l, s);
+          const std::vector<int32_t> got(ids.begin() + size_t(t) * K, ids.begin() + size_t(t + 1) * K);
+          ASSERT_EQ(got, ref.ids) << "token " << t;
+          // descending score order (the reference is sorted; state it on the output too)
+          for (int k = 1; k < K; ++k) EXPECT_GT(l[got[k - 1]], l[got[k]]) << "token " << t;
+          expect_weights_near(w.data() + size_t(t) * K, ref.weights, softmax_tolerance(l, s), t);
+          if (renorm) {
+            double sum = 0;
+            for (int k = 0; k < K; ++k) sum += w[size_t(t) * K + k];
+            EXPECT_NEAR(sum, 1.0, 4 * K * kU * 4) << "token " << t;
+          }
+        }
+        ++cases;
+      }
+    }
+  }
+  EXPECT_EQ(cases, 2 * (1 + 2 + 8 * 4));
+}
+
+struct SigmoidCase {
+  int experts, groups, topk_groups, top_k;
+  bool renormalize, bias;
+  float scaling;
+};
+
+TEST(RoutingSigmoid, MatchesTheFp64DeepSeekV3Reference) {
+  const uint64_t seed = test::test_seed();
+  std::mt19937_64 rng(seed);
+  std::vector<SigmoidCase> cases;
+  for (bool renorm : {true, false}) {
+    cases.push_back({256, 8, 4, 8, renorm, true, 2.5f});   // DeepSeek-V3
+    cases.push_back({256, 1, 1, 8, renorm, true, 2.5f});   // no groups
+    cases.push_back({64, 8, 3, 6, renorm, true, 1.0f});    // smaller groups, odd topk_groups
+    cases.push_back({256, 8, 4, 8, renorm, false, 2.5f});  // no bias
+    cases.push_back({16, 8, 1, 2, renorm, true, 1.5f});    // groups of 2: top_k fills the one kept group
+  }
+  std::normal_distribution<float> bias_dist(0.f, 0.1f), logit_dist(0.f, 1.5f);
+  for (const auto& c : cases) {
+    RouterSpec s;
+    s.experts = c.experts;
+    s.top_k = c.top_k;
+    s.scoring = Scoring::sigmoid;
+    s.renormalize = c.renormalize;
+    s.groups = c.groups;
+    s.topk_groups = c.topk_groups;
+    s.scaling = c.scaling;
+    const int tokens = std::uniform_int_distribution<int>(1, 50)(rng);
+    SCOPED_TRACE(testing::Message() << "experts " << c.experts << " groups " << c.groups << " topk_groups "
+                                    << c.topk_groups << " top_k " << c.top_k << " renormalize " << c.renormalize
+                                    << " bias " << c.bias << " scaling " << c.scaling << " tokens " << tokens
+                                    << " seed " << seed);
+    std::vector<float> bias(c.experts);
+    for (auto& b : bias) b = bias_dist(rng);
+    const float* bias_p = c.bias ? bias.data() : nullptr;
+    // Per token, redraw until the choices and group scores are separated well beyond
+    // their fp32 error (choice: 4u * s + u * |choice| <= 3.2e-7; a group score: twice that
+    // plus a rounding <= 8e-7), so fp32 and fp64 must rank them the same.
+    std::vector<float> logits;
+    for (int t = 0; t < tokens; ++t) {
+      std::vector<float> l(c.experts);
+      for (int attempt = 0;; ++attempt) {
+        ASSERT_LT(attempt, 100) << "could not draw separated choices";
+        for (auto& x : l) x = logit_dist(rng);
+        const SigmoidRef r = sigmoid_reference(l.data(), bias_p, s);
+        if (separated(r.choice, 1e-6) && separated(r.group_score, 4e-6)) break;
+      }
+      logits.insert(logits.end(), l.begin(), l.end());
+    }
+    std::vector<int32_t> ids(size_t(tokens) * c.top_k, -7);
+    std::vector<float> w(size_t(tokens) * c.top_k, -7.f);
+    route(logits.data(), tokens, bias_p, s, ids.data(), w.data());
+    for (int t = 0; t < tokens; ++t) {
+      const float* l = logits.data() + size_t(t) * c.experts;
+      const SigmoidRef ref = sigmoid_reference(l, bias_p, s);
+      const std::vector<int32_t> got(ids.begin() + size_t(t) * c.top_k, ids.begin() + size_t(t + 1) * c.top_k);
+      ASSERT_EQ(got, ref.routed.ids) << "token " << t;
+      for (int k = 1; k < c.top_k; ++k) EXPECT_GT(ref.choice[got[k - 1]], ref.choice[got[k]]) << "token " << t;
+      if (c.groups > 1) {  // at most topk_groups distinct groups among the chosen
+        std::set<int> g;
+        for (int id : got) g.insert(id / (c.experts / c.groups));
+        EXPECT_LE(static_cast<int>(g.size()), c.topk_groups) << "token " << t;
+      }
+      expect_weights_near(w.data() + size_t(t) * c.top_k, ref.routed.weights, sigmoid_tolerance(s), t);
+    }
+  }
+}
+
+// Grouping must change the answer somewhere, or the grouped test above could pass with
+// the groups ignored: a token whose best experts all sit in one group.
+TEST(RoutingSigmoid, GroupsExcludeExpertsOutsideTheBestGroups) {
+  RouterSpec s;
+  s.experts = 8;
+  s.top_k = 2;
+  s.scoring = Scoring::sigmoid;
+  s.groups = 4;
+  s.topk_groups = 1;
+  s.renormalize = false;
+  // group 0 = {0, 1}: 3 and -3 (sum of sigmoids ~1.0); group 1 = {2, 3}: 1, 1 (~1.46);
+  // the rest low. Ungrouped top-2 would be {0, 2}; grouped it must be group 1: {2, 3}.
+  const float logits[8] = {3.f, -3.f, 1.f, 0.9f, -4.f, -4.5f, -5.f, -5.5f};
+  int32_t ids[2];
+  float w[2];
+  route(logits, 1, nullptr, s, ids, w);
+  EXPECT_EQ(ids[0], 2);
+  EXPECT_EQ(ids[1], 3);
+  EXPECT_NEAR(w[0], 1.0 / (1.0 + std::exp(-1.0)), 1e-6);
+  s.groups = 1;
+  s.topk_groups = 1;
+  route(logits, 1, nullptr, s, ids, w);
+  EXPECT_EQ(ids[0], 0);
+  EXPECT_EQ(ids[1], 2);
+}
+
+TEST(RoutingTies, EqualScoresGoToTheLowerExpertIndex) {
+  {
+    RouterSpec s;
+    s.experts = 8;
+    s.top_k = 3;
+    s.renormalize = false;
+    const std::vector<float> logits(8, 0.3f);
+    int32_t ids[3];
+    float w[3];
+    route(logits.data(), 1, nullptr, s, ids, w);
+    EXPECT_EQ(std::vector<int32_t>(ids, ids + 3), (std::vector<int32_t>{0, 1, 2}));
+    for (float x : w) EXPECT_FLOAT_EQ(x, 1.0f / 8);
+    s.renormalize = true;
+    route(logits.data(), 1, nullptr, s, ids, w);
+    EXPECT_EQ(std::vector<int32_t>(ids, ids + 3), (std::vector<int32_t>{0, 1, 2}));
+    for (float x : w) EXPECT_FLOAT_EQ(x, 1.0f / 3);
+  }
+  {  // partial ties: the best value three times, the lower two indices win
+    RouterSpec s;
+    s.experts = 6;
+    s.top_k = 3;
+    const float logits[6] = {1.f, 2.f, 0.f, 2.f, 2.f, 1.5f};
+    int32_t ids[3];
+    float w[3];
+    route(logits, 1, nullptr, s, ids, w);
+    EXPECT_EQ(std::vector<int32_t>(ids, ids + 3), (std::vector<int32_t>{1, 3, 4}));
+    s.top_k = 2;
+    route(logits, 1, nullptr, s, ids, w);
+    EXPECT_EQ(std::vector<int32_t>(ids, ids + 2), (std::vector<int32_t>{1, 3}));
+  }
+  {  // sigmoid with groups: equal group scores keep the lower groups, then lower ids
+    RouterSpec s;
+    s.experts = 16;
+    s.top_k = 5;
+    s.scoring = Scoring::sigmoid;
+    s.groups = 4;
+    s.topk_groups = 2;
+    const std::vector<float> logits(16, -0.2f);
+    int32_t ids[5];
+    float w[5];
+    route(logits.data(), 1, nullptr, s, ids, w);
+    EXPECT_EQ(std::vector<int32_t>(ids, ids + 5), (std::vector<int32_t>{0, 1, 2, 3, 4}));
+    for (float x : w) EXPECT_FLOAT_EQ(x, 1.0f / 5);
+    // bias ties too: equal choices, only the bias decides -> the biased group and expert first
+    std::vector<float> bias(16, 0.f);
+    bias[13] = 0.01f;
+    route(logits.data(), 1, bias.data(), s, ids, w);
+    EXPECT_EQ(std::vector<int32_t>(ids, ids + 5), (std::vector<int32_t>{13, 0, 1, 2, 3}));
+  }
+}
+
+TEST(RoutingErrors, SpecsAndLogitsAreRefusedByName) {
+  auto spec = [](int experts, int top_k) {
+    RouterSpec s;
+    s.experts = experts;
+    s.top_k = top_k;
+    return s;
+  };
+  std::string msg = test::error_of([&] { validate_router(spec(0, 1)); });
+  EXPECT_NE(msg.find("experts = 0"), npos) << msg;
+  msg = test::error_of([&] { validate_router(spec(kRouterMaxExperts + 1, 1)); });
+  EXPECT_NE(msg.find(str_cat("experts = ", kRouterMaxExperts + 1)), npos) << msg;
+  EXPECT_NO_THROW(validate_router(spec(kRouterMaxExperts, 8)));
+  msg = test::error_of([&] { validate_router(spec(4, 5)); });
+  EXPECT_NE(msg.find("top_k = 5"), npos) << msg;
+  msg = test::error_of([&] { validate_router(spec(4, 0)); });
+  EXPECT_NE(msg.find("top_k = 0"), npos) << msg;
+  msg = test::error_of([&] { validate_router(spec(64, kRouterMaxTopK + 1)); });
+  EXPECT_NE(msg.find(str_cat("top_k = ", kRouterMaxTopK + 1)), npos) << msg;
+
+  RouterSpec g = spec(16, 4);
+  g.scoring = Scoring::sigmoid;
+  g.groups = 3;
+  msg = test::error_of([&] { validate_router(g); });
+  EXPECT_NE(msg.find("n_group = 3"), npos) << msg;
+  EXPECT_NE(msg.find("does not divide"), npos) << msg;
+  g.groups = 4;  // groups of 4
+  g.topk_groups = 1;
+  g.top_k = 5;  // one kept group holds 4 < 5
+  msg = test::error_of([&] { validate_router(g); });
+  EXPECT_NE(msg.find("top_k = 5"), npos) << msg;
+  EXPECT_NE(msg.find("kept groups"), npos) << msg;
+  g.topk_groups = 2;
+  EXPECT_NO_THROW(validate_router(g));
+  g.topk_groups = 5;
+  msg = test::error_of([&] { validate_router(g); });
+  EXPECT_NE(msg.find("topk_group = 5"), npos) << msg;
+
+  // route() validates the spec too, then refuses non-finite logits naming [token, expert]
+  std::vector<float> logits(3 * 4, 0.5f);
+  std::vector<int32_t> ids(3 * 2);
+  std::vector<float> w(3 * 2);
+  msg = test::error_of([&] { route(logits.data(), 3, nullptr, spec(4, 5), ids.data(), w.data()); });
+  EXPECT_NE(msg.find("top_k = 5"), npos) << msg;
+  logits[1 * 4 + 3] = std::numeric_limits<float>::quiet_NaN();
+  msg = test::error_of([&] { route(logits.data(), 3, nullptr, spec(4, 2), ids.data(), w.data()); });
+  EXPECT_NE(msg.find("logits[1, 3]"), npos) << msg;
+  EXPECT_NE(msg.find("not finite"), npos) << msg;
+  logits[1 * 4 + 3] = 0.f;
+  logits[2 * 4 + 0] = -std::numeric_limits<float>::infinity();
+  msg = test::error_of([&] { route(logits.data(), 3, nullptr, spec(4, 2), ids.data(), w.data()); });
+  EXPECT_NE(msg.find("logits[2, 0]"), npos) << msg;
+  logits[2 * 4 + 0] = 0.f;
+  EXPECT_NO_THROW(route(logits.data(), 3, nullptr, spec(4, 2), ids.data(), w.data()));
+}
+
+// ---- split ----------------------------------------------------------------------------
+
+template <typename Id>
+void check_split_random(uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> uw(0.01f, 1.f);
+  std::uniform_real_distribution<double> u01(0, 1);
+  int cases = 0, deferred_total = 0, tie_checks = 0;
+  for (int E : {1, 4, 16, 128}) {
+    for (int K = 1; K <= std::min(E, 8); ++K) {
+      for (int D = 0; D <= K; ++D) {
+        const int tokens = std::uniform_int_distribution<int>(1, 12)(rng);
+        const double p_hot = std::array<double, 4>{0.0, 0.3, 0.7, 1.0}[std::uniform_int_distribution<int>(0, 3)(rng)];
+        const bool coarse = u01(rng) < 0.5;  // weights from {0.25, 0.5, 0.75}: many ties
+        SCOPED_TRACE(testing::Message() << "experts " << E << " top_k " << K << " deferred " << D << " tokens " << tokens
+                                        << " p_hot " << p_hot << " coarse " << coarse << " id bytes " << sizeof(Id)
+                                        << " seed " << seed);
+        std::vector<uint8_t> mask(E);
+        for (auto& m : mask) m = u01(rng) < p_hot ? static_cast<uint8_t>(1 + rng() % 255) : 0;
+        std::vector<Id> ids(size_t(tokens) * K);
+        std::vector<float> w(ids.size());
+        for (int t = 0; t < tokens; ++t) {
+          std::vector<int> perm(E);
+          std::iota(perm.begin(), perm.end(), 0);
+          std::shuffle(perm.begin(), perm.end(), rng);
+          for (int k = 0; k < K; ++k) {
+            ids[size_t(t) * K + k] = u01(rng) < 0.2 ? Id(-1) : Id(perm[k]);
+            w[size_t(t) * K + k] = coarse ? 0.25f * (1 + rng() % 3) : uw(rng);
+          }
+        }
+        std::vector<int32_t> hot(ids.size(), -7), cold(ids.size(), -7), def(ids.size(), -7);
+        SplitSpec s{E, K, D};
+        split(ids.data(), w.data(), tokens, mask.data(), s, hot.data(), cold.data(), def.data());
+        for (int t = 0; t < tokens; ++t) {
+          const size_t o = size_t(t) * K;
+          int n_cold_in = 0, n_def = 0;
+          for (int k = 0; k < K; ++k) {
+            const int32_t id = static_cast<int32_t>(ids[o + k]);
+            if (id < 0) {
+              EXPECT_EQ(hot[o + k], -1) << "token " << t << " slot " << k;
+              EXPECT_EQ(cold[o + k], -1) << "token " << t << " slot " << k;
+              EXPECT_EQ(def[o + k], -1) << "token " << t << " slot " << k;
+              continue;
+            }
+            const int places = (hot[o + k] == id) + (cold[o + k] == id) + (def[o + k] == id);
+            const int empties = (hot[o + k] == -1) + (cold[o + k] == -1) + (def[o + k] == -1);
+            EXPECT_EQ(places, 1) << "token " << t << " slot " << k;
+            EXPECT_EQ(empties, 2) << "token " << t << " slot " << k;
+            EXPECT_EQ(hot[o + k] == id, mask[id] != 0) << "token " << t << " slot " << k;
+            n_cold_in += mask[id] == 0;
+            n_def += def[o + k] == id;
+          }
+          EXPECT_EQ(n_def, std::min(D, n_cold_in)) << "token " << t;
+          deferred_total += n_def;
+          for (int d = 0; d < K; ++d) {
+            if (def[o + d] < 0) continue;
+            for (int c = 0; c < K; ++c) {
+              if (cold[o + c] < 0) continue;
+              EXPECT_LE(w[o + d], w[o + c]) << "token " << t << ": deferred slot " << d << " outweighs cold slot " << c;
+              if (w[o + d] == w[o + c]) {  // ties: the later slot is deferred
+                EXPECT_GT(d, c) << "token " << t;
+                ++tie_checks;
+              }
+            }
+          }
+        }
+        ++cases;
+      }
+    }
+  }
+  EXPECT_GT(deferred_total, 0);
+  EXPECT_GT(tie_checks, 0);  // the tie rule was exercised
+  EXPECT_GT(cases, 50);
+}
+
+TEST(RoutingSplit, RandomSlotsInt32) { check_split_random<int32_t>(test::test_seed()); }
+TEST(RoutingSplit, RandomSlotsInt64) { check_split_random<int64_t>(test::test_seed() + 1); }
+
+TEST(RoutingSplit, WorkedExample) {
+  // one token, experts 8, hot {1, 7}; cold 3 (0.4), 2 (0.1), 5 (0.3), 6 (0.1); deferred 2
+  // -> the two lowest cold weights, 0.1 twice: slots 4 and 6 (ties: the later slot first,
+  // then the next lowest, which is the earlier 0.1).
+  const int32_t ids[7] = {3, 1, 7, -1, 2, 5, 6};
+  const float w[7] = {0.4f, 0.9f, 0.2f, 0.5f, 0.1f, 0.3f, 0.1f};
+  uint8_t mask[8] = {0, 1, 0, 0, 0, 0, 0, 1};
+  int32_t hot[7], cold[7], def[7];
+  split(ids, w, 1, mask, SplitSpec{8, 7, 2}, hot, cold, def);
+  EXPECT_EQ(std::vector<int32_t>(hot, hot + 7), (std::vector<int32_t>{-1, 1, 7, -1, -1, -1, -1}));
+  EXPECT_EQ(std::vector<int32_t>(cold, cold + 7), (std::vector<int32_t>{3, -1, -1, -1, -1, 5, -1}));
+  EXPECT_EQ(std::vector<int32_t>(def, def + 7), (std::vector<int32_t>{-1, -1, -1, -1, 2, -1, 6}));
+  // deferred 0: nothing deferred
+  split(ids, w, 1, mask, SplitSpec{8, 7, 0}, hot, cold, def);
+  EXPECT_EQ(std::vector<int32_t>(cold, cold + 7), (std::vector<int32_t>{3, -1, -1, -1, 2, 5, 6}));
+  EXPECT_EQ(std::vector<int32_t>(def, def + 7), std::vector<int32_t>(7, -1));
+  // deferred = top_k: every cold expert deferred, the hot ones stay
+  split(ids, w, 1, mask, SplitSpec{8, 7, 7}, hot, cold, def);
+  EXPECT_EQ(std::vector<int32_t>(hot, hot + 7), (std::vector<int32_t>{-1, 1, 7, -1, -1, -1, -1}));
+  EXPECT_EQ(std::vector<int32_t>(cold, cold + 7), std::vector<int32_t>(7, -1));
+  EXPECT_EQ(std::vector<int32_t>(def, def + 7), (std::vector<int32_t>{3, -1, -1, -1, 2, 5, 6}));
+}
+
+TEST(RoutingSplit, BadSpecsAndIdsAreRefusedByPosition) {
+  std::string msg = test::error_of([] { validate_split(SplitSpec{8, 2, 3}); });
+  EXPECT_NE(msg.find("deferred_experts = 3"), npos) << msg;
+  msg = test::error_of([] { validate_split(SplitSpec{8, 2, -1}); });
+  EXPECT_NE(msg.find("deferred_experts = -1"), npos) << msg;
+  msg = test::error_of([] { validate_split(SplitSpec{0, 2, 0}); });
+  EXPECT_NE(msg.find("experts = 0"), npos) << msg;
+  EXPECT_NO_THROW(validate_split(SplitSpec{8, 2, 2}));
+
+  uint8_t mask[4] = {1, 0, 0, 0};
+  const float w[4] = {0.5f, 0.5f, 0.5f, 0.5f};
+  int32_t hot[4], cold[4], def[4];
+  const int32_t* no_ids = nullptr;  // the spec is checked before any id is read
+  msg = test::error_of([&] { split(no_ids, w, 0, mask, SplitSpec{4, 2, 3}, hot, cold, def); });
+  EXPECT_NE(msg.find("deferred_experts = 3"), npos) << msg;
+  const int32_t ids32[4] = {0, 1, 4, 2};
+  msg = test::error_of([&] { split(ids32, w, 2, mask, SplitSpec{4, 2, 0}, hot, cold, def); });
+  EXPECT_NE(msg.find("ids[1, 0] = 4"), npos) << msg;
+  const int32_t neg[4] = {0, 1, 2, -2};
+  msg = test::error_of([&] { split(neg, w, 2, mask, SplitSpec{4, 2, 0}, hot, cold, def); });
+  EXPECT_NE(msg.find("ids[1, 1] = -2"), npos) << msg;
+  const int64_t ids64[4] = {0, int64_t(1) << 40, 1, 2};
+  msg = test::error_of([&] { split(ids64, w, 2, mask, SplitSpec{4, 2, 0}, hot, cold, def); });
+  EXPECT_NE(msg.find("ids[0, 1] = 1099511627776"), npos) << msg;
+  const int64_t ok64[4] = {0, -1, 3, 2};
+  EXPECT_NO_THROW(split(ok64, w, 2, mask, SplitSpec{4, 2, 1}, hot, cold, def));
+  EXPECT_EQ(hot[0], 0);
+  EXPECT_EQ(cold[2], 3);  // token 1: 3 and 2 cold with equal weights; the later slot is deferred
+  EXPECT_EQ(def[2], -1);
+  EXPECT_EQ(def[3], 2);
+}
+
+// ---- placement ------------------------------------------------------------------------
+
+HotExpertsConfig uniform(int count) {
+  HotExpertsConfig c;
+  c.policy = HotExpertsConfig::Policy::uniform;
+  c.count = count;
+  return c;
+}
+
+TEST(PlacementChoose, NoneAndUniform) {
+  EXPECT_TRUE(choose_hot_experts(HotExpertsConfig{}, 0, 16).empty());
+  EXPECT_EQ(choose_hot_experts(uniform(4), 0, 16), (std::vector<int>{0, 4, 8, 12}));
+  EXPECT_EQ(choose_hot_experts(uniform(4), 9, 16), (std::vector<int>{0, 4, 8, 12}));  // same for every layer
+  std::vector<int> all(16);
+  std::iota(all.begin(), all.end(), 0);
+  EXPECT_EQ(choose_hot_experts(uniform(40), 0, 16), all);
+  EXPECT_EQ(choose_hot_experts(uniform(16), 0, 16), all);
+  EXPECT_EQ(choose_hot_experts(uniform(1), 0, 16), (std::vector<int>{0}));
+  // every count: ascending, distinct, in range, and spread evenly (gaps differ by at most 1)
+  for (int E : {1, 3, 8, 60, 128}) {
+    for (int n = 1; n <= E + 2; ++n) {
+      SCOPED_TRACE(testing::Message() << "experts " << E << " count " << n);
+      const auto h = choose_hot_experts(uniform(n), 0, E);
+      ASSERT_EQ(static_cast<int>(h.size()), std::min(n, E));
+      EXPECT_EQ(h.front(), 0);
+      EXPECT_LT(h.back(), E);
+      int gmin = E, gmax = 0;
+      for (size_t i = 0; i < h.size(); ++i) {
+        const int next = i + 1 < h.size() ? h[i + 1] : h[0] + E;  // wrap around
+        EXPECT_LT(h[i], next);
+        gmin = std::min(gmin, next - h[i]);
+        gmax = std::max(gmax, next - h[i]);
+      }
+      EXPECT_LE(gmax - gmin, 1);
+    }
+  }
+  // the parsed shorthand means the same
+  const Config cfg = parse_config("version: 1\ngpu:\n  hot_experts: 4\n");
+  EXPECT_EQ(cfg.gpu.hot_experts.policy, HotExpertsConfig::Policy::uniform);
+  EXPECT_EQ(choose_hot_experts(cfg.gpu.hot_experts, 3, 16), (std::vector<int>{0, 4, 8, 12}));
+}
+
+TEST(PlacementChoose, ExplicitLists) {
+  HotExpertsConfig c;
+  c.policy = HotExpertsConfig::Policy::explicit_lists;
+  c.layers[0] = {5, 1, 9};
+  c.layers[2] = {};
+  c.layers[3] = {3, 16};
+  EXPECT_EQ(choose_hot_experts(c, 0, 16), (std::vector<int>{1, 5, 9}));
+  EXPECT_TRUE(choose_hot_experts(c, 1, 16).empty());
+  EXPECT_TRUE(choose_hot_experts(c, 2, 16).empty());
+  const std::string msg = test::error_of([&] { choose_hot_experts(c, 3, 16); });
+  EXPECT_NE(msg.find("gpu.hot_experts.layers"), npos) << msg;
+  EXPECT_NE(msg.find("16"), npos) << msg;
+  EXPECT_EQ(choose_hot_experts(c, 3, 17), (std::vector<int>{3, 16}));
+
+  const Config cfg = parse_config("version: 1\ngpu:\n  hot_experts:\n    layers: {0: [7, 2], 4: [3]}\n");
+  EXPECT_EQ(cfg.gpu.hot_experts.policy, HotExpertsConfig::Policy::explicit_lists);
+  EXPECT_EQ(choose_hot_experts(cfg.gpu.hot_experts, 0, 8), (std::vector<int>{2, 7}));
+  EXPECT_EQ(choose_hot_experts(cfg.gpu.hot_experts, 4, 8), (std::vector<int>{3}));
+  EXPECT_TRUE(choose_hot_experts(cfg.gpu.hot_experts, 1, 8).empty());
+}
+
+HotExpertsConfig by_statistics(int count) {
+  HotExpertsConfig c;
+  c.policy = HotExpertsConfig::Policy::statistics;
+  c.count = count;
+  c.statistics = "stats.json";
+  return c;
+}
+
+TEST(PlacementChoose, Statistics) {
+  RoutingStatistics st;
+  st.experts = 6;
+  st.layers[0] = {5, 9, 9, 1, 7, 0};
+  st.layers[4] = {1, 4, 0, 4, 4, 2};
+  EXPECT_EQ(choose_hot_experts(by_statistics(3), 0, 6, &st), (std::vector<int>{1, 2, 4}));
+  EXPECT_EQ(choose_hot_experts(by_statistics(1), 0, 6, &st), (std::vector<int>{1}));       // tie 1 / 2: lower id
+  EXPECT_EQ(choose_hot_experts(by_statistics(2), 4, 6, &st), (std::vector<int>{1, 3}));    // ties 1 / 3 / 4
+  EXPECT_EQ(choose_hot_experts(by_statistics(4), 4, 6, &st), (std::vector<int>{1, 3, 4, 5}));
+  EXPECT_EQ(choose_hot_experts(by_statistics(10), 4, 6, &st), (std::vector<int>{0, 1, 2, 3, 4, 5}));
+
+  // random counts against a reference (sort by count descending, then id)
+  const uint64_t seed = test::test_seed();
+  std::mt19937_64 rng(seed);
+  for (int trial = 0; trial < 50; ++trial) {
+    const int E = std::uniform_int_distribution<int>(1, 128)(rng);
+    const int n = std::uniform_int_distribution<int>(1, E)(rng);
+    SCOPED_TRACE(testing::Message() << "trial " << trial << " experts " << E << " count " << n << " seed " << seed);
+    RoutingStatistics r;
+    r.experts = E;
+    auto& cnt = r.layers[trial];
+    for (int e = 0; e < E; ++e) cnt.push_back(rng() % 20);  // small range: many ties
+    std::vector<int> order(E);
+    std::iota(order.begin(), order.end(), 0);
+    std::sort(order.begin(), order.end(), [&](int a, int b) { return cnt[a] != cnt[b] ? cnt[a] > cnt[b] : a < b; });
+    std::vector<int> want(order.begin(), order.begin() + n);
+    std::sort(want.begin(), want.end());
+    EXPECT_EQ(choose_hot_experts(by_statistics(n), trial, E, &r), want);
+  }
+
+  std::string msg = test::error_of([&] { choose_hot_experts(by_statistics(2), 0, 6, nullptr); });
+  EXPECT_NE(msg.find("gpu.hot_experts.statistics"), npos) << msg;
+  EXPECT_NE(msg.find("stats.json"), npos) << msg;
+  msg = test::error_of([&] { choose_hot_experts(by_statistics(2), 0, 8, &st); });
+  EXPECT_NE(msg.find("stats.json"), npos) << msg;
+  EXPECT_NE(msg.find("6 experts"), npos) << msg;
+  EXPECT_NE(msg.find("8"), npos) << msg;
+  msg = test::error_of([&] { choose_hot_experts(by_statistics(2), 7, 6, &st); });
+  EXPECT_NE(msg.find("stats.json"), npos) << msg;
+  EXPECT_NE(msg.find("layer 7"), npos) << msg;
+}
+
+TEST(PlacementChoose, StatisticsFromAParsedConfigAndFile) {
+  test::ScratchDir dir;
+  const Config cfg = parse_config("version: 1\ngpu:\n  hot_experts:\n    count: 2\n    statistics: s.json\n", "p.yaml",
+                                  dir.path());
+  const HotExpertsConfig& h = cfg.gpu.hot_experts;
+  EXPECT_EQ(h.policy, HotExpertsConfig::Policy::statistics);
+  EXPECT_EQ(h.count, 2);
+  EXPECT_EQ(h.statistics, (dir.path() / "s.json").lexically_normal());
+  RoutingStatistics st;
+  st.experts = 4;
+  st.layers[1] = {10, 30, 20, 30};
+  save_routing_statistics(st, h.statistics);
+  const RoutingStatistics loaded = load_routing_statistics(h.statistics);
+  EXPECT_EQ(choose_hot_experts(h, 1, 4, &loaded), (std::vector<int>{1, 3}));
+  const std::string msg = test::error_of([&] { choose_hot_experts(h, 0, 4, &loaded); });
+  EXPECT_NE(msg.find("s.json"), npos) << msg;
+  EXPECT_NE(msg.find("layer 0"), npos) << msg;
+}
+
+// ---- statistics files -----------------------------------------------------------------
+
+std::string read_text(const std::filesystem::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+TEST(PlacementStatistics, SaveLoadRoundTrip) {
+  test::ScratchDir dir;
+  RoutingStatistics st;
+  st.experts = 5;
+  st.layers[0] = {0, 1, 2, 3, 4};
+  st.layers[3] = {std::numeric_limits<uint64_t>::max(), 1ull << 53, 7, 0, 99};
+  st.layers[47] = {1, 1, 1, 1, 1};
+  const auto path = dir / "stats.json";
+  save_routing_statistics(st, path);
+  const RoutingStatistics back = load_routing_statistics(path);
+  EXPECT_EQ(back.experts, 5);
+  EXPECT_EQ(back.layers, st.layers);
+
+  const nlohmann::json j = nlohmann::json::parse(read_text(path));  // throws if not JSON
+  EXPECT_EQ(j.at("format"), "tandem.routing_statistics");
+  EXPECT_EQ(j.at("experts"), 5);
+  EXPECT_TRUE(j.at("layers").contains("47"));
+
+  // empty statistics round-trip too
+  RoutingStatistics empty;
+  empty.experts = 3;
+  save_routing_statistics(empty, dir / "empty.json");
+  const RoutingStatistics e2 = load_routing_statistics(dir / "empty.json");
+  EXPECT_EQ(e2.experts, 3);
+  EXPECT_TRUE(e2.layers.empty());
+}
+
+TEST(PlacementStatistics, SavingReplacesTheFileAtomically) {
+  test::ScratchDir dir;
+  const auto path = dir / "stats.json";
+  test::write_file(path, std::string(10000, 'x'));  // longer than what replaces it
+  RoutingStatistics a;
+  a.experts = 2;
+  a.layers[0] = {1, 2};
+  save_routing_statistics(a, path);
+  RoutingStatistics b;
+  b.experts = 3;
+  b.layers[5] = {3, 2, 1};
+  save_routing_statistics(b, path);
+  const RoutingStatistics back = load_routing_statistics(path);
+  EXPECT_EQ(back.experts, 3);
+  EXPECT_EQ(back.layers, b.layers);
+  std::vector<std::string> names;
+  for (const auto& entry : std::filesystem::directory_iterator(dir.path())) names.push_back(entry.path().filename());
+  EXPECT_EQ(names, std::vector<std::string>{"stats.json"});  // no *.tmp* left behind
+  // a directory that does not exist: an error naming the file, nothing created
+  const std::string msg = test::error_of([&] { save_routing_statistics(a, dir / "nope" / "s.json"); });
+  EXPECT_NE(msg.find("routing statistics"), npos) << msg;
+  EXPECT_NE(msg.find("s.json"), npos) << msg;
+}
+
+TEST(PlacementStatistics, BadFilesAreRefusedNamingFileAndProblem) {
+  test::ScratchDir dir;
+  auto load_error = [&](const std::string& name, const std::string& text) {
+    const auto p = dir / name;
+    test::write_file(p, text);
+    return test::error_of([&] { load_routing_statistics(p); });
+  };
+  const auto missing = dir / "missing.json";
+  std::string msg = test::error_of([&] { load_routing_statistics(missing); });
+  EXPECT_NE(msg.find(missing.string()), npos) << msg;
+  EXPECT_NE(msg.find("cannot read"), npos) << msg;
+
+  msg = load_error("text.json", "this is not json {");
+  EXPECT_NE(msg.find("text.json"), npos) << msg;
+  EXPECT_NE(msg.find("not a JSON object"), npos) << msg;
+
+  msg = load_error("array.json", "[1, 2, 3]");
+  EXPECT_NE(msg.find("array.json"), npos) << msg;
+  EXPECT_NE(msg.find("not a JSON object"), npos) << msg;
+
+  const std::string good_tail = R"(, "version": 1, "experts": 3, "layers": {"0": [1, 2, 3]}})";
+  msg = load_error("format.json", R"({"format": "tandem.something_else")" + good_tail);
+  EXPECT_NE(msg.find("format.json"), npos) << msg;
+  EXPECT_NE(msg.find("\"format\""), npos) << msg;
+  msg = load_error("noformat.json", R"({"version": 1, "experts": 3, "layers": {}})");
+  EXPECT_NE(msg.find("noformat.json"), npos) << msg;
+  EXPECT_NE(msg.find("\"format\""), npos) << msg;
+
+  const std::string head = R"({"format": "tandem.routing_statistics", "version": 1, "experts": 3, "layers": )";
+  msg = load_error("length.json", head + R"({"0": [1, 2, 3], "12": [1, 2]}})");
+  EXPECT_NE(msg.find("length.json"), npos) << msg;
+  EXPECT_NE(msg.find("layers.12"), npos) << msg;
+  EXPECT_NE(msg.find("3 counts"), npos) << msg;
+
+  msg = load_error("negative.json", head + R"({"2": [1, -4, 3]}})");
+  EXPECT_NE(msg.find("negative.json"), npos) << msg;
+  EXPECT_NE(msg.find("layers.2"), npos) << msg;
+  EXPECT_NE(msg.find("non-negative"), npos) << msg;
+
+  msg = load_error("fraction.json", head + R"({"2": [1, 2.5, 3]}})");
+  EXPECT_NE(msg.find("non-negative integers"), npos) << msg;
+
+  msg = load_error("key.json", head + R"({"x1": [1, 2, 3]}})");
+  EXPECT_NE(msg.find("key.json"), npos) << msg;
+  EXPECT_NE(msg.find("x1"), npos) << msg;
+
+  msg = load_error("experts.json", R"({"format": "tandem.routing_statistics", "version": 1, "experts": 0, "layers": {}})");
+  EXPECT_NE(msg.find("\"experts\""), npos) << msg;
+
+  // and the well-formed variant of the same text loads
+  test::write_file(dir / "ok.json", head + R"({"2": [1, 0, 3]}})");
+  const RoutingStatistics ok = load_routing_statistics(dir / "ok.json");
+  EXPECT_EQ(ok.experts, 3);
+  EXPECT_EQ(ok.layers.at(2), (std::vector<uint64_t>{1, 0, 3}));
+}
+
+// ---- config ---------------------------------------------------------------------------
+
+TEST(PlacementConfig, DeferralNeedsTwoPinnedSlots) {
+  const std::string msg =
+      test::error_of([] { parse_config("version: 1\ngpu:\n  deferred_experts: 1\nbuffers:\n  pinned_slots: 1\n"); });
+  EXPECT_NE(msg.find("buffers.pinned_slots"), npos) << msg;
+  EXPECT_NE(msg.find("deferred_experts"), npos) << msg;
+  // either alone is fine
+  EXPECT_NO_THROW(parse_config("version: 1\ngpu:\n  deferred_experts: 1\nbuffers:\n  pinned_slots: 2\n"));
+  EXPECT_NO_THROW(parse_config("version: 1\ngpu:\n  deferred_experts: 0\nbuffers:\n  pinned_slots: 1\n"));
+  // the default pinned_slots (2) allows deferral
+  const Config c = parse_config("version: 1\ngpu:\n  deferred_experts: 1\n");
+  EXPECT_EQ(c.gpu.deferred_experts, 1);
+  EXPECT_GE(c.buffers.pinned_slots, 2);
+}
+
+}  // namespace
+}  // namespace tandem
