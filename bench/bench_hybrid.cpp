@@ -8,7 +8,8 @@
 //   cpu      the CPU part alone: the engine on the cold experts only
 //   ideal    max(device, cpu): perfect overlap, and the ratio ideal / hybrid
 //   hidden   (device + cpu - hybrid) / min(device, cpu): the share of the shorter part
-//            that ran under the longer one (1 = fully overlapped, 0 = serialized)
+//            that ran under the longer one (1 = fully overlapped, 0 = serialized);
+//            "-" when the shorter part is under 10% of the longer
 //   peer     the CPU engine with every expert (no device), and its ratio to hybrid
 // On the host stream the "device" is a thread running the CPU BF16 kernels; the pool
 // then gets one core less (--threads), so both sides have cores of their own.
@@ -162,8 +163,10 @@ int main(int argc, char** argv) {
         for (auto* l : ptrs) l->forward(cin);
       }) / n_layers;
       const double ideal = std::max(t_dev, t_cpu), shorter = std::min(t_dev, t_cpu);
-      const double hidden = shorter > 0 ? (t_dev + t_cpu - t_hy) / shorter : 0;
-      std::printf("%6d %5d %10.3f %10.3f %10.3f %10.3f %8.2f %8.2f %10.3f %8.2f\n", T, pct, t_hy * 1e3, t_dev * 1e3,
+      // "hidden" means little when one part is negligible: printed from 10% of the other.
+      char hidden[16] = "-";
+      if (shorter >= 0.1 * ideal) std::snprintf(hidden, sizeof hidden, "%.2f", (t_dev + t_cpu - t_hy) / shorter);
+      std::printf("%6d %5d %10.3f %10.3f %10.3f %10.3f %8.2f %8s %10.3f %8.2f\n", T, pct, t_hy * 1e3, t_dev * 1e3,
                   t_cpu * 1e3, ideal * 1e3, ideal / t_hy, hidden, t_peer * 1e3, t_peer / t_hy);
       std::fflush(stdout);
     }
