@@ -695,6 +695,14 @@ TEST_P(Hybrid, StatisticsRoundTripAndChooseTheHottest) {
   }
 }
 
+TEST(HybridStreams, TheConfigPicksTheStream) {
+  EXPECT_FALSE(make_stream(parse_config("version: 1\ngpu:\n  device: none\n"))->is_cuda());
+  EXPECT_EQ(make_stream(parse_config("version: 1\ngpu:\n  device: auto\n"))->is_cuda(), cuda_available());
+  // A device that does not exist here (index 7 on a machine with fewer GPUs).
+  const std::string msg = error_of([] { make_stream(parse_config("version: 1\ngpu:\n  device: cuda:7\n", "x.yaml")); });
+  EXPECT_NE(msg.find("x.yaml: gpu.device: cuda:7"), std::string::npos) << msg;
+}
+
 INSTANTIATE_TEST_SUITE_P(Streams, Hybrid, ::testing::Values("host", "cuda"),
                          [](const auto& info) { return info.param; });
 

@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "tandem/config.h"
 #include "tandem/moe.h"
 #include "tandem/routing.h"
 #include "tandem/trace.h"
@@ -130,6 +131,10 @@ struct StreamSpan {
 };
 
 std::unique_ptr<Stream> make_host_stream();
+// The stream the config's gpu.device asks for: "none" -> host; "cuda:N" -> that GPU (an
+// error naming gpu.device when it is not usable); "auto" -> cuda:0 when a GPU is usable,
+// else the host stream.
+std::unique_ptr<Stream> make_stream(const Config& config);
 // CUDA stream on device `index` (gpu/cuda_stream.cu). Throws Errc::unsupported when
 // tandem was built without CUDA or the device is missing.
 std::unique_ptr<Stream> make_cuda_stream(int index);
