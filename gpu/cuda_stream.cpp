@@ -125,20 +125,32 @@ class CudaStream : public Stream {
     return p;
   }
   void free_pinned(void* p) noexcept override { cudaFreeHost(p); }
+  // On this stream, then synchronized: a blocking cudaMemcpy runs on the legacy default
+  // stream, which a non-blocking stream does not wait for, and a pageable upload may
+  // return before its DMA finished.
   void upload(void* dst, const void* src, size_t bytes) override {
     synchronize();
-    TANDEM_CUDA_OK(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault));
+    use();
+    TANDEM_CUDA_OK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
+    TANDEM_CUDA_OK(cudaStreamSynchronize(stream_));
   }
   void download(void* dst, const void* src, size_t bytes) override {
     synchronize();
-    TANDEM_CUDA_OK(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault));
+    use();
+    TANDEM_CUDA_OK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
+    TANDEM_CUDA_OK(cudaStreamSynchronize(stream_));
   }
 
   void copy(void* dst, const void* src, size_t bytes) override {
+    use();
     TANDEM_CUDA_OK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
   }
-  void zero(void* dst, size_t bytes) override { TANDEM_CUDA_OK(cudaMemsetAsync(dst, 0, bytes, stream_)); }
+  void zero(void* dst, size_t bytes) override {
+    use();
+    TANDEM_CUDA_OK(cudaMemsetAsync(dst, 0, bytes, stream_));
+  }
   void add(float* out, const float* src, size_t n) override {
+    use();
     TANDEM_LAUNCH_OK("add", gpu::launch_add(out, src, n, stream_));
   }
   void host(HostFn fn, void* arg) override {
@@ -148,11 +160,13 @@ class CudaStream : public Stream {
   void route(const float* logits, int tokens, const float* bias, const RouterSpec& spec, int32_t* ids,
              float* weights) override {
     validate_router(spec);
+    use();
     TANDEM_LAUNCH_OK("route", gpu::launch_route(logits, tokens, bias, spec, ids, weights, stream_));
   }
   void split(const void* ids, bool ids_i64, const float* weights, int tokens, const uint8_t* hot_mask,
              const SplitSpec& spec, int32_t* out3) override {
     validate_split(spec);
+    use();
     TANDEM_LAUNCH_OK("split", gpu::launch_split(ids, ids_i64, weights, tokens, hot_mask, spec, out3, stream_));
   }
   std::unique_ptr<DeviceExperts> upload_experts(const MoeShape& shape, std::vector<int> experts,
@@ -258,6 +272,7 @@ void CudaExperts::forward(const void* x, XType xt, int tokens, const int32_t* ho
                           float* out) {
   TANDEM_CHECK(tokens >= 0 && top_k >= 1, Errc::invalid_argument, "hot experts: tokens = ", tokens, ", top_k = ", top_k);
   if (!tokens) return;
+  s_.use();
   const int nh = static_cast<int>(experts_.size()), H = shape_.hidden, I = shape_.inter;
   Scratch& sc = scratch(tokens);
   cudaStream_t st = s_.native();

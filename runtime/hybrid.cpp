@@ -199,7 +199,7 @@ void HybridMoe::submit_fn(void* p) {
     for (int where = 0; where < 3; ++where) {
       const int32_t* ids = j.slot->ids3 + n * where;
       for (size_t i = 0; i < n; ++i)
-        if (ids[i] >= 0) c[where * E + ids[i]].fetch_add(1, std::memory_order_relaxed);
+        if (ids[i] >= 0 && ids[i] < E) c[where * E + ids[i]].fetch_add(1, std::memory_order_relaxed);
     }
     c[3 * E].fetch_add(j.tokens, std::memory_order_relaxed);
     MoeLayer& cpu = *h.cpu_[j.layer];

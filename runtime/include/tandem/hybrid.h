@@ -67,7 +67,8 @@ class HybridMoe {
   HybridMoe& operator=(const HybridMoe&) = delete;
 
   // Puts experts (global ids) of layer i on the device, from `source` (any source type;
-  // converted to bf16). Replaces the previous set; call before enqueueing.
+  // converted to bf16). Replaces the previous set; call before enqueueing. It frees the
+  // old set's device memory, so graphs captured before it must not be replayed after.
   void set_hot(int layer, std::vector<int> experts, const std::function<ExpertSource(int)>& source);
   const std::vector<int>& hot(int layer) const;
   // Layer i's hot experts on the device (null: none), e.g. to time them alone.

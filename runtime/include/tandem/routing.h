@@ -139,8 +139,10 @@ TANDEM_HD inline void split_token(const Id* ids, const float* weights, const uin
     const bool on_device = valid && hot_mask && hot_mask[id];
     hot[k] = on_device ? id : -1;
     cold[k] = valid && !on_device ? id : -1;
-    if (!valid && ids[k] != -1)
-      cold[k] = ids[k] > 2147483647 ? 2147483647 : ids[k] < -2147483647 ? -2147483647 : static_cast<int32_t>(ids[k]);
+    if (!valid && ids[k] != -1) {
+      const int64_t v = static_cast<int64_t>(ids[k]);
+      cold[k] = static_cast<int32_t>(v > 2147483647 ? 2147483647 : v < -2147483647 ? -2147483647 : v);
+    }
     deferred[k] = -1;
     n_cold += valid && cold[k] >= 0;
   }
