@@ -92,19 +92,33 @@ class CudaStream : public Stream {
                  e == cudaSuccess ? "none found" : cudaGetErrorString(e), ")");
     TANDEM_CHECK(index >= 0 && index < count, Errc::invalid_argument, "cuda:", index, ": this machine has ", count,
                  " CUDA device(s)");
-    TANDEM_CUDA_OK(cudaSetDevice(index_));
-    TANDEM_CUDA_OK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    TANDEM_CUBLAS_OK(cublasCreate(&blas_));
-    TANDEM_CUBLAS_OK(cublasSetStream(blas_, stream_));
-    // A fixed workspace, so cuBLAS allocates nothing while a graph is captured.
-    TANDEM_CUDA_OK(cudaMalloc(&workspace_, kWorkspace));
-    TANDEM_CUBLAS_OK(cublasSetWorkspace(blas_, workspace_, kWorkspace));
+    try {
+      TANDEM_CUDA_OK(cudaSetDevice(index_));
+      TANDEM_CUDA_OK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+      TANDEM_CUBLAS_OK(cublasCreate(&blas_));
+      TANDEM_CUBLAS_OK(cublasSetStream(blas_, stream_));  // before the workspace: it resets it
+      // A fixed workspace, so cuBLAS allocates nothing while a graph is captured.
+      TANDEM_CUDA_OK(cudaMalloc(&workspace_, kWorkspace));
+      TANDEM_CUBLAS_OK(cublasSetWorkspace(blas_, workspace_, kWorkspace));
+    } catch (...) {
+      release();  // the destructor does not run for a throwing constructor
+      throw;
+    }
   }
-  ~CudaStream() override {
-    cudaStreamSynchronize(stream_);
-    cublasDestroy(blas_);
-    cudaFree(workspace_);
-    cudaStreamDestroy(stream_);
+  ~CudaStream() override { release(); }
+  void release() noexcept {
+    if (capturing_) {  // abandon an open capture so the frees below are legal
+      cudaGraph_t g = nullptr;
+      if (cudaStreamEndCapture(stream_, &g) == cudaSuccess && g) cudaGraphDestroy(g);
+      capturing_ = false;
+    }
+    if (stream_) cudaStreamSynchronize(stream_);
+    if (blas_) cublasDestroy(blas_);
+    if (workspace_) cudaFree(workspace_);
+    if (stream_) cudaStreamDestroy(stream_);
+    stream_ = nullptr;
+    blas_ = nullptr;
+    workspace_ = nullptr;
   }
   std::string name() const override { return str_cat("cuda:", index_); }
   bool is_cuda() const override { return true; }
