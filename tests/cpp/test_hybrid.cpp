@@ -570,14 +570,17 @@ TEST_P(Hybrid, CapturedStepReplaysWithTheCpuExperts) {
 TEST_P(Hybrid, TraceShowsCpuWorkOverlappingTheStream) {
   const uint64_t seed = test_seed();
   std::mt19937_64 rng(seed);
-  Model m(2, 8, 512, 256, rng);
+  // Each side's work per layer is a few ms: long enough that a woken pool worker gets a
+  // core (or preempts) while the stream thread is still busy, which sub-ms work did not
+  // always (the worker then started only after the stream thread blocked).
+  Model m(2, 8, 512, 1024, rng);
   std::vector<std::vector<int>> hot{{0, 1, 2, 3}, {0, 1, 2, 3}};
   Stack st(m, 1, hot);
   auto stream = this->stream();
-  HybridMoe hy(*stream, st.ptrs, {2, 64, 0});
+  HybridMoe hy(*stream, st.ptrs, {2, 128, 0});
   for (int l = 0; l < m.layers; ++l) hy.set_hot(l, hot[l], m.source(l));
   // Every token on two hot and two cold experts, so both sides have work.
-  Chain ch(*stream, m, 32, 4, rng);
+  Chain ch(*stream, m, 128, 4, rng);
   for (int l = 0; l < m.layers; ++l) {
     for (int t = 0; t < ch.tokens; ++t)
       for (int k = 0; k < 4; ++k) ch.rt[l].ids[size_t(t) * 4 + k] = k < 2 ? (t + k) % 4 : 4 + (t + k) % 4;
