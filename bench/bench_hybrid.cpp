@@ -32,16 +32,6 @@
 using namespace tandem;
 using namespace tandem::bench;
 
-namespace {
-
-struct Shape {
-  const char* name;
-  int experts, hidden, inter, top_k;
-};
-const Shape kShapes[] = {{"qwen3-30b", 128, 2048, 768, 8}, {"qwen3-235b", 128, 4096, 1536, 8}, {"tiny", 16, 256, 128, 4}};
-
-}  // namespace
-
 int main(int argc, char** argv) {
   std::string stream_kind = "host", shape_name = "qwen3-30b";
   int n_layers = 2, threads = -1;
@@ -58,10 +48,11 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--format")) opt.format = parse_format(next());
     else { std::fprintf(stderr, "unknown option %s\n", argv[i]); return 2; }
   }
-  const Shape* sh = nullptr;
-  for (const Shape& s : kShapes)
-    if (shape_name == s.name) sh = &s;
-  if (!sh) { std::fprintf(stderr, "unknown shape %s (qwen3-30b, qwen3-235b, tiny)\n", shape_name.c_str()); return 2; }
+  const ModelShape* sh = find_model_shape(shape_name);
+  if (!sh) {
+    std::fprintf(stderr, "unknown shape %s (qwen3-30b, qwen3-235b, deepseek-v3, tiny)\n", shape_name.c_str());
+    return 2;
+  }
   std::unique_ptr<Stream> stream = stream_kind == "cuda" ? make_cuda_stream(0) : make_host_stream();
   Config::Cpu cpu_cfg;
   const int cores = default_threads();

@@ -30,11 +30,6 @@ using namespace tandem::bench;
 
 namespace {
 
-struct Shape {
-  const char* name;
-  int experts, hidden, inter, top_k;
-};
-const Shape kShapes[] = {{"qwen3-235b", 128, 4096, 1536, 8}, {"deepseek-v3", 256, 7168, 2048, 8}};
 
 // A "Key: N kB" line of /proc/self/status in bytes: VmRSS (resident now), VmHWM (its
 // high-water mark, which reset_peak_rss() restarts).
@@ -96,8 +91,9 @@ int main(int argc, char** argv) {
   ReadBandwidth bw(size_t(1) << 30, threads);
   std::printf("%-12s %6s %5s | %10s %8s %8s | %6s %6s | %s\n", "shape", "tokens", "exp", "us/layer", "GB/s", "GFLOP/s",
               "%bw", "%peak", "vs bare kernels (decode)");
-  for (Shape s : kShapes) {
-    if (which != "all" && which != s.name) continue;
+  for (const char* name : {"qwen3-235b", "deepseek-v3"}) {
+    if (which != "all" && which != name) continue;
+    const ModelShape& s = *find_model_shape(name);
     std::mt19937_64 rng(42);
     std::normal_distribution<float> nd(0.f, 0.05f);
     std::vector<bf16_t> g(size_t(s.inter) * s.hidden), d(size_t(s.hidden) * s.inter);

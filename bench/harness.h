@@ -3,6 +3,7 @@
 #pragma once
 
 #include <chrono>
+#include <string_view>
 #include <vector>
 
 #include "tandem/kernels.h"
@@ -10,6 +11,23 @@
 namespace tandem::bench {
 
 using Clock = std::chrono::steady_clock;
+
+// Routed-expert shapes of real models (random weights stand in for them), and "tiny"
+// for smoke runs.
+struct ModelShape {
+  const char* name;
+  int experts, hidden, inter, top_k;
+};
+inline constexpr ModelShape kModelShapes[] = {{"qwen3-30b", 128, 2048, 768, 8},
+                                              {"qwen3-235b", 128, 4096, 1536, 8},
+                                              {"deepseek-v3", 256, 7168, 2048, 8},
+                                              {"tiny", 16, 256, 128, 4}};
+// The shape called `name`, or nullptr.
+inline const ModelShape* find_model_shape(std::string_view name) {
+  for (const ModelShape& s : kModelShapes)
+    if (name == s.name) return &s;
+  return nullptr;
+}
 
 inline double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 

@@ -91,6 +91,11 @@ HybridMoe::HybridMoe(Stream& stream, std::vector<MoeLayer*> cpu, HybridOptions o
   }
 }
 
+void HybridMoe::check_layer(int layer) const {
+  TANDEM_CHECK(layer >= 0 && layer < layers(), Errc::invalid_argument, "hybrid: layer ", layer, " is outside [0, ",
+               layers(), ")");
+}
+
 HybridMoe::~HybridMoe() {
   try {
     stream_.synchronize();  // nothing may still use the slots, jobs or masks
@@ -105,8 +110,7 @@ HybridMoe::~HybridMoe() {
 }
 
 void HybridMoe::set_hot(int layer, std::vector<int> experts, const std::function<ExpertSource(int)>& source) {
-  TANDEM_CHECK(layer >= 0 && layer < layers(), Errc::invalid_argument, "hybrid: layer ", layer, " is outside [0, ",
-               layers(), ")");
+  check_layer(layer);
   std::sort(experts.begin(), experts.end());
   std::vector<uint8_t> mask(shape_.experts, 0);
   for (int e : experts) {
@@ -123,8 +127,7 @@ void HybridMoe::set_hot(int layer, std::vector<int> experts, const std::function
 }
 
 const std::vector<int>& HybridMoe::hot(int layer) const {
-  TANDEM_CHECK(layer >= 0 && layer < layers(), Errc::invalid_argument, "hybrid: layer ", layer, " is outside [0, ",
-               layers(), ")");
+  check_layer(layer);
   return hot_ids_[layer];
 }
 
@@ -226,8 +229,7 @@ void HybridMoe::wait_fn(void* p) {
 }
 
 void HybridMoe::enqueue(int layer, const LayerIO& io) {
-  TANDEM_CHECK(layer >= 0 && layer < layers(), Errc::invalid_argument, "hybrid: layer ", layer, " is outside [0, ",
-               layers(), ")");
+  check_layer(layer);
   TANDEM_CHECK(io.tokens >= 1 && io.tokens <= opt_.max_tokens, Errc::invalid_argument, "hybrid: layer ", layer,
                ": tokens = ", io.tokens, " is outside [1, buffers.max_tokens = ", opt_.max_tokens, "]");
   TANDEM_CHECK(io.top_k >= 1 && io.top_k <= kRouterMaxTopK, Errc::invalid_argument, "hybrid: layer ", layer,
@@ -279,8 +281,7 @@ void HybridMoe::enqueue(int layer, const LayerIO& io) {
 }
 
 PlacementCounts HybridMoe::counts(int layer) const {
-  TANDEM_CHECK(layer >= 0 && layer < layers(), Errc::invalid_argument, "hybrid: layer ", layer, " is outside [0, ",
-               layers(), ")");
+  check_layer(layer);
   const int E = shape_.experts;
   const std::atomic<uint64_t>* c = &counts_[static_cast<size_t>(layer) * (3 * E + 1)];
   PlacementCounts p;

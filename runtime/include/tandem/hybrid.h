@@ -98,6 +98,7 @@ class HybridMoe {
   struct Job;
   struct Batch;
   Batch& batch(int tokens, int top_k, XType xt);
+  void check_layer(int layer) const;
   static void submit_fn(void* job);
   static void wait_fn(void* job);
 
