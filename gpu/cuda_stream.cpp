@@ -85,7 +85,7 @@ class CudaExperts : public DeviceExperts {
 
 class CudaStream : public Stream {
  public:
-  explicit CudaStream(int index) : index_(index) {
+  CudaStream(int index, cudaStream_t external) : index_(index), owned_(external == nullptr) {
     int count = 0;
     const cudaError_t e = cudaGetDeviceCount(&count);
     TANDEM_CHECK(e == cudaSuccess && count > 0, Errc::unsupported, "cuda:", index, ": no usable CUDA device (",
@@ -94,7 +94,10 @@ class CudaStream : public Stream {
                  " CUDA device(s)");
     try {
       TANDEM_CUDA_OK(cudaSetDevice(index_));
-      TANDEM_CUDA_OK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+      if (owned_)
+        TANDEM_CUDA_OK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+      else
+        stream_ = external;
       TANDEM_CUBLAS_OK(cublasCreate(&blas_));
       TANDEM_CUBLAS_OK(cublasSetStream(blas_, stream_));  // before the workspace: it resets it
       // A fixed workspace, so cuBLAS allocates nothing while a graph is captured.
@@ -115,7 +118,7 @@ class CudaStream : public Stream {
     if (stream_) cudaStreamSynchronize(stream_);
     if (blas_) cublasDestroy(blas_);
     if (workspace_) cudaFree(workspace_);
-    if (stream_) cudaStreamDestroy(stream_);
+    if (stream_ && owned_) cudaStreamDestroy(stream_);
     stream_ = nullptr;
     blas_ = nullptr;
     workspace_ = nullptr;
@@ -214,6 +217,7 @@ class CudaStream : public Stream {
   static constexpr size_t kWorkspace = 32u << 20;
   int index_;
   cudaStream_t stream_ = nullptr;
+  bool owned_ = true;  // false: the caller's stream (not destroyed here)
   cublasHandle_t blas_ = nullptr;
   void* workspace_ = nullptr;
 };
@@ -311,6 +315,8 @@ void CudaExperts::forward(const void* x, XType xt, int tokens, const int32_t* ho
 
 }  // namespace
 
-std::unique_ptr<Stream> make_cuda_stream(int index) { return std::make_unique<CudaStream>(index); }
+std::unique_ptr<Stream> make_cuda_stream(int index, void* external) {
+  return std::make_unique<CudaStream>(index, static_cast<cudaStream_t>(external));
+}
 
 }  // namespace tandem

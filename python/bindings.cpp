@@ -10,11 +10,38 @@
 #include "tandem/config.h"
 #include "tandem/cpu_features.h"
 #include "tandem/doctor.h"
+#include "tandem/engine.h"
 #include "tandem/error.h"
 #include "tandem/safetensors.h"
+#include "tandem/trace.h"
 
 namespace py = pybind11;
 using namespace tandem;
+
+namespace {
+
+SourceType source_type(const std::string& dtype) {
+  if (dtype == "float32") return SourceType::f32;
+  if (dtype == "bfloat16") return SourceType::bf16;
+  if (dtype == "float16") return SourceType::f16;
+  TANDEM_FAIL(Errc::unsupported, "expert weights of dtype ", dtype, " (supported: float32, bfloat16, float16)");
+}
+
+// A progress callback that may run with the GIL released; Python errors (Ctrl-C) propagate.
+Progress py_progress(const py::object& fn) {
+  if (fn.is_none()) return {};
+  return [fn](int done, int total) {
+    py::gil_scoped_acquire gil;
+    fn(done, total);
+  };
+}
+
+Config config_from(const std::string& path, const std::string& text) {
+  TANDEM_CHECK(path.empty() != text.empty(), Errc::invalid_argument, "engine: give a config file or config text (one)");
+  return path.empty() ? parse_config(text) : load_config(path);
+}
+
+}  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "tandem C++ runtime";
@@ -99,4 +126,118 @@ PYBIND11_MODULE(_C, m) {
         TensorView v = c.tensor(n);
         return py::bytes(reinterpret_cast<const char*>(v.data), v.nbytes);
       }, "A copy of a tensor's raw bytes (tests and small tensors; the engine reads in place).");
+
+  // ---- trace ----
+  m.def("trace_enable", &trace::enable, py::arg("on") = true);
+  m.def("trace_enabled", &trace::enabled);
+  m.def("trace_write", [](const std::filesystem::path& p) { trace::write(p); }, py::arg("path"));
+  m.def("trace_span_count", &trace::span_count);
+
+  // ---- expert naming ----
+  m.def("expert_naming", [](const Checkpoint& c, int layer) {
+    const ExpertNaming n = ExpertNaming::detect(c, layer);
+    return py::make_tuple(n.gate, n.up, n.down);
+  }, "(gate, up, down) key patterns ({L} layer, {E} expert) of the checkpoint's routed experts");
+  m.def("expert_key", &ExpertNaming::name, py::arg("pattern"), py::arg("layer"), py::arg("expert"));
+
+  // ---- engine ----
+  // Tensors cross as (data pointer, ...) from tandem/engine.py, which checks dtype,
+  // shape, device and contiguity with errors naming the argument.
+  py::class_<Engine>(m, "Engine", "The routed experts of a model's MoE layers (tandem/engine.h).")
+      .def(py::init([](const std::string& config_path, const std::string& config_text, int experts, int hidden,
+                       int inter, std::vector<int> layers, const std::string& stream, int cuda_device,
+                       uintptr_t cuda_stream) {
+             Config c = config_from(config_path, config_text);
+             TANDEM_CHECK(stream == "config" || stream == "host" || stream == "cuda", Errc::invalid_argument,
+                          "engine: stream '", stream, "' is not one of: config, host, cuda");
+             py::gil_scoped_release nogil;
+             std::unique_ptr<Stream> s;
+             if (stream == "host") s = make_host_stream();
+             // torch's handle 0 is the legacy default stream (cudaStreamLegacy is handle 1).
+             if (stream == "cuda") s = make_cuda_stream(cuda_device, reinterpret_cast<void*>(cuda_stream ? cuda_stream : 1));
+             return std::make_unique<Engine>(c, EngineSpec{{experts, hidden, inter}, std::move(layers)}, std::move(s));
+           }),
+           py::arg("config_path") = "", py::arg("config_text") = "", py::arg("experts"), py::arg("hidden"),
+           py::arg("inter"), py::arg("layers"), py::arg("stream") = "config", py::arg("cuda_device") = 0,
+           py::arg("cuda_stream") = 0,
+           "stream: 'config' (gpu.device decides), 'host', or 'cuda' (enqueue on the CUDA stream handle cuda_stream "
+           "of device cuda_device, e.g. torch's current stream)")
+      .def("load_checkpoint", [](Engine& e, const Checkpoint& c, const std::tuple<std::string, std::string, std::string>& n,
+                                 const py::object& progress) {
+             ExpertNaming naming{std::get<0>(n), std::get<1>(n), std::get<2>(n)};
+             Progress p = py_progress(progress);
+             py::gil_scoped_release nogil;
+             e.load(c, naming, p);
+           }, py::arg("checkpoint"), py::arg("naming"), py::arg("progress") = py::none())
+      .def("load_layer", [](Engine& e, int i, const std::vector<uintptr_t>& gate, const std::vector<uintptr_t>& up,
+                            const std::vector<uintptr_t>& down, const std::string& dtype, const py::object& progress) {
+             const MoeShape& sh = e.spec().shape;
+             TANDEM_CHECK(gate.size() == size_t(sh.experts) && up.size() == gate.size() && down.size() == gate.size(),
+                          Errc::invalid_argument, "engine: load_layer needs ", sh.experts, " gate/up/down pointers, got ",
+                          gate.size(), "/", up.size(), "/", down.size());
+             const SourceType t = source_type(dtype);
+             auto view = [t](uintptr_t p, int n, int k) {
+               WeightView v;
+               v.data = reinterpret_cast<const void*>(p);
+               v.type = t;
+               v.n = n;
+               v.k = k;
+               return v;
+             };
+             Progress p = py_progress(progress);
+             py::gil_scoped_release nogil;
+             e.load_layer(i, [&](int x) {
+               return ExpertSource{view(gate[x], sh.inter, sh.hidden), view(up[x], sh.inter, sh.hidden),
+                                   view(down[x], sh.hidden, sh.inter)};
+             }, p);
+           }, py::arg("index"), py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("dtype"),
+           py::arg("progress") = py::none(),
+           "Packs MoE layer `index` from row-major [inter x hidden] gate/up and [hidden x inter] down per expert.")
+      .def_property_readonly("loaded", &Engine::loaded)
+      .def("forward", [](Engine& e, int i, uintptr_t x, bool x_bf16, int tokens, uintptr_t ids, uintptr_t weights,
+                         int top_k, uintptr_t out, bool sync) {
+             LayerIO io;
+             io.x = reinterpret_cast<const void*>(x);
+             io.x_type = x_bf16 ? XType::bf16 : XType::f32;
+             io.tokens = tokens;
+             io.ids = reinterpret_cast<const void*>(ids);
+             io.ids_i64 = true;
+             io.weights = reinterpret_cast<const float*>(weights);
+             io.top_k = top_k;
+             io.out = reinterpret_cast<float*>(out);
+             py::gil_scoped_release nogil;
+             e.forward(i, io);
+             if (sync) e.synchronize();
+           }, py::arg("index"), py::arg("x"), py::arg("x_bf16"), py::arg("tokens"), py::arg("ids"), py::arg("weights"),
+           py::arg("top_k"), py::arg("out"), py::arg("synchronize"))
+      .def("synchronize", [](Engine& e) {
+             py::gil_scoped_release nogil;
+             e.synchronize();
+           })
+      .def_property_readonly("moe_layers", &Engine::moe_layers)
+      .def_property_readonly("layers", [](const Engine& e) { return e.spec().layers; })
+      .def_property_readonly("experts", [](const Engine& e) { return e.spec().shape.experts; })
+      .def_property_readonly("hidden", [](const Engine& e) { return e.spec().shape.hidden; })
+      .def_property_readonly("inter", [](const Engine& e) { return e.spec().shape.inter; })
+      .def("index_of", &Engine::index_of)
+      .def("hot", &Engine::hot)
+      .def_property_readonly("stream", [](Engine& e) { return e.stream().name(); })
+      .def_property_readonly("is_cuda", [](Engine& e) { return e.stream().is_cuda(); })
+      .def_property_readonly("format", [](Engine& e) { return e.config().cpu.format; })
+      .def_property_readonly("deferred", [](Engine& e) { return e.config().gpu.deferred_experts; })
+      .def_property_readonly("subpools", [](Engine& e) { return e.pool().subpools(); })
+      .def_property_readonly("threads", [](Engine& e) { return e.pool().total_threads(); })
+      .def_property_readonly("cpu_bytes", &Engine::cpu_bytes)
+      .def_property_readonly("device_bytes", &Engine::device_bytes)
+      .def("counts", [](Engine& e, int i) {
+             const PlacementCounts c = e.hybrid().counts(i);
+             py::dict d;
+             d["hot"] = c.hot;
+             d["cold"] = c.cold;
+             d["deferred"] = c.deferred;
+             d["tokens"] = c.tokens;
+             return d;
+           }, "Routed (token, expert) pairs of MoE layer i by where they ran (after synchronize).")
+      .def("reset_counts", [](Engine& e) { e.hybrid().reset_counts(); })
+      .def("write_statistics", [](Engine& e, const std::filesystem::path& p) { e.hybrid().write_statistics(p); });
 }

@@ -326,7 +326,7 @@ std::unique_ptr<Stream> make_stream(const Config& config) {
 }
 
 #if !defined(TANDEM_WITH_CUDA)
-std::unique_ptr<Stream> make_cuda_stream(int index) {
+std::unique_ptr<Stream> make_cuda_stream(int index, void*) {
   TANDEM_FAIL(Errc::unsupported, "cuda:", index, ": tandem was built without CUDA (TANDEM_CUDA=OFF or no nvcc)");
 }
 #endif

@@ -73,7 +73,7 @@ ExpertNaming ExpertNaming::detect(const Checkpoint& ckpt, int layer) {
 }
 
 MoeLayer::MoeLayer(Pool& pool, MoeShape shape, PackOptions format, int layer_index)
-    : pool_(pool), shape_(shape), format_(format), layer_(layer_index), scratch_(std::make_unique<Scratch>()) {
+    : pool_(pool), shape_(shape), format_(format), layer_(layer_index), kt_(&kernels()), scratch_(std::make_unique<Scratch>()) {
   TANDEM_CHECK(shape.experts >= 1 && shape.hidden >= 1 && shape.inter >= 1, Errc::invalid_argument, "moe: shape (experts ",
                shape.experts, ", hidden ", shape.hidden, ", intermediate ", shape.inter, ") must be positive");
   if (format.format == WeightFormat::int4) {
@@ -160,55 +160,73 @@ void MoeLayer::load(const std::function<ExpertSource(int)>& source, const Progre
   loaded_ = true;
 }
 
-void MoeLayer::load(const Checkpoint& ckpt, int layer, const ExpertNaming& naming, const Progress& progress) {
-  auto view = [&](const std::string& pattern, int e, int n, int k) {
-    const std::string name = expand(pattern, layer, e);
-    TANDEM_CHECK(ckpt.contains(name), Errc::bad_format, "checkpoint ", ckpt.root().string(), " has no tensor ", name);
-    const TensorView t = ckpt.tensor(name);
-    TANDEM_CHECK(t.info->shape.size() == 2 && t.info->shape[0] == n && t.info->shape[1] == k, Errc::bad_format, name,
-                 " has shape ", shape_str(t.info->shape), ", the layer needs [", n, ", ", k, "]");
-    WeightView v;
-    v.data = t.data;
-    v.n = n;
-    v.k = k;
-    switch (t.info->dtype) {
-      case Dtype::F32: v.type = SourceType::f32; break;
-      case Dtype::BF16: v.type = SourceType::bf16; break;
-      case Dtype::F16: v.type = SourceType::f16; break;
-      case Dtype::F8_E4M3: {
-        v.type = SourceType::f8_e4m3;
-        const std::string sname = name + "_scale_inv";
-        if (ckpt.contains(sname)) {
-          const TensorView st = ckpt.tensor(sname);
-          const int bn = static_cast<int>(st.info->shape.size() == 2 ? st.info->shape[0] : 0);
-          const int bk = static_cast<int>(st.info->shape.size() == 2 ? st.info->shape[1] : 0);
-          TANDEM_CHECK(st.info->dtype == Dtype::F32 && bn > 0 && bk > 0, Errc::bad_format, sname,
-                       " must be a 2-d F32 tensor of block scales");
-          TANDEM_CHECK(reinterpret_cast<uintptr_t>(st.data) % alignof(float) == 0, Errc::bad_format, sname,
-                       " is not 4-byte aligned in its file");
-          v.block_scale = reinterpret_cast<const float*>(st.data);
-          v.block_n = (n + bn - 1) / bn;
-          v.block_k = (k + bk - 1) / bk;
-          // Blocks are square powers of two in practice (128); recover them from the grid.
-          for (int b = 1; b <= n; b *= 2)
-            if ((n + b - 1) / b == bn) { v.block_n = b; break; }
-          for (int b = 1; b <= k; b *= 2)
-            if ((k + b - 1) / b == bk) { v.block_k = b; break; }
-          v.scale_ld = bk;
-        }
-        break;
+std::string ExpertNaming::name(const std::string& pattern, int layer, int expert) { return expand(pattern, layer, expert); }
+
+namespace {
+
+WeightView checkpoint_view(const Checkpoint& ckpt, const std::string& name, int n, int k) {
+  TANDEM_CHECK(ckpt.contains(name), Errc::bad_format, "checkpoint ", ckpt.root().string(), " has no tensor ", name);
+  const TensorView t = ckpt.tensor(name);
+  TANDEM_CHECK(t.info->shape.size() == 2 && t.info->shape[0] == n && t.info->shape[1] == k, Errc::bad_format, name,
+               " has shape ", shape_str(t.info->shape), ", the layer needs [", n, ", ", k, "]");
+  WeightView v;
+  v.data = t.data;
+  v.n = n;
+  v.k = k;
+  switch (t.info->dtype) {
+    case Dtype::F32: v.type = SourceType::f32; break;
+    case Dtype::BF16: v.type = SourceType::bf16; break;
+    case Dtype::F16: v.type = SourceType::f16; break;
+    case Dtype::F8_E4M3: {
+      v.type = SourceType::f8_e4m3;
+      const std::string sname = name + "_scale_inv";
+      if (ckpt.contains(sname)) {
+        const TensorView st = ckpt.tensor(sname);
+        const int bn = static_cast<int>(st.info->shape.size() == 2 ? st.info->shape[0] : 0);
+        const int bk = static_cast<int>(st.info->shape.size() == 2 ? st.info->shape[1] : 0);
+        TANDEM_CHECK(st.info->dtype == Dtype::F32 && bn > 0 && bk > 0, Errc::bad_format, sname,
+                     " must be a 2-d F32 tensor of block scales");
+        TANDEM_CHECK(reinterpret_cast<uintptr_t>(st.data) % alignof(float) == 0, Errc::bad_format, sname,
+                     " is not 4-byte aligned in its file");
+        v.block_scale = reinterpret_cast<const float*>(st.data);
+        v.block_n = (n + bn - 1) / bn;
+        v.block_k = (k + bk - 1) / bk;
+        // Blocks are square powers of two in practice (128); recover them from the grid.
+        for (int b = 1; b <= n; b *= 2)
+          if ((n + b - 1) / b == bn) { v.block_n = b; break; }
+        for (int b = 1; b <= k; b *= 2)
+          if ((k + b - 1) / b == bk) { v.block_k = b; break; }
+        v.scale_ld = bk;
       }
-      default:
-        TANDEM_FAIL(Errc::unsupported, name, " has dtype ", dtype_name(t.info->dtype),
-                    "; expert weights must be F32, BF16, F16 or F8_E4M3");
+      break;
     }
-    return v;
-  };
+    default:
+      TANDEM_FAIL(Errc::unsupported, name, " has dtype ", dtype_name(t.info->dtype),
+                  "; expert weights must be F32, BF16, F16 or F8_E4M3");
+  }
+  return v;
+}
+
+}  // namespace
+
+ExpertSource checkpoint_expert(const Checkpoint& ckpt, int layer, int e, const ExpertNaming& naming, const MoeShape& shape) {
+  return {checkpoint_view(ckpt, expand(naming.gate, layer, e), shape.inter, shape.hidden),
+          checkpoint_view(ckpt, expand(naming.up, layer, e), shape.inter, shape.hidden),
+          checkpoint_view(ckpt, expand(naming.down, layer, e), shape.hidden, shape.inter)};
+}
+
+void release_checkpoint_expert(const Checkpoint& ckpt, int layer, int e, const ExpertNaming& naming) {
+  for (const std::string* p : {&naming.gate, &naming.up, &naming.down}) {
+    const std::string name = expand(*p, layer, e);
+    if (ckpt.contains(name)) ckpt.release(name);
+  }
+}
+
+void MoeLayer::load(const Checkpoint& ckpt, int layer, const ExpertNaming& naming, const Progress& progress) {
   // Resolve every expert's tensors up front so a missing key fails before any work.
   std::vector<ExpertSource> sources(shape_.experts);
   for (int e = 0; e < shape_.experts; ++e)
-    if (!excluded(e)) sources[e] = {view(naming.gate, e, shape_.inter, shape_.hidden), view(naming.up, e, shape_.inter, shape_.hidden),
-                  view(naming.down, e, shape_.hidden, shape_.inter)};
+    if (!excluded(e)) sources[e] = checkpoint_expert(ckpt, layer, e, naming, shape_);
   load([&](int e) { return sources[e]; }, progress);
 }
 
@@ -308,7 +326,7 @@ class MoeTask : public Task {
     auto& sc = *L.scratch_;
     const int H = L.shape_.hidden;
     const bool quant = L.format_.format != WeightFormat::bf16;
-    const KernelTable& kt = kernels();
+    const KernelTable& kt = *L.kt_;
     for (int r = 0; r < count[i]; ++r) {
       const int t = rows_token[offset[i] + r];
       const bf16_t* xb = in_.x ? in_.x + static_cast<size_t>(t) * H : nullptr;
@@ -369,7 +387,7 @@ class MoeTask : public Task {
     g.ldh = len;
     g.panel_begin = begin;
     g.panel_end = end;
-    kernels().of(w.format).pick(g.m).gate_up(w, g);
+    L.kt_->of(w.format).pick(g.m).gate_up(w, g);
   }
 
   void act(int s, int i) {
@@ -396,7 +414,7 @@ class MoeTask : public Task {
     g.ldc = H;
     g.panel_begin = begin;
     g.panel_end = end;
-    kernels().of(w.format).pick(g.m).gemm(w, g);
+    L.kt_->of(w.format).pick(g.m).gemm(w, g);
   }
 
   void merge(int s, int item) {

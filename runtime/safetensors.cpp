@@ -294,6 +294,14 @@ TensorView SafetensorsFile::tensor(std::string_view name) const {
   return {&t, base_ + header_.data_offset + t.begin, static_cast<size_t>(t.nbytes())};
 }
 
+void SafetensorsFile::release(std::string_view name) const {
+  const TensorView t = tensor(name);
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t b = (reinterpret_cast<uintptr_t>(t.data) + page - 1) / page * page;
+  const uintptr_t e = (reinterpret_cast<uintptr_t>(t.data) + t.nbytes) / page * page;
+  if (e > b) ::madvise(reinterpret_cast<void*>(b), e - b, MADV_DONTNEED);  // advice: failure changes nothing
+}
+
 std::vector<std::string> SafetensorsFile::names() const {
   std::vector<std::string> v;
   for (const auto& [k, i] : index_) v.push_back(k);

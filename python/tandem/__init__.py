@@ -5,6 +5,8 @@ The C++ runtime lives in ``tandem._C``; this package is the thin, typed Python f
     import tandem
     cfg = tandem.load_config("configs/qwen3-30b-a3b.yaml")   # validated placement
     print(tandem.doctor().text)                             # what this machine offers
+    model = tandem.load_model("/models/Qwen3-30B-A3B", "configs/qwen3-30b-a3b.yaml")
+    tandem.offload(hf_model, "configs/x.yaml")              # or: an already loaded model
 """
 from __future__ import annotations
 
@@ -14,11 +16,30 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _C
-from ._C import Checkpoint, cpu_features, effective_isa, hardware_isa  # noqa: F401
+from ._C import Checkpoint, Engine, cpu_features, effective_isa, hardware_isa  # noqa: F401
 
 __version__: str = _C.__version__
-__all__ = ["Checkpoint", "DoctorReport", "cpu_features", "doctor", "effective_isa",
-           "hardware_isa", "load_config", "parse_config"]
+__all__ = ["Checkpoint", "DoctorReport", "Engine", "TandemExperts", "cpu_features", "doctor", "effective_isa",
+           "hardware_isa", "load_config", "load_model", "offload", "parse_config", "trace"]
+
+
+def __getattr__(name: str):
+    # torch / transformers load only when the model integration is used.
+    if name in ("offload", "TandemExperts"):
+        from . import engine
+        return getattr(engine, name)
+    if name == "load_model":
+        from .loader import load_model
+        return load_model
+    raise AttributeError(f"module 'tandem' has no attribute {name!r}")
+
+
+class trace:  # noqa: N801 (a namespace, like tandem::trace)
+    """The Chrome trace recorder (TANDEM_TRACE=path.json also enables it and writes at exit)."""
+    enable = staticmethod(_C.trace_enable)
+    enabled = staticmethod(_C.trace_enabled)
+    write = staticmethod(_C.trace_write)
+    span_count = staticmethod(_C.trace_span_count)
 
 
 def load_config(path: str | os.PathLike) -> dict[str, Any]:

@@ -73,6 +73,7 @@ class HybridMoe {
   const std::vector<int>& hot(int layer) const;
   // Layer i's hot experts on the device (null: none), e.g. to time them alone.
   DeviceExperts* device_experts(int layer) { return hot_.at(layer).get(); }
+  const DeviceExperts* device_experts(int layer) const { return hot_.at(layer).get(); }
 
   // Enqueues layer `layer` on the stream (see the header comment); returns at once. With
   // deferral, layers of one step must be enqueued in order 0, 1, 2, ... with the same

@@ -46,7 +46,17 @@ struct ExpertNaming {
   static ExpertNaming mixtral();  // model.layers.{L}.block_sparse_moe.experts.{E}.{w1,w3,w2}.weight
   // The first scheme whose expert-0 gate key for `layer` exists in the checkpoint.
   static ExpertNaming detect(const Checkpoint& ckpt, int layer);
+  // The tensor name of a projection ("gate", "up" or "down" pattern) of one expert.
+  static std::string name(const std::string& pattern, int layer, int expert);
 };
+
+// Views of one expert's tensors in a checkpoint (read in place), checked against `shape`:
+// errors name the missing key, or the shape / dtype that does not fit.
+ExpertSource checkpoint_expert(const Checkpoint& ckpt, int layer, int expert, const ExpertNaming& naming,
+                               const MoeShape& shape);
+// Gives back the pages of one expert's source tensors (after packing): the mapped file
+// stays valid, its pages leave this process's resident set.
+void release_checkpoint_expert(const Checkpoint& ckpt, int layer, int expert, const ExpertNaming& naming);
 
 struct MoeInput {
   const bf16_t* x = nullptr;     // [tokens x hidden], or
@@ -70,6 +80,9 @@ class MoeLayer {
   // to one of them here (without masking it) is an error. Call before load().
   void exclude(const std::vector<int>& experts);
   bool excluded(int expert) const { return !excluded_.empty() && excluded_[expert]; }
+  // The kernel level this layer runs (default: effective_isa(); a config's cpu.isa).
+  void use_isa(IsaLevel level) { kt_ = &kernel_table(level); }
+  const KernelTable& kernel_set() const { return *kt_; }
 
   // Packs every expert from `source(e)`, each subpool its own slice on its own threads.
   void load(const std::function<ExpertSource(int expert)>& source, const Progress& progress = {});
@@ -114,6 +127,7 @@ class MoeLayer {
   std::vector<Shard> shards_;
   bool loaded_ = false;
   std::vector<uint8_t> excluded_;  // [experts], empty: none
+  const KernelTable* kt_;
   struct Scratch;
   std::unique_ptr<Scratch> scratch_;  // reused by this layer's tasks (they run one at a time)
 };

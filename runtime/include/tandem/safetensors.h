@@ -81,6 +81,9 @@ class SafetensorsFile {
   const TensorInfo& info(std::string_view name) const;
   TensorView tensor(std::string_view name) const;
   std::vector<std::string> names() const;
+  // Drops the whole pages inside a tensor's bytes from this process's resident set
+  // (madvise DONTNEED on the read-only mapping: a later read faults them in again).
+  void release(std::string_view name) const;
 
  private:
   std::filesystem::path path_;
@@ -104,6 +107,7 @@ class Checkpoint {
   // The shard holding a tensor (for error messages and locality decisions).
   const SafetensorsFile& file_of(std::string_view name) const;
   std::vector<std::string> names() const;  // sorted
+  void release(std::string_view name) const { file_of(name).release(name); }
   size_t num_files() const { return files_.size(); }
   const SafetensorsFile& file(size_t i) const { return *files_[i]; }
 

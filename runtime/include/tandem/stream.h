@@ -136,7 +136,10 @@ std::unique_ptr<Stream> make_host_stream();
 // else the host stream.
 std::unique_ptr<Stream> make_stream(const Config& config);
 // CUDA stream on device `index` (gpu/cuda_stream.cu). Throws Errc::unsupported when
-// tandem was built without CUDA or the device is missing.
-std::unique_ptr<Stream> make_cuda_stream(int index);
+// tandem was built without CUDA or the device is missing. With `external` (a
+// cudaStream_t, e.g. torch.cuda.current_stream().cuda_stream) tandem enqueues on that
+// stream, so its work is ordered with the caller's and can join the caller's graph
+// capture; the caller keeps it alive and destroys it.
+std::unique_ptr<Stream> make_cuda_stream(int index, void* external = nullptr);
 
 }  // namespace tandem

@@ -1,0 +1,316 @@
+"""The routed experts of a transformers MoE model, run by tandem.
+
+``TandemExperts`` takes the place of a model's ``mlp.experts`` module: HF's router (so
+router logits and the aux loss still work) and shared experts stay as they are, in
+torch, on the model's device; the routed experts run in the C++ engine (hot ones on the
+stream's device, the rest in the CPU pools). The module holds no parameters or buffers,
+so ``.to()``, ``state_dict()`` and ``Accelerator.prepare`` see only the rest of the model.
+
+    import tandem
+    model = AutoModelForCausalLM.from_pretrained(...)      # or tandem.load_model(dir, cfg)
+    tandem.offload(model, "configs/qwen3-30b-a3b.yaml")    # experts now run in tandem
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from . import _C
+
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "mixtral", "deepseek_v3")
+
+ConfigLike = str | os.PathLike | Mapping[str, Any] | None
+
+
+def _config_args(config: ConfigLike) -> dict[str, str]:
+    """The engine's config_path / config_text arguments for a path, a dict or None."""
+    if config is None:
+        return {"config_text": "version: 1\n"}
+    if isinstance(config, Mapping):
+        import yaml
+
+        return {"config_text": yaml.safe_dump(dict(config), sort_keys=False)}
+    return {"config_path": os.fspath(config)}
+
+
+@dataclass(frozen=True)
+class MoeBlock:
+    """Where one MoE layer's routed experts live in a transformers model."""
+    layer: int             # model layer index
+    block: nn.Module       # the MoE block (mlp / block_sparse_moe)
+    attr: str              # its attribute name on the decoder layer
+    experts: nn.Module     # the experts module (fused v5) or ModuleList (v4 layout)
+
+
+def find_moe_blocks(model: nn.Module) -> list[MoeBlock]:
+    """The MoE blocks of a decoder-only transformers model, in layer order."""
+    base = getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: no decoder layers found (expected model.model.layers)")
+    found = []
+    for i, layer in enumerate(layers):
+        for attr in ("mlp", "block_sparse_moe"):
+            block = getattr(layer, attr, None)
+            experts = getattr(block, "experts", None) if block is not None else None
+            if experts is not None:
+                found.append(MoeBlock(i, block, attr, experts))
+                break
+    if not found:
+        raise ValueError(f"{type(model).__name__}: no layer has routed experts (mlp.experts)")
+    return found
+
+
+def expert_shape(experts: nn.Module) -> tuple[int, int, int]:
+    """(experts, hidden, intermediate) of a fused v5 experts module or a v4 ModuleList."""
+    if isinstance(experts, TandemExperts):
+        return experts.num_experts, experts.hidden_dim, experts.intermediate_dim
+    if isinstance(experts, nn.ModuleList):
+        g, _, d = _v4_projections(experts[0])
+        return len(experts), g.weight.shape[1], g.weight.shape[0]
+    gu, dn = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not isinstance(gu, torch.Tensor) or not isinstance(dn, torch.Tensor) or gu.dim() != 3:
+        raise ValueError(f"{type(experts).__name__}: expected fused gate_up_proj [E, 2I, H] and down_proj [E, H, I] "
+                         "(transformers v5) or a ModuleList of per-expert MLPs (v4)")
+    if getattr(experts, "is_transposed", False) or not getattr(experts, "is_concatenated", True):
+        raise ValueError(f"{type(experts).__name__}: transposed or interleaved gate/up layouts are not supported")
+    if getattr(experts, "has_bias", False):
+        raise ValueError(f"{type(experts).__name__}: experts with biases are not supported")
+    E, two_i, H = gu.shape
+    if tuple(dn.shape) != (E, H, two_i // 2):
+        raise ValueError(f"{type(experts).__name__}: down_proj has shape {tuple(dn.shape)}, "
+                         f"gate_up_proj {tuple(gu.shape)} needs {(E, H, two_i // 2)}")
+    return E, H, two_i // 2
+
+
+def _v4_projections(expert: nn.Module) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+    for names in (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")):
+        mods = [getattr(expert, n, None) for n in names]
+        if all(isinstance(m, nn.Linear) for m in mods):
+            return mods[0], mods[1], mods[2]
+    raise ValueError(f"{type(expert).__name__}: a per-expert module needs gate_proj/up_proj/down_proj "
+                     "or w1/w3/w2 linear layers")
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return torch.device("cpu")
+
+
+def make_engine(config: ConfigLike, shape: tuple[int, int, int], layers: list[int],
+                device: torch.device | str | None = None) -> _C.Engine:
+    """An engine for MoE layers `layers` of shape (experts, hidden, intermediate).
+
+    ``device`` is where the rest of the model (and so the experts' inputs) lives: a CUDA
+    device makes tandem enqueue on torch's current stream of that device (ordered with
+    torch's work, capturable in torch's CUDA graphs) unless the config's gpu.device is
+    "none"; a CPU device uses the host stream (a config asking for a GPU is an error).
+    """
+    args = _config_args(config)
+    cfg = _C.parse_config_json(args["config_text"]) if "config_text" in args else _C.load_config_json(args["config_path"])
+    import json
+
+    gpu = json.loads(cfg)["gpu"]["device"]
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    E, H, I = shape
+    kw = dict(experts=E, hidden=H, inter=I, layers=list(layers), **args)
+    if device.type == "cuda":
+        if gpu == "none":
+            return _C.Engine(stream="host", **kw)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if gpu not in ("auto", f"cuda:{index}", str(index)):
+            raise ValueError(f"config gpu.device is {gpu!r} but the model is on {device}; move the model "
+                             "or change gpu.device")
+        return _C.Engine(stream="cuda", cuda_device=index, cuda_stream=torch.cuda.current_stream(index).cuda_stream,
+                         **kw)
+    if device.type != "cpu":
+        raise ValueError(f"tandem runs models on cpu or cuda devices, not {device}")
+    if gpu not in ("auto", "none"):
+        raise ValueError(f"config gpu.device is {gpu!r} but the model is on the CPU; move the model to {gpu} "
+                         "or set gpu.device: none")
+    return _C.Engine(stream="host", **kw)
+
+
+class TandemExperts(nn.Module):
+    """Drop-in for a transformers experts module: forward(hidden [T, H], top_k_index [T, K],
+    top_k_weights [T, K]) -> [T, H] in hidden's dtype. No parameters: the weights live in
+    the engine (``self.engine``), shared by every layer of the model."""
+
+    def __init__(self, engine: _C.Engine, index: int, layer: int, act: str = "silu"):
+        super().__init__()
+        if act not in ("silu", "swish"):
+            raise ValueError(f"model layer {layer}: expert activation {act!r} is not supported (silu only)")
+        self.engine = engine
+        self.index = index          # MoE index in the engine
+        self.layer = layer          # model layer
+        self.num_experts = engine.experts
+        self.hidden_dim = engine.hidden
+        self.intermediate_dim = engine.inter
+
+    def extra_repr(self) -> str:
+        e = self.engine
+        hot = len(e.hot(self.index))
+        return (f"layer={self.layer}, experts={self.num_experts}, hidden={self.hidden_dim}, "
+                f"intermediate={self.intermediate_dim}, format={e.format}, hot={hot} on {e.stream}, "
+                f"cpu={self.num_experts - hot}")
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        where = f"tandem experts (model layer {self.layer})"
+        x = hidden_states
+        if x.dim() != 2 or x.shape[1] != self.hidden_dim:
+            raise ValueError(f"{where}: hidden_states has shape {tuple(x.shape)}, expected [tokens, {self.hidden_dim}]")
+        T = x.shape[0]
+        if top_k_index.dim() != 2 or top_k_index.shape[0] != T:
+            raise ValueError(f"{where}: top_k_index has shape {tuple(top_k_index.shape)}, expected [{T}, top_k]")
+        if tuple(top_k_weights.shape) != tuple(top_k_index.shape):
+            raise ValueError(f"{where}: top_k_weights has shape {tuple(top_k_weights.shape)}, "
+                             f"top_k_index {tuple(top_k_index.shape)}")
+        if top_k_index.dtype.is_floating_point or top_k_index.dtype == torch.bool:
+            raise ValueError(f"{where}: top_k_index must be an integer tensor, got {top_k_index.dtype}")
+        if not top_k_weights.dtype.is_floating_point:
+            raise ValueError(f"{where}: top_k_weights must be floating point, got {top_k_weights.dtype}")
+        if torch.is_grad_enabled() and (x.requires_grad or top_k_weights.requires_grad):
+            raise RuntimeError(f"{where}: gradients do not flow through tandem's experts yet; run inference under "
+                               "torch.no_grad() / torch.inference_mode() (model.generate does)")
+        if T == 0:
+            return torch.zeros_like(x)
+        dev = x.device
+        for name, t in (("top_k_index", top_k_index), ("top_k_weights", top_k_weights)):
+            if t.device != dev:
+                raise ValueError(f"{where}: {name} is on {t.device}, hidden_states on {dev}")
+        if self.engine.is_cuda:
+            if dev.type != "cuda":
+                raise ValueError(f"{where}: the engine runs on {self.engine.stream} but hidden_states is on {dev}")
+        elif dev.type != "cpu":  # host stream with a GPU model (gpu.device: none): round trip through the CPU
+            out = self.forward(x.cpu(), top_k_index.cpu(), top_k_weights.cpu())
+            return out.to(dev)
+        xin = x if x.dtype in (torch.bfloat16, torch.float32) else x.float()
+        xin = xin.contiguous()
+        ids = top_k_index.to(torch.int64).contiguous()
+        w = top_k_weights.to(torch.float32).contiguous()
+        out = torch.empty((T, self.hidden_dim), dtype=torch.float32, device=dev)
+        self.engine.forward(self.index, xin.data_ptr(), xin.dtype == torch.bfloat16, T, ids.data_ptr(), w.data_ptr(),
+                            ids.shape[1], out.data_ptr(), synchronize=not self.engine.is_cuda)
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def _layer_pointers(experts: nn.Module) -> tuple[list[int], list[int], list[int], str, list[torch.Tensor]]:
+    """Per-expert gate / up / down data pointers (row-major, CPU) and the tensors that hold them."""
+    if isinstance(experts, nn.ModuleList):
+        keep, gate, up, down = [], [], [], []
+        for ex in experts:
+            g, u, d = (m.weight.detach().cpu().contiguous() for m in _v4_projections(ex))
+            keep += [g, u, d]
+            gate.append(g.data_ptr())
+            up.append(u.data_ptr())
+            down.append(d.data_ptr())
+        return gate, up, down, str(keep[0].dtype).removeprefix("torch."), keep
+    gu = experts.gate_up_proj.detach().cpu().contiguous()
+    dn = experts.down_proj.detach().cpu().contiguous()
+    if gu.dtype != dn.dtype:
+        raise ValueError(f"{type(experts).__name__}: gate_up_proj is {gu.dtype}, down_proj {dn.dtype}")
+    E, two_i, H = gu.shape
+    I, es = two_i // 2, gu.element_size()
+    gate = [gu.data_ptr() + e * two_i * H * es for e in range(E)]
+    up = [p + I * H * es for p in gate]
+    down = [dn.data_ptr() + e * H * I * es for e in range(E)]
+    return gate, up, down, str(gu.dtype).removeprefix("torch."), [gu, dn]
+
+
+def _activation(model: nn.Module) -> str:
+    cfg = getattr(model, "config", None)
+    return getattr(cfg, "hidden_act", "silu") if cfg is not None else "silu"
+
+
+def offload(model: nn.Module, config: ConfigLike = None, *, progress: bool = True) -> _C.Engine:
+    """Moves the routed experts of a transformers MoE model into tandem, in place.
+
+    Each MoE layer's experts module is replaced by a ``TandemExperts`` (v5 fused experts,
+    or a v4 ModuleList of per-expert MLPs); the placement follows ``config`` (a YAML path,
+    a dict of the same keys, or None for the defaults). The experts' torch tensors are
+    released. Returns the engine (also ``model.tandem_engine``).
+    """
+    if getattr(model, "tandem_engine", None) is not None:
+        raise ValueError("this model's experts are already offloaded to tandem")
+    blocks = find_moe_blocks(model)
+    shapes = {expert_shape(b.experts) for b in blocks}
+    if len(shapes) != 1:
+        raise ValueError(f"MoE layers have different expert shapes {sorted(shapes)}; tandem needs one")
+    for b in blocks:
+        if isinstance(b.experts, nn.ModuleList):
+            _check_v4_block(b.block)
+    act = _activation(model)
+    engine = make_engine(config, shapes.pop(), [b.layer for b in blocks], _model_device(model))
+    bar = _progress_bar(progress, engine.experts * len(blocks), "packing experts")
+    for i, b in enumerate(blocks):
+        gate, up, down, dtype, keep = _layer_pointers(b.experts)
+        base = i * engine.experts
+        engine.load_layer(i, gate, up, down, dtype, progress=(lambda d, t, base=base: bar(base + d)) if bar else None)
+        del keep
+        if isinstance(b.experts, nn.ModuleList):
+            _patch_v4_block(b.block, model)
+        b.block.experts = TandemExperts(engine, i, b.layer, act)
+    if bar:
+        bar(None)
+    model.tandem_engine = engine
+    return engine
+
+
+def _progress_bar(enabled: bool, total: int, desc: str) -> Callable[[int | None], None] | None:
+    """A callback setting a tqdm bar's position (None closes it); None when disabled."""
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, desc=desc, unit="expert", leave=False)
+
+    def update(done: int | None) -> None:
+        if done is None:
+            bar.close()
+        else:
+            bar.update(done - bar.n)
+
+    return update
+
+
+# ---- v4 layout: per-expert ModuleList, the block does its own routing ----------------
+
+def _check_v4_block(block: nn.Module) -> None:
+    if not isinstance(getattr(block, "gate", None), nn.Linear):
+        raise ValueError(f"{type(block).__name__}: a v4 per-expert MoE block needs a gate nn.Linear router "
+                         "(softmax top-k); grouped/sigmoid v4 routers are not supported, use transformers v5")
+    if hasattr(block, "shared_expert") or hasattr(block, "shared_experts"):
+        raise ValueError(f"{type(block).__name__}: v4 blocks with shared experts are not supported, use transformers v5")
+
+
+def _patch_v4_block(block: nn.Module, model: nn.Module) -> None:
+    """Gives a v4-style softmax-top-k MoE block (gate: nn.Linear, experts: ModuleList; Qwen3-MoE
+    and Mixtral in transformers v4) a forward that routes like v4 and calls the experts
+    module with (hidden, top_k_index, top_k_weights), returning (out, router_logits)."""
+    cfg = getattr(model, "config", None)
+    top_k = getattr(block, "top_k", None) or getattr(cfg, "num_experts_per_tok", None)
+    if not top_k:
+        raise ValueError(f"{type(block).__name__}: cannot tell top_k (no block.top_k or config.num_experts_per_tok)")
+    norm = getattr(block, "norm_topk_prob", getattr(cfg, "norm_topk_prob", True))
+    if getattr(cfg, "model_type", "") == "mixtral":
+        norm = True
+
+    def forward(hidden_states: torch.Tensor):
+        b, s, h = hidden_states.shape
+        x = hidden_states.view(-1, h)
+        logits = block.gate(x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        w, idx = torch.topk(probs, top_k, dim=-1)
+        if norm:
+            w = w / w.sum(dim=-1, keepdim=True)
+        out = block.experts(x, idx, w.to(x.dtype))
+        return out.view(b, s, h), logits
+
+    block.forward = forward

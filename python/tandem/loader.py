@@ -1,0 +1,218 @@
+"""Build a transformers MoE model from a checkpoint directory without its experts in torch.
+
+    model = tandem.load_model("/models/Qwen3-30B-A3B", "configs/qwen3-30b-a3b.yaml")
+    out = model.generate(**tok("Hello", return_tensors="pt").to(model.device), max_new_tokens=32)
+
+The model is created on the meta device; its experts modules are replaced by
+``TandemExperts`` before anything is allocated. The C++ loader streams the expert
+tensors from the mapped safetensors files into the pools (and the hot ones to the GPU),
+giving the source pages back layer by layer; every other tensor is read into torch on
+the model's device. So peak host memory stays near the final footprint: the packed CPU
+experts plus (on a CPU-only machine) the non-expert weights.
+
+Every checkpoint tensor must be used: a missing key, an unexpected key, a wrong shape
+or an unsupported model type is a ValueError naming it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import _C
+from .engine import SUPPORTED_MODEL_TYPES, ConfigLike, TandemExperts, _config_args, find_moe_blocks, make_engine
+
+# Model parameter name -> checkpoint name, where transformers v5 renamed a module.
+_RENAMES = {
+    "mixtral": [(".mlp.gate.", ".block_sparse_moe.gate.")],
+}
+
+
+def _pick_device(config_json: dict[str, Any], device: str | torch.device | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    gpu = config_json["gpu"]["device"]
+    if gpu == "none" or not torch.cuda.is_available():
+        if gpu not in ("none", "auto"):
+            raise ValueError(f"config gpu.device is {gpu!r} but torch sees no CUDA device")
+        return torch.device("cpu")
+    return torch.device("cuda", 0 if gpu == "auto" else int(gpu.removeprefix("cuda:")))
+
+
+def _dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """Block-scaled FP8 (DeepSeek-V3 style: one fp32 scale per block of the 2-d weight)."""
+    n, k = w.shape
+    bn, bk = -(-n // scale_inv.shape[0]), -(-k // scale_inv.shape[1])
+    s = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return w.float() * s
+
+
+class _Reader:
+    """Tensors by name from a (sharded) safetensors checkpoint, read with the safetensors library."""
+
+    def __init__(self, ckpt: _C.Checkpoint):
+        from safetensors import safe_open
+
+        self._open = safe_open
+        self.ckpt = ckpt
+        self._files: dict[str, Any] = {}
+
+    def get(self, name: str) -> torch.Tensor:
+        file = self.ckpt.info(name)[2]
+        if file not in self._files:
+            self._files[file] = self._open(file, framework="pt")
+        t = self._files[file].get_tensor(name)
+        if t.dtype == torch.float8_e4m3fn and f"{name}_scale_inv" in self.ckpt:
+            t = _dequantize_fp8(t, self.get(f"{name}_scale_inv"))
+        return t
+
+
+def _checkpoint_key(model_type: str, name: str, ckpt: _C.Checkpoint) -> str | None:
+    if name in ckpt:
+        return name
+    for ours, theirs in _RENAMES.get(model_type, []):
+        alt = name.replace(ours, theirs)
+        if alt != name and alt in ckpt:
+            return alt
+    return None
+
+
+def _set_tensor(model: nn.Module, name: str, value: torch.Tensor, is_param: bool) -> None:
+    mod_name, _, attr = name.rpartition(".")
+    mod = model.get_submodule(mod_name) if mod_name else model
+    if is_param:
+        setattr(mod, attr, nn.Parameter(value, requires_grad=False))
+    else:
+        mod._buffers[attr] = value
+
+
+def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None, *,
+               device: str | torch.device | None = None, dtype: torch.dtype | None = None,
+               progress: bool = True) -> nn.Module:
+    """A transformers causal LM from checkpoint directory `path`, its routed experts in tandem.
+
+    config: placement (YAML path, dict, or None for defaults); its model.path is used when
+    `path` is None. device: where the non-expert weights go (default: the config's GPU when
+    torch sees one, else the CPU). dtype: of the non-expert weights (default: the
+    checkpoint's config dtype). The model is returned in eval mode, with
+    ``model.tandem_engine`` holding the engine.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg_json = json.loads(_C.parse_config_json(_config_args(config)["config_text"])
+                          if "config_text" in _config_args(config) else _C.load_config_json(os.fspath(config)))
+    if path is None:
+        path = cfg_json["model"].get("path") or None
+        if not path:
+            raise ValueError("no checkpoint given: pass a directory or set model.path in the config")
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path}: no config.json (expected a transformers checkpoint directory)")
+    hf_config = AutoConfig.from_pretrained(path)
+    if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{path}: model_type {hf_config.model_type!r} is not supported "
+                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    if hf_config.hidden_act not in ("silu", "swish"):
+        raise ValueError(f"{path}: hidden_act {hf_config.hidden_act!r} is not supported (silu)")
+    device = _pick_device(cfg_json, device)
+    if dtype is None:
+        dtype = getattr(hf_config, "dtype", None) or torch.float32
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+    ckpt = _C.Checkpoint(str(path))
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    blocks = find_moe_blocks(model)
+    E, H, I = (getattr(blocks[0].experts, a) for a in ("num_experts", "hidden_dim", "intermediate_dim"))
+    layers = [b.layer for b in blocks]
+
+    # Routed experts: the C++ loader, straight from the mapped files.
+    engine = make_engine(config, (E, H, I), layers, device)
+    naming = _C.expert_naming(ckpt, layers[0])
+    from .engine import _progress_bar
+
+    bar = _progress_bar(progress, E * len(layers), "loading experts")
+    engine.load_checkpoint(ckpt, naming, progress=(lambda d, t: bar(d)) if bar else None)
+    if bar:
+        bar(None)
+    for i, b in enumerate(blocks):
+        b.block.experts = TandemExperts(engine, i, b.layer, hf_config.hidden_act)
+    expert_keys = {_C.expert_key(p, L, e) for L in layers for e in range(E) for p in naming}
+    expert_keys |= {k + "_scale_inv" for k in expert_keys}
+
+    # Everything else: torch tensors on `device`.
+    reader = _Reader(ckpt)
+    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
+    used: set[str] = set()
+    params = dict(model.named_parameters())
+    named = list(params.items()) + [(n, b) for n, b in model.named_buffers() if n not in _non_persistent(model)]
+    try:
+        from tqdm.auto import tqdm
+        it = tqdm(named, desc="loading weights", unit="tensor", leave=False, disable=not progress)
+    except ImportError:  # pragma: no cover
+        it = named
+    for name, t in it:
+        key = _checkpoint_key(hf_config.model_type, name, ckpt)
+        if key is None:
+            if name in tied:
+                continue
+            raise ValueError(f"{path}: checkpoint has no tensor {name!r} (shape {list(t.shape)}) that the "
+                             f"{type(model).__name__} needs")
+        value = reader.get(key)
+        if tuple(value.shape) != tuple(t.shape):
+            raise ValueError(f"{path}: tensor {key!r} has shape {list(value.shape)}, the model needs {list(t.shape)}")
+        used.update((key, key + "_scale_inv"))
+        target = t.dtype if not t.dtype.is_floating_point else (dtype if name in params else t.dtype)
+        _set_tensor(model, name, value.to(device=device, dtype=target), name in params)
+    extra = [k for k in ckpt.names() if k not in used and k not in expert_keys and not _ignored(k, hf_config)]
+    if extra:
+        more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
+        raise ValueError(f"{path}: checkpoint has tensors the model does not use: "
+                         f"{', '.join(repr(k) for k in extra[:5])}{more}")
+    _init_non_persistent_buffers(model, device)
+    if tied:
+        model.tie_weights()
+    meta = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.device.type == "meta"]
+    if meta:
+        raise ValueError(f"{path}: these tensors were not loaded: {', '.join(meta[:5])}")
+    model.tandem_engine = engine
+    model.tandem_checkpoint = str(path)
+    return model.eval()
+
+
+def _non_persistent(model: nn.Module) -> set[str]:
+    out = set()
+    for mod_name, mod in model.named_modules():
+        for b in getattr(mod, "_non_persistent_buffers_set", ()):
+            out.add(f"{mod_name}.{b}" if mod_name else b)
+    return out
+
+
+def _init_non_persistent_buffers(model: nn.Module, device: torch.device) -> None:
+    """Non-persistent buffers (rotary inv_freq) are computed, not stored: materialize them and
+    let the model's own initializer compute them, as transformers' from_pretrained does."""
+    for mod in model.modules():
+        names = list(getattr(mod, "_non_persistent_buffers_set", ()))
+        if not names:
+            continue
+        for b in names:
+            buf = mod._buffers.get(b)
+            if buf is not None and buf.device.type == "meta":
+                mod._buffers[b] = torch.empty_like(buf, device=device)
+        with torch.no_grad():
+            model._init_weights(mod)
+
+
+def _ignored(key: str, hf_config: Any) -> bool:
+    """Checkpoint tensors transformers also ignores: rotary caches of old checkpoints, and layers
+    past num_hidden_layers (DeepSeek-V3's multi-token-prediction layer)."""
+    if key.endswith("rotary_emb.inv_freq"):
+        return True
+    m = re.match(r"model\.layers\.(\d+)\.", key)
+    return bool(m) and int(m.group(1)) >= hf_config.num_hidden_layers

@@ -1,0 +1,128 @@
+#include "tandem/engine.h"
+
+#include <algorithm>
+
+#include "tandem/error.h"
+
+namespace tandem {
+
+namespace {
+
+PackOptions pack_options(const Config::Cpu& cpu) {
+  PackOptions p;
+  p.format = parse_format(cpu.format);
+  p.group = cpu.group_size;
+  p.symmetric = !cpu.zero_point;
+  return p;
+}
+
+}  // namespace
+
+Engine::Engine(const Config& config, EngineSpec spec, std::unique_ptr<Stream> stream)
+    : config_(config), spec_(std::move(spec)) {
+  TANDEM_CHECK(!spec_.layers.empty(), Errc::invalid_argument, "engine: the model has no MoE layers");
+  for (size_t i = 0; i < spec_.layers.size(); ++i)
+    TANDEM_CHECK(spec_.layers[i] >= 0 && (i == 0 || spec_.layers[i] > spec_.layers[i - 1]), Errc::invalid_argument,
+                 "engine: MoE layer indices must be distinct, ascending and non-negative (entry ", i, " is ",
+                 spec_.layers[i], ")");
+  const HotExpertsConfig& hc = config_.gpu.hot_experts;
+  if (hc.policy == HotExpertsConfig::Policy::statistics)
+    stats_ = std::make_unique<RoutingStatistics>(load_routing_statistics(hc.statistics));
+  if (hc.policy == HotExpertsConfig::Policy::explicit_lists)
+    for (const auto& [layer, ids] : hc.layers)
+      TANDEM_CHECK(index_of(layer) >= 0, Errc::invalid_argument, config_.source, ": gpu.hot_experts.layers: layer ",
+                   layer, " is not a MoE layer of this model");
+
+  const PackOptions format = pack_options(config_.cpu);
+  const IsaLevel isa = resolve_isa(config_.cpu.isa, "cpu.isa");
+  pool_ = std::make_unique<Pool>(pool_options(config_.cpu));
+  stream_ = stream ? std::move(stream) : make_stream(config_);
+  std::vector<MoeLayer*> raw;
+  for (int l : spec_.layers) {
+    layers_.push_back(std::make_unique<MoeLayer>(*pool_, spec_.shape, format, l));
+    layers_.back()->use_isa(isa);
+    raw.push_back(layers_.back().get());
+  }
+  HybridOptions ho;
+  ho.pinned_slots = config_.buffers.pinned_slots;
+  ho.max_tokens = config_.buffers.max_tokens;
+  ho.deferred = config_.gpu.deferred_experts;
+  hybrid_ = std::make_unique<HybridMoe>(*stream_, std::move(raw), ho);
+}
+
+Engine::~Engine() {
+  if (stream_) {
+    try {
+      stream_->synchronize();
+    } catch (...) {  // an error nobody collected: the work is being torn down anyway
+    }
+  }
+  hybrid_.reset();  // before the stream and the layers it refers to
+}
+
+int Engine::index_of(int model_layer) const {
+  auto it = std::lower_bound(spec_.layers.begin(), spec_.layers.end(), model_layer);
+  return it != spec_.layers.end() && *it == model_layer ? static_cast<int>(it - spec_.layers.begin()) : -1;
+}
+
+void Engine::check_index(int i) const {
+  TANDEM_CHECK(i >= 0 && i < moe_layers(), Errc::invalid_argument, "engine: MoE layer ", i, " is outside [0, ",
+               moe_layers(), ")");
+}
+
+std::vector<int> Engine::hot_for(int i) const {
+  return choose_hot_experts(config_.gpu.hot_experts, spec_.layers[i], spec_.shape.experts, stats_.get());
+}
+
+void Engine::load_layer(int i, const std::function<ExpertSource(int)>& source, const Progress& progress) {
+  check_index(i);
+  MoeLayer& l = *layers_[i];
+  TANDEM_CHECK(!l.loaded(), Errc::invalid_argument, "engine: MoE layer ", i, " (model layer ", spec_.layers[i],
+               ") is already loaded");
+  const std::vector<int> hot = hot_for(i);
+  l.exclude(hot);
+  l.load(source, progress);
+  hybrid_->set_hot(i, hot, source);
+}
+
+void Engine::load(const Checkpoint& ckpt, const ExpertNaming& naming, const Progress& progress) {
+  const int E = spec_.shape.experts, L = moe_layers();
+  // Every tensor of every layer is checked before anything is packed.
+  for (int i = 0; i < L; ++i)
+    for (int e = 0; e < E; ++e) checkpoint_expert(ckpt, spec_.layers[i], e, naming, spec_.shape);
+  const int total = L * E;
+  for (int i = 0; i < L; ++i) {
+    const int model_layer = spec_.layers[i];
+    Progress p;
+    if (progress) p = [&, i](int done, int) { progress(i * E + done, total); };
+    load_layer(i, [&](int e) { return checkpoint_expert(ckpt, model_layer, e, naming, spec_.shape); }, p);
+    for (int e = 0; e < E; ++e) release_checkpoint_expert(ckpt, model_layer, e, naming);
+  }
+  if (progress) progress(total, total);
+}
+
+bool Engine::loaded() const {
+  return std::all_of(layers_.begin(), layers_.end(), [](const auto& l) { return l->loaded(); });
+}
+
+void Engine::forward(int i, const LayerIO& io) {
+  check_index(i);
+  TANDEM_CHECK(layers_[i]->loaded(), Errc::invalid_argument, "engine: MoE layer ", i, " (model layer ", spec_.layers[i],
+               ") has no weights (load it first)");
+  hybrid_->enqueue(i, io);
+}
+
+size_t Engine::cpu_bytes() const {
+  size_t b = 0;
+  for (const auto& l : layers_) b += l->packed_bytes();
+  return b;
+}
+
+size_t Engine::device_bytes() const {
+  size_t b = 0;
+  for (int i = 0; i < moe_layers(); ++i)
+    if (const DeviceExperts* d = hybrid_->device_experts(i)) b += d->bytes();
+  return b;
+}
+
+}  // namespace tandem

@@ -1,0 +1,86 @@
+// tandem/engine.h: the routed experts of a whole model, built from a placement config.
+//
+// One object owns what a model's MoE layers need at run time: the worker pool
+// (cpu.*), the stream (gpu.device), one MoeLayer per MoE layer (cpu.format), and the
+// hybrid scheduler over them (buffers.*, gpu.deferred_experts), with each layer's hot
+// experts (gpu.hot_experts) on the stream's device and the rest packed into the pools.
+//
+//   Engine e(load_config("configs/qwen3-30b-a3b.yaml"), {{128, 2048, 768}, moe_layers});
+//   e.load(Checkpoint::open(dir), ExpertNaming::detect(ckpt, moe_layers[0]), progress);
+//   e.forward(i, io);        // MoE layer i (not the model layer), stream-ordered
+//
+// Loading streams each expert from the mapped checkpoint straight into its packed form
+// (no full-size copy) and gives the source pages back after each layer, so the resident
+// set stays near the packed size. The Python package (tandem.offload, tandem.load_model)
+// is a thin layer over this class.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "tandem/config.h"
+#include "tandem/hybrid.h"
+#include "tandem/moe.h"
+#include "tandem/pool.h"
+#include "tandem/safetensors.h"
+#include "tandem/stream.h"
+
+namespace tandem {
+
+struct EngineSpec {
+  MoeShape shape;           // every MoE layer has the same one
+  std::vector<int> layers;  // the model layer index of each MoE layer: distinct, ascending
+};
+
+class Engine {
+ public:
+  // The stream is make_stream(config) unless one is given (e.g. a CUDA stream wrapping
+  // the caller's own, so tandem's work is ordered with the framework's).
+  Engine(const Config& config, EngineSpec spec, std::unique_ptr<Stream> stream = nullptr);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Loads every MoE layer from a checkpoint: the config's hot experts to the stream's
+  // device, the others packed into the pools. progress(done, total) counts experts over
+  // all layers. Errors name the tensor (missing, wrong shape or dtype) before any layer
+  // is half loaded.
+  void load(const Checkpoint& ckpt, const ExpertNaming& naming, const Progress& progress = {});
+  // Loads MoE layer i from any source (e.g. tensors an existing model holds).
+  void load_layer(int i, const std::function<ExpertSource(int)>& source, const Progress& progress = {});
+  bool loaded() const;
+
+  // Enqueues MoE layer i (see HybridMoe::enqueue); io's pointers are in the stream's
+  // device memory (host memory for the host stream).
+  void forward(int i, const LayerIO& io);
+  void synchronize() { stream_->synchronize(); }
+
+  const Config& config() const { return config_; }
+  const EngineSpec& spec() const { return spec_; }
+  int moe_layers() const { return static_cast<int>(spec_.layers.size()); }
+  // The MoE index of a model layer, -1 when that layer has no routed experts.
+  int index_of(int model_layer) const;
+  const std::vector<int>& hot(int i) const { return hybrid_->hot(i); }
+
+  Pool& pool() { return *pool_; }
+  Stream& stream() { return *stream_; }
+  HybridMoe& hybrid() { return *hybrid_; }
+  MoeLayer& layer(int i) { return *layers_.at(i); }
+  size_t cpu_bytes() const;     // packed CPU experts, all layers
+  size_t device_bytes() const;  // hot experts on the device, all layers
+
+ private:
+  void check_index(int i) const;
+  std::vector<int> hot_for(int i) const;
+
+  Config config_;
+  EngineSpec spec_;
+  std::unique_ptr<Pool> pool_;
+  std::unique_ptr<Stream> stream_;
+  std::vector<std::unique_ptr<MoeLayer>> layers_;
+  std::unique_ptr<HybridMoe> hybrid_;
+  std::unique_ptr<RoutingStatistics> stats_;  // for gpu.hot_experts.statistics
+};
+
+}  // namespace tandem
