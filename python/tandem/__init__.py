@@ -15,6 +15,13 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+try:
+    # torch first: it loads its own CUDA 13.x cuBLAS / NCCL; _C then binds to those (same
+    # sonames, newer minor). The other way round torch would get the toolkit's older copies
+    # and fail on symbols they lack (e.g. "undefined symbol: ncclCommResume").
+    import torch  # noqa: F401
+except ImportError:  # torch is optional for the C++-only parts (doctor, config, checkpoints)
+    pass
 from . import _C
 from ._C import Checkpoint, Engine, cpu_features, effective_isa, hardware_isa  # noqa: F401
 

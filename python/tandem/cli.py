@@ -1,5 +1,6 @@
 """The `tandem` command line.
 
+    tandem run [--model DIR --config FILE]  generate with a model (default: the built-in demo)
     tandem doctor [--config FILE] [--json]   what tandem can use here; validate a config
     tandem trace-merge TANDEM.json TORCH.json -o OUT.json
                                              put tandem's spans on a torch.profiler timeline
@@ -30,11 +31,22 @@ def _trace_merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run(args: argparse.Namespace) -> int:
+    from tandem.run import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="store_true", help="print the version and exit")
     sub = p.add_subparsers(dest="command")
+    from tandem.run import add_arguments
+
+    r = sub.add_parser("run", help="load a model through tandem and generate (default: the built-in demo model)")
+    add_arguments(r)
+    r.set_defaults(func=_run)
     d = sub.add_parser("doctor", help="report ISA features, NUMA nodes, memory, GPUs; validate a config")
     d.add_argument("--config", help="placement YAML file to validate against this machine")
     d.add_argument("--json", action="store_true", help="machine-readable output")

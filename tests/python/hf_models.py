@@ -1,0 +1,126 @@
+"""Tiny random-weight transformers MoE checkpoints for the tests, and reference helpers.
+
+Models are built with transformers (fixed seeds), saved with save_pretrained as real
+safetensors checkpoints, and loaded back unmodified as the reference.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from torch import nn
+
+KINDS = ("qwen3_moe", "mixtral", "deepseek_v3")
+VOCAB = 200
+
+
+def hf_config(kind: str):
+    from transformers import DeepseekV3Config, MixtralConfig, Qwen3MoeConfig
+
+    # initializer_range 0.08: activations large enough that logits are not all near-ties.
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                  initializer_range=0.08, max_position_embeddings=512)
+    if kind == "qwen3_moe":
+        return Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=3,
+                              head_dim=16, norm_topk_prob=True, **common)
+    if kind == "mixtral":
+        return MixtralConfig(intermediate_size=64, num_local_experts=8, num_experts_per_tok=2, **common)
+    if kind == "deepseek_v3":  # dense first layer, shared expert, grouped sigmoid routing with bias
+        common["num_key_value_heads"] = 4
+        return DeepseekV3Config(intermediate_size=128, moe_intermediate_size=64, first_k_dense_replace=1,
+                                n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2,
+                                q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                                routed_scaling_factor=2.5, **common)
+    raise ValueError(kind)
+
+
+def build(kind: str, seed: int, dtype: torch.dtype, out: Path) -> nn.Module:
+    """Builds, saves to `out` and returns the reference model (loaded back from `out`)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(kind)).to(dtype)
+    if kind == "deepseek_v3":  # a non-zero correction bias, so routing uses it
+        with torch.no_grad():
+            for layer in model.model.layers[1:]:
+                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+    model.save_pretrained(out)
+    return AutoModelForCausalLM.from_pretrained(out, dtype=dtype).eval()
+
+
+def moe_experts(model: nn.Module) -> list[nn.Module]:
+    return [l.mlp.experts for l in model.model.layers if hasattr(l.mlp, "experts")]
+
+
+def record_routing(model: nn.Module) -> list[torch.Tensor]:
+    """Hooks every experts module; the list fills with each call's sorted top_k_index."""
+    rec: list[torch.Tensor] = []
+    for ex in moe_experts(model):
+        ex.register_forward_hook(lambda mod, args, out: rec.append(args[1].sort(-1).values.clone()))
+    return rec
+
+
+def clean_tokens(ra: list[torch.Tensor], rb: list[torch.Tensor], batch: int, seq: int) -> torch.Tensor:
+    """[batch, seq] mask of tokens whose causal past (itself and earlier tokens of its row) got
+    the same experts at every MoE layer in both runs. A near-tie in a router can pick a
+    different expert under any rounding difference (transformers' own grouped_mm and eager
+    paths do this too); such a token and everything attending to it are compared by count,
+    not by value."""
+    assert len(ra) == len(rb)
+    bad = torch.zeros(batch * seq, dtype=torch.bool)
+    for x, y in zip(ra, rb):
+        bad |= (x != y).any(-1)
+    return ~bad.view(batch, seq).cummax(1).values
+
+
+def expert_fp64(experts: nn.Module) -> nn.Module:
+    """An fp64 copy of a transformers experts module run by its eager loop (the reference)."""
+    m = copy.deepcopy(experts).double()
+    m.config = copy.copy(m.config)
+    m.config._experts_implementation = "eager"
+    return m
+
+
+class DeferralReference:
+    """Replaces a model's experts forwards by fp64 ones that apply tandem's deferral:
+    per token, the `deferred` lowest-weighted CPU (not hot) experts of MoE layer i (ties:
+    the later slot) are added to MoE layer i+1's output; the last MoE layer defers nothing."""
+
+    def __init__(self, model: nn.Module, deferred: int, hot: dict[int, list[int]] | None = None):
+        self.deferred, self.hot, self.pending = deferred, hot or {}, None
+        mods = moe_experts(model)
+        for i, ex in enumerate(mods):
+            ref = expert_fp64(ex)
+            ex.forward = self._forward(i, len(mods), ref)
+
+    def _forward(self, i: int, n: int, ref: nn.Module):
+        def forward(x, idx, w):
+            T, K = idx.shape
+            contrib = torch.zeros(T, K, x.shape[1], dtype=torch.float64)
+            for k in range(K):  # each slot's weighted expert output
+                one = torch.zeros_like(w, dtype=torch.float64)
+                one[:, k] = w[:, k].double()
+                contrib[:, k] = ref(x.double(), idx, one)
+            defer = torch.zeros(T, K, dtype=torch.bool)
+            if i < n - 1:
+                hot = torch.zeros(ref.num_experts, dtype=torch.bool)
+                hot[self.hot.get(i, [])] = True
+                for t in range(T):
+                    cold = [k for k in range(K) if not hot[idx[t, k]]]
+                    for _ in range(min(self.deferred, len(cold))):
+                        pick = cold[0]
+                        for k in cold:
+                            if w[t, k] <= w[t, pick]:
+                                pick = k
+                        defer[t, pick] = True
+                        cold.remove(pick)
+            out = (contrib * (~defer)[..., None]).sum(1)
+            if i == 0:
+                self.pending = None
+            if self.pending is not None:
+                out = out + self.pending
+            self.pending = (contrib * defer[..., None]).sum(1)
+            return out.to(x.dtype)
+
+        return forward
