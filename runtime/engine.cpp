@@ -48,6 +48,10 @@ Engine::Engine(const Config& config, EngineSpec spec, std::unique_ptr<Stream> st
   ho.max_tokens = config_.buffers.max_tokens;
   ho.deferred = config_.gpu.deferred_experts;
   hybrid_ = std::make_unique<HybridMoe>(*stream_, std::move(raw), ho);
+  // Every layer's hot list is resolved (ids range-checked, naming the config key) now,
+  // not halfway through a load.
+  for (int i = 0; i < moe_layers(); ++i)
+    hot_.push_back(choose_hot_experts(config_.gpu.hot_experts, spec_.layers[i], spec_.shape.experts, stats_.get()));
 }
 
 Engine::~Engine() {
@@ -70,16 +74,12 @@ void Engine::check_index(int i) const {
                moe_layers(), ")");
 }
 
-std::vector<int> Engine::hot_for(int i) const {
-  return choose_hot_experts(config_.gpu.hot_experts, spec_.layers[i], spec_.shape.experts, stats_.get());
-}
-
 void Engine::load_layer(int i, const std::function<ExpertSource(int)>& source, const Progress& progress) {
   check_index(i);
   MoeLayer& l = *layers_[i];
   TANDEM_CHECK(!l.loaded(), Errc::invalid_argument, "engine: MoE layer ", i, " (model layer ", spec_.layers[i],
                ") is already loaded");
-  const std::vector<int> hot = hot_for(i);
+  const std::vector<int>& hot = hot_[i];
   l.exclude(hot);
   l.load(source, progress);
   hybrid_->set_hot(i, hot, source);
@@ -93,8 +93,8 @@ void Engine::load(const Checkpoint& ckpt, const ExpertNaming& naming, const Prog
   const int total = L * E;
   for (int i = 0; i < L; ++i) {
     const int model_layer = spec_.layers[i];
-    Progress p;
-    if (progress) p = [&, i](int done, int) { progress(i * E + done, total); };
+    Progress p;  // MoeLayer counts (subpool, expert) items: rescale to experts
+    if (progress) p = [&, i](int done, int of) { progress(i * E + (of > 0 ? static_cast<int>(int64_t{done} * E / of) : 0), total); };
     load_layer(i, [&](int e) { return checkpoint_expert(ckpt, model_layer, e, naming, spec_.shape); }, p);
     for (int e = 0; e < E; ++e) release_checkpoint_expert(ckpt, model_layer, e, naming);
   }
@@ -107,8 +107,9 @@ bool Engine::loaded() const {
 
 void Engine::forward(int i, const LayerIO& io) {
   check_index(i);
-  TANDEM_CHECK(layers_[i]->loaded(), Errc::invalid_argument, "engine: MoE layer ", i, " (model layer ", spec_.layers[i],
-               ") has no weights (load it first)");
+  for (int j = 0; j < moe_layers(); ++j)  // the scheduler needs every layer (deferral spans layers)
+    TANDEM_CHECK(layers_[j]->loaded(), Errc::invalid_argument, "engine: MoE layer ", j, " (model layer ", spec_.layers[j],
+                 ") has no weights: load every layer before the first forward");
   hybrid_->enqueue(i, io);
 }
 

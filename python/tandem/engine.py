@@ -137,6 +137,26 @@ def make_engine(config: ConfigLike, shape: tuple[int, int, int], layers: list[in
     return _C.Engine(stream="host", **kw)
 
 
+def share_cpu_with_torch(engine: _C.Engine, device: torch.device) -> int:
+    """Sets torch's intra-op threads for a model whose experts run on the CPU pool.
+
+    On the host stream torch (attention, router) and the pool take turns on the same
+    cores. torch's OpenMP workers spin after each parallel region and would steal the
+    pool's cores (measured on the 2-core demo: decode 60 tokens/s with 2 torch threads vs
+    256 with 1). So torch gets the cores the pool does not use, at least 1;
+    TANDEM_TORCH_THREADS overrides. Returns the thread count in effect."""
+    want = os.environ.get("TANDEM_TORCH_THREADS")
+    if want:
+        n = int(want)
+    elif engine.is_cuda or device.type != "cpu":
+        return torch.get_num_threads()
+    else:
+        n = max(1, (os.cpu_count() or 1) - engine.threads)
+    if n != torch.get_num_threads():
+        torch.set_num_threads(n)
+    return n
+
+
 class TandemExperts(nn.Module):
     """Drop-in for a transformers experts module: forward(hidden [T, H], top_k_index [T, K],
     top_k_weights [T, K]) -> [T, H] in hidden's dtype. No parameters: the weights live in
@@ -259,6 +279,7 @@ def offload(model: nn.Module, config: ConfigLike = None, *, progress: bool = Tru
         b.block.experts = TandemExperts(engine, i, b.layer, act)
     if bar:
         bar(None)
+    share_cpu_with_torch(engine, _model_device(model))
     model.tandem_engine = engine
     return engine
 

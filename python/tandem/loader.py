@@ -181,6 +181,9 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
     meta = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.device.type == "meta"]
     if meta:
         raise ValueError(f"{path}: these tensors were not loaded: {', '.join(meta[:5])}")
+    from .engine import share_cpu_with_torch
+
+    share_cpu_with_torch(engine, device)
     model.tandem_engine = engine
     model.tandem_checkpoint = str(path)
     return model.eval()

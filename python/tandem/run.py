@@ -106,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
         gen["pad_token_id"] = tok.pad_token_id
 
     print(f"model: {model_dir} ({model.config.model_type}, {model.config.num_hidden_layers} layers, "
-          f"dtype {model.dtype}, non-expert weights on {model.device}); loaded in {load_s:.1f} s")
+          f"dtype {model.dtype}, non-expert weights on {model.device}, torch threads {torch.get_num_threads()}); "
+          f"loaded in {load_s:.1f} s")
     if args.trace:
         tandem.trace.enable(True)
     engine.reset_counts()

@@ -52,7 +52,7 @@ class Engine {
   bool loaded() const;
 
   // Enqueues MoE layer i (see HybridMoe::enqueue); io's pointers are in the stream's
-  // device memory (host memory for the host stream).
+  // device memory (host memory for the host stream). Every layer must be loaded.
   void forward(int i, const LayerIO& io);
   void synchronize() { stream_->synchronize(); }
 
@@ -72,7 +72,6 @@ class Engine {
 
  private:
   void check_index(int i) const;
-  std::vector<int> hot_for(int i) const;
 
   Config config_;
   EngineSpec spec_;
@@ -81,6 +80,7 @@ class Engine {
   std::vector<std::unique_ptr<MoeLayer>> layers_;
   std::unique_ptr<HybridMoe> hybrid_;
   std::unique_ptr<RoutingStatistics> stats_;  // for gpu.hot_experts.statistics
+  std::vector<std::vector<int>> hot_;         // per MoE layer, from the config
 };
 
 }  // namespace tandem

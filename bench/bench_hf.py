@@ -1,0 +1,172 @@
+"""Prefill and decode tokens/s of a transformers MoE model run through tandem vs the same
+model in plain transformers, on the same machine, each in its own process (so peak
+memory is that variant's own).
+
+    .venv/bin/python bench/bench_hf.py                        # demo model + Qwen3-30B-A3B shapes
+    .venv/bin/python bench/bench_hf.py --models demo --prompt 64 --new 32
+
+Random-weight checkpoints are built once under $TANDEM_CACHE (default ~/.cache/tandem).
+Qwen3-30B-A3B shapes (hidden 2048, 128 experts, top-8, expert intermediate 768, 32 heads,
+4 KV heads, vocab 151936) use --layers of its 48 layers so the reference fits in memory.
+Ceiling: decode reads every non-expert weight and top_k experts per MoE layer per token;
+the ratio is that byte rate over the machine's measured read bandwidth
+(build/bench/bench_ceilings).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+QWEN3_30B = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                 num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144, vocab_size=151936,
+                 max_position_embeddings=4096, norm_topk_prob=True, tie_word_embeddings=False)
+
+
+def model_dir(name: str, layers: int) -> Path:
+    import torch
+
+    from tandem import demo
+
+    if name == "demo":
+        return demo.ensure_demo_model()
+    out = demo.cache_dir() / f"bench-qwen3-30b-a3b-{layers}l"
+    if (out / "model.safetensors.index.json").is_file() or (out / "model.safetensors").is_file():
+        return out
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    print(f"building a random {name} checkpoint with {layers} layers in {out} (once)", flush=True)
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(num_hidden_layers=layers, **QWEN3_30B)
+    with torch.device("cpu"):
+        m = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
+    tmp = out.with_name(out.name + ".tmp")
+    m.save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+def rss_kib() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def run_variant(args) -> dict:
+    """One variant in this process: load, warm up, then time generations."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import tandem
+    from tandem.run import timed_generate
+
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    if args.variant == "tandem":
+        cfg = {"version": 1, "cpu": {"format": args.format}, "gpu": {"device": "auto"}}
+        model = tandem.load_model(args.dir, cfg, progress=False)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.bfloat16).eval()
+        if torch.cuda.is_available():
+            model = model.cuda()
+    load_s = time.perf_counter() - t0
+    peak_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    after_load = rss_kib()
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, min(vocab, 256), (1, args.prompt), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(model.device)
+    gen = dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False)
+    timed_generate(model, ids, **dict(gen, max_new_tokens=4, min_new_tokens=4))  # warm-up
+    pre, dec = [], []
+    for _ in range(args.repeat):
+        _, t = timed_generate(model, ids, **gen)
+        pre.append(t.prefill_tps)
+        dec.append(t.decode_tps)
+    c = model.config
+    n_moe = sum(1 for layer in model.model.layers if hasattr(layer.mlp, "experts"))
+    expert_bytes = 3 * c.hidden_size * c.moe_intermediate_size * 2
+    non_expert = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".mlp.experts." not in n)
+    # Decode reads every non-expert weight except the embedding table (one row) per token,
+    # and top_k experts per MoE layer (at one token: distinct experts, weights read once).
+    embed = model.model.embed_tokens.weight
+    per_token = non_expert - embed.numel() * embed.element_size() + n_moe * c.num_experts_per_tok * expert_bytes
+    return dict(variant=args.variant, load_s=load_s, prefill_tps=statistics.median(pre),
+                decode_tps=statistics.median(dec), peak_rss_gib=peak_load / 2**20, rss_after_load_gib=after_load / 2**20,
+                decode_bytes=per_token, threads=torch.get_num_threads(),
+                tandem_cpu_gib=(model.tandem_engine.cpu_bytes / 2**30 if args.variant == "tandem" else None),
+                device=str(model.device))
+
+
+def ceilings() -> dict:
+    exe = ROOT / "build" / "bench" / "bench_ceilings"
+    if not exe.exists():
+        return {}
+    out = subprocess.run([str(exe)], capture_output=True, text=True).stdout
+    m = re.search(r"read bandwidth\s+([\d.]+) GB/s", out)
+    machine = out.splitlines()[0] if out else ""
+    return {"read_gbs": float(m.group(1)) if m else None, "machine": machine}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="demo,qwen3-30b-a3b")
+    p.add_argument("--layers", type=int, default=2, help="layers of the Qwen3-30B-A3B-shaped model")
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--new", type=int, default=32)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--format", default="bf16")
+    p.add_argument("--variant", help=argparse.SUPPRESS)
+    p.add_argument("--dir", help=argparse.SUPPRESS)
+    p.add_argument("--json", help="also write the results here")
+    args = p.parse_args()
+    if args.variant:
+        print(json.dumps(run_variant(args)))
+        return 0
+    ceil = ceilings()
+    print(ceil.get("machine", ""))
+    bw = ceil.get("read_gbs")
+    print(f"read bandwidth (bench_ceilings): {bw} GB/s; prompt {args.prompt} tokens, {args.new} new, "
+          f"median of {args.repeat}; tandem format {args.format}")
+    results = []
+    for name in args.models.split(","):
+        d = model_dir(name, args.layers)
+        row = {"model": name}
+        for variant in ("transformers", "tandem"):
+            cmd = [sys.executable, __file__, "--variant", variant, "--dir", str(d), "--prompt", str(args.prompt),
+                   "--new", str(args.new), "--repeat", str(args.repeat), "--format", args.format]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode:
+                print(r.stderr, file=sys.stderr)
+                return 1
+            row[variant] = json.loads(r.stdout.strip().splitlines()[-1])
+        results.append(row)
+        hf, td = row["transformers"], row["tandem"]
+        print(f"\n{name} ({d.name}), device {td['device']}, torch threads {td['threads']}")
+        print(f"{'':14}{'prefill tok/s':>14}{'decode tok/s':>14}{'load s':>8}{'peak RSS GiB':>14}{'RSS after load':>16}")
+        for label, x in (("transformers", hf), ("tandem", td)):
+            print(f"{label:14}{x['prefill_tps']:>14.1f}{x['decode_tps']:>14.2f}{x['load_s']:>8.1f}"
+                  f"{x['peak_rss_gib']:>14.2f}{x['rss_after_load_gib']:>16.2f}")
+        print(f"tandem / transformers: prefill {td['prefill_tps'] / hf['prefill_tps']:.2f}x, "
+              f"decode {td['decode_tps'] / hf['decode_tps']:.2f}x")
+        if bw:
+            rate = td["decode_bytes"] * td["decode_tps"] / 1e9
+            print(f"tandem decode reads {td['decode_bytes'] / 2**20:.1f} MiB/token -> {rate:.1f} GB/s = "
+                  f"{rate / bw:.0%} of the measured read bandwidth")
+        print(f"tandem packed experts {td['tandem_cpu_gib']:.2f} GiB; peak RSS during load {td['peak_rss_gib']:.2f} GiB")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"ceilings": ceil, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,565 @@
+// Engine: a model's MoE layers built from a placement config, loaded from a safetensors
+// checkpoint (Qwen3 naming, BF16 or F32) or from in-memory sources, run on the host
+// stream (gpu.device: none; the "device" is the stream's thread, holding the hot experts
+// as bf16) and checked against an fp64 reference that applies the same placement (hot /
+// cold) and deferral, written out here independently of routing.h's split().
+//
+// Reference and tolerance (as in test_hybrid.cpp): per routed (token, expert) pair,
+// y = Wd (silu(Wg x) * (Wu x)) in fp64 on the weights as held (bf16-exact sources, x
+// rounded to bf16 as the kernels see it). The engine rounds h to bf16, so per output
+// element |out - ref| <= sum |w| sum_j |Wd_ij| 2^-8 |h_j| plus fp32 accumulation,
+// bounded by 64 (hidden + inter) 2^-24 (magnitude + |ref|).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "tandem/engine.h"
+#include "tandem/error.h"
+#include "tandem/routing.h"
+#include "tandem/safetensors.h"
+#include "test_util.h"
+
+namespace tandem {
+namespace {
+
+using test::test_seed;
+
+// The model under test: 8 experts of hidden 128 / inter 128 (two subpools of 64 rows)
+// in model layers 1 and 3 (MoE indices 0 and 1); layers 0 and 2 are dense.
+constexpr int kE = 8, kH = 128, kI = 128, kK = 4, kTokens = 9;
+const std::vector<int> kLayers = {1, 3};
+
+EngineSpec spec() { return {{kE, kH, kI}, kLayers}; }
+
+// The config every test starts from; `gpu` and `rest` add keys to gpu: and the top level.
+Config config(const std::string& gpu = "", const std::string& rest = "") {
+  return parse_config("version: 1\ncpu: {format: bf16, virtual_subpools: 2, threads: 1}\ngpu: {device: none" + gpu +
+                          "}\n" + rest,
+                      "engine.yaml");
+}
+
+// Passes when f throws a tandem::Error of category `code` whose message contains `needle`.
+template <typename F>
+::testing::AssertionResult throws_error(F&& f, const std::string& needle, Errc code) {
+  try {
+    f();
+  } catch (const Error& e) {
+    if (e.code() != code)
+      return ::testing::AssertionFailure() << "category " << errc_name(e.code()) << ", want " << errc_name(code)
+                                           << "; message: " << e.message();
+    if (e.message().find(needle) == std::string::npos)
+      return ::testing::AssertionFailure() << "message '" << e.message() << "' does not contain '" << needle << "'";
+    return ::testing::AssertionSuccess();
+  } catch (const std::exception& e) {
+    return ::testing::AssertionFailure() << "threw a non-tandem exception: " << e.what();
+  }
+  return ::testing::AssertionFailure() << "nothing thrown; expected a tandem::Error containing '" << needle << "'";
+}
+
+// ---- weights, checkpoints, batches ------------------------------------------------------
+
+// Random experts per MoE layer; bf16-exact, so a BF16 checkpoint, an F32 one and the
+// in-memory f32 sources all hold exactly these values.
+struct Weights {
+  std::vector<std::vector<std::vector<float>>> g, u, d;  // [moe index][expert], nn.Linear layout
+  explicit Weights(std::mt19937_64& rng) {
+    std::normal_distribution<float> nd(0.f, 1.f);
+    const float sg = 2.0f / std::sqrt(float(kH)), sd = 1.0f / std::sqrt(float(kI));
+    auto mk = [&](size_t n, float sc) {
+      std::vector<float> v(n);
+      for (auto& x : v) x = bf16_to_fp32(fp32_to_bf16(nd(rng) * sc));
+      return v;
+    };
+    const size_t L = kLayers.size();
+    g.resize(L);
+    u.resize(L);
+    d.resize(L);
+    for (size_t i = 0; i < L; ++i)
+      for (int e = 0; e < kE; ++e) {
+        g[i].push_back(mk(size_t(kI) * kH, sg));
+        u[i].push_back(mk(size_t(kI) * kH, sg));
+        d[i].push_back(mk(size_t(kH) * kI, sd));
+      }
+  }
+  // MoE layer i's experts as in-memory f32 tensors.
+  std::function<ExpertSource(int)> source(int i) const {
+    return [this, i](int e) {
+      return ExpertSource{{g[i][e].data(), SourceType::f32, kI, kH},
+                          {u[i][e].data(), SourceType::f32, kI, kH},
+                          {d[i][e].data(), SourceType::f32, kH, kI}};
+    };
+  }
+};
+
+std::string expert_key(int model_layer, int expert, const std::string& proj) {
+  return "model.layers." + std::to_string(model_layer) + ".mlp.experts." + std::to_string(expert) + "." + proj +
+         "_proj.weight";
+}
+
+std::string tensor_bytes(const std::vector<float>& v, const std::string& dtype) {
+  if (dtype == "F32") return std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4);
+  std::vector<bf16_t> b(v.size());
+  for (size_t i = 0; i < v.size(); ++i) b[i] = fp32_to_bf16(v[i]);
+  return std::string(reinterpret_cast<const char*>(b.data()), b.size() * 2);
+}
+
+// The checkpoint's entries as Qwen3 saves them, plus tensors the engine must ignore (a
+// dense layer's MLP, the embedding). Tests edit the list to break it.
+std::vector<test::Entry> checkpoint_entries(const Weights& w, const std::string& dtype) {
+  std::vector<test::Entry> out;
+  const std::vector<float> dense(size_t(kH) * 4, 0.25f);
+  out.push_back({"model.embed_tokens.weight", dtype, {4, kH}, tensor_bytes(dense, dtype)});
+  out.push_back({"model.layers.2.mlp.gate_proj.weight", dtype, {4, kH}, tensor_bytes(dense, dtype)});
+  for (size_t i = 0; i < kLayers.size(); ++i)
+    for (int e = 0; e < kE; ++e) {
+      out.push_back({expert_key(kLayers[i], e, "gate"), dtype, {kI, kH}, tensor_bytes(w.g[i][e], dtype)});
+      out.push_back({expert_key(kLayers[i], e, "up"), dtype, {kI, kH}, tensor_bytes(w.u[i][e], dtype)});
+      out.push_back({expert_key(kLayers[i], e, "down"), dtype, {kH, kI}, tensor_bytes(w.d[i][e], dtype)});
+    }
+  return out;
+}
+
+Checkpoint write_checkpoint(const test::ScratchDir& dir, const std::vector<test::Entry>& entries) {
+  test::write_file(dir / "model.safetensors", test::good_file(entries));
+  return Checkpoint::open(dir / "model.safetensors");
+}
+
+// One layer's routing: top_k distinct experts per token, weights in (0.05, 1] / K.
+struct Routing {
+  std::vector<int32_t> ids;
+  std::vector<float> w;
+};
+Routing random_routing(std::mt19937_64& rng, bool empty_slots) {
+  Routing r;
+  std::uniform_real_distribution<float> uw(0.05f, 1.0f);
+  for (int t = 0; t < kTokens; ++t) {
+    std::vector<int> perm(kE);
+    for (int e = 0; e < kE; ++e) perm[e] = e;
+    std::shuffle(perm.begin(), perm.end(), rng);
+    for (int k = 0; k < kK; ++k) {
+      r.ids.push_back(empty_slots && (t * kK + k) % 11 == 10 ? -1 : perm[k]);
+      r.w.push_back(uw(rng) / kK);
+    }
+  }
+  return r;
+}
+
+// One layer's inputs and output in host memory (the host stream's "device" memory).
+struct Batch {
+  std::vector<float> x;      // [tokens x hidden], what the reference sees
+  std::vector<bf16_t> x_bf;  // the same values as bf16, when the layer is fed bf16
+  XType xt;
+  Routing r;
+  std::vector<float> out;
+  Batch(std::mt19937_64& rng, XType xt_, bool empty_slots) : xt(xt_), r(random_routing(rng, empty_slots)) {
+    std::normal_distribution<float> nd(0.f, 1.f);
+    x.resize(size_t(kTokens) * kH);
+    for (auto& v : x) v = nd(rng);
+    if (xt == XType::bf16)
+      for (auto& v : x) x_bf.push_back(fp32_to_bf16(v));
+    out.assign(x.size(), std::nanf(""));  // every element must be written
+  }
+  LayerIO io() {
+    const void* xp = xt == XType::bf16 ? static_cast<const void*>(x_bf.data()) : x.data();
+    return {xp, xt, kTokens, r.ids.data(), false, r.w.data(), kK, out.data()};
+  }
+};
+
+// ---- reference -----------------------------------------------------------------------
+
+struct RefOut {
+  std::vector<double> y, bound, mag;  // [tokens x hidden]
+  RefOut() : y(size_t(kTokens) * kH), bound(y.size()), mag(y.size()) {}
+};
+
+// Adds w * expert(x_row) for one (token, expert) pair of MoE layer i.
+void add_pair(const Weights& wt, int i, int e, const float* xrow, double w, size_t o, RefOut& ref) {
+  const float *G = wt.g[i][e].data(), *U = wt.u[i][e].data(), *D = wt.d[i][e].data();
+  std::vector<double> x(kH), h(kI);
+  for (int k = 0; k < kH; ++k) x[k] = bf16_to_fp32(fp32_to_bf16(xrow[k]));
+  for (int j = 0; j < kI; ++j) {
+    double gg = 0, uu = 0;
+    for (int k = 0; k < kH; ++k) {
+      gg += double(G[size_t(j) * kH + k]) * x[k];
+      uu += double(U[size_t(j) * kH + k]) * x[k];
+    }
+    h[j] = gg / (1 + std::exp(-gg)) * uu;
+  }
+  for (int r = 0; r < kH; ++r) {
+    double s = 0, b = 0, mg = 0;
+    for (int j = 0; j < kI; ++j) {
+      const double dw = D[size_t(r) * kI + j];
+      s += dw * h[j];
+      b += std::abs(dw) * std::ldexp(std::abs(h[j]), -8);
+      mg += std::abs(dw * h[j]);
+    }
+    ref.y[o + r] += w * s;
+    ref.bound[o + r] += std::abs(w) * b;
+    ref.mag[o + r] += std::abs(w) * mg;
+  }
+}
+
+// Where each (token, slot) runs: the engine's contract (routing.h, split_token) written
+// out independently. A valid id is hot when its expert is; of a token's cold experts,
+// the `deferred` lowest-weighted (ties: the later slot) move to the deferred list.
+enum class Where { empty, hot, cold, deferred };
+std::vector<Where> place(const Routing& r, const std::vector<int>& hot, int deferred) {
+  std::vector<Where> where(r.ids.size());
+  for (int t = 0; t < kTokens; ++t) {
+    const size_t o = size_t(t) * kK;
+    for (int k = 0; k < kK; ++k) {
+      const int e = r.ids[o + k];
+      where[o + k] = e < 0 ? Where::empty : std::count(hot.begin(), hot.end(), e) ? Where::hot : Where::cold;
+    }
+    for (int j = 0; j < deferred; ++j) {
+      int pick = -1;
+      for (int k = 0; k < kK; ++k)
+        if (where[o + k] == Where::cold && (pick < 0 || r.w[o + k] <= r.w[o + pick])) pick = k;
+      if (pick >= 0) where[o + pick] = Where::deferred;
+    }
+  }
+  return where;
+}
+
+// Adds MoE layer i's pairs placed in one of `which` to ref (on the batch's own x).
+void add_layer(const Weights& wt, int i, const Batch& b, const std::vector<Where>& where,
+               std::initializer_list<Where> which, RefOut& ref) {
+  for (int t = 0; t < kTokens; ++t)
+    for (int k = 0; k < kK; ++k) {
+      const size_t s = size_t(t) * kK + k;
+      if (std::find(which.begin(), which.end(), where[s]) == which.end() || b.r.ids[s] < 0) continue;
+      add_pair(wt, i, b.r.ids[s], &b.x[size_t(t) * kH], b.r.w[s], size_t(t) * kH, ref);
+    }
+}
+
+// The layer's full output (every routed expert, nothing deferred).
+RefOut reference(const Weights& wt, int i, const Batch& b) {
+  RefOut ref;
+  add_layer(wt, i, b, place(b.r, {}, 0), {Where::cold}, ref);
+  return ref;
+}
+
+void expect_close(const std::vector<float>& out, const RefOut& r, const std::string& what) {
+  for (size_t i = 0; i < out.size(); ++i) {
+    const double tol = r.bound[i] + 64.0 * (kH + kI) * std::ldexp(r.mag[i] + std::abs(r.y[i]), -24) + 1e-30;
+    ASSERT_LE(std::abs(out[i] - r.y[i]), tol) << what << ": token " << i / kH << " output " << i % kH << " got "
+                                              << out[i] << " want " << r.y[i];
+  }
+}
+
+// ---- building and running ------------------------------------------------------------
+
+TEST(Engine, LoadsACheckpointAndMatchesTheReference) {
+  const uint64_t seed = test_seed();
+  for (const std::string dtype : {"BF16", "F32"}) {
+    SCOPED_TRACE("checkpoint dtype " + dtype);
+    std::mt19937_64 rng(seed);
+    const Weights w(rng);
+    test::ScratchDir dir;
+    const Checkpoint ckpt = write_checkpoint(dir, checkpoint_entries(w, dtype));
+    const ExpertNaming naming = ExpertNaming::detect(ckpt, kLayers[0]);
+    EXPECT_EQ(naming.gate, ExpertNaming::qwen3().gate);
+
+    Engine e(config(), spec());
+    EXPECT_EQ(e.moe_layers(), 2);
+    EXPECT_EQ(e.index_of(1), 0);
+    EXPECT_EQ(e.index_of(3), 1);
+    for (int l : {-1, 0, 2, 4}) EXPECT_EQ(e.index_of(l), -1) << "model layer " << l;
+    EXPECT_EQ(e.layer(0).layer_index(), 1);  // MoeLayer names the model layer
+    EXPECT_EQ(e.layer(1).layer_index(), 3);
+    EXPECT_FALSE(e.stream().is_cuda());
+    EXPECT_EQ(e.pool().subpools(), 2);
+    EXPECT_FALSE(e.loaded());
+
+    e.load(ckpt, naming);
+    EXPECT_TRUE(e.loaded());
+    EXPECT_GT(e.cpu_bytes(), 0u);
+    EXPECT_EQ(e.cpu_bytes(), e.layer(0).packed_bytes() + e.layer(1).packed_bytes());
+    EXPECT_EQ(e.device_bytes(), 0u);  // no hot experts configured
+    EXPECT_TRUE(e.hot(0).empty());
+    EXPECT_TRUE(e.hot(1).empty());
+
+    // Layer 0 fed fp32, layer 1 bf16; each layer's output is its own full MoE.
+    Batch b0(rng, XType::f32, true), b1(rng, XType::bf16, true);
+    e.forward(0, b0.io());
+    e.forward(1, b1.io());
+    e.synchronize();
+    expect_close(b0.out, reference(w, 0, b0), "MoE layer 0");
+    expect_close(b1.out, reference(w, 1, b1), "MoE layer 1");
+  }
+}
+
+TEST(Engine, HotExpertsFromTheConfig) {
+  const uint64_t seed = test_seed();
+  std::mt19937_64 rng(seed);
+  const Weights w(rng);
+  test::ScratchDir dir;
+  const Checkpoint ckpt = write_checkpoint(dir, checkpoint_entries(w, "BF16"));
+
+  // Explicit lists, keyed by the model layer.
+  Engine e(config(", hot_experts: {layers: {1: [3, 0], 3: [5]}}"), spec());
+  e.load(ckpt, ExpertNaming::qwen3());
+  const std::vector<std::vector<int>> hot = {{0, 3}, {5}};
+  EXPECT_EQ(e.hot(0), hot[0]);
+  EXPECT_EQ(e.hot(1), hot[1]);
+  for (int i = 0; i < 2; ++i)
+    for (int x = 0; x < kE; ++x)
+      EXPECT_EQ(e.layer(i).excluded(x), std::count(hot[i].begin(), hot[i].end(), x) > 0) << "layer " << i << " expert " << x;
+  EXPECT_GT(e.device_bytes(), 0u);
+  // The hot experts are not packed on the CPU as well: 13 of 16 experts' bytes there.
+  Engine all_cold(config(), spec());
+  all_cold.load(ckpt, ExpertNaming::qwen3());
+  EXPECT_EQ(e.cpu_bytes() * 16, all_cold.cpu_bytes() * 13);
+
+  // No empty slots, so every slot is counted somewhere; token 0 routes to every hot expert.
+  Batch b0(rng, XType::f32, false), b1(rng, XType::f32, false);
+  for (Batch* b : {&b0, &b1}) {
+    const int32_t t0[kK] = {5, 0, 3, 6};
+    std::copy(t0, t0 + kK, b->r.ids.begin());
+  }
+  e.forward(0, b0.io());
+  e.forward(1, b1.io());
+  e.synchronize();
+  expect_close(b0.out, reference(w, 0, b0), "explicit, MoE layer 0");
+  expect_close(b1.out, reference(w, 1, b1), "explicit, MoE layer 1");
+  for (int i = 0; i < 2; ++i) {
+    SCOPED_TRACE("MoE layer " + std::to_string(i));
+    const Routing& r = (i == 0 ? b0 : b1).r;
+    const PlacementCounts pc = e.hybrid().counts(i);
+    EXPECT_EQ(pc.tokens, uint64_t(kTokens));
+    uint64_t total = 0, on_hot = 0;
+    for (int x = 0; x < kE; ++x) {
+      const bool is_hot = std::count(hot[i].begin(), hot[i].end(), x) > 0;
+      const uint64_t routed = std::count(r.ids.begin(), r.ids.end(), x);
+      EXPECT_EQ(pc.hot[x], is_hot ? routed : 0u) << "expert " << x;
+      EXPECT_EQ(pc.cold[x], is_hot ? 0u : routed) << "expert " << x;
+      EXPECT_EQ(pc.deferred[x], 0u) << "expert " << x;
+      total += pc.hot[x] + pc.cold[x] + pc.deferred[x];
+      on_hot += pc.hot[x];
+    }
+    EXPECT_EQ(total, uint64_t(kTokens) * kK);
+    EXPECT_GE(on_hot, hot[i].size());  // token 0 at least
+  }
+
+  // A uniform count: that many experts per layer, spread evenly over the ids.
+  Engine u(config(", hot_experts: {count: 2}"), spec());
+  u.load(ckpt, ExpertNaming::qwen3());
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(u.hot(i), (std::vector<int>{0, 4})) << "MoE layer " << i;
+  for (Batch* b : {&b0, &b1}) std::fill(b->out.begin(), b->out.end(), std::nanf(""));
+  u.forward(0, b0.io());
+  u.forward(1, b1.io());
+  u.synchronize();
+  expect_close(b0.out, reference(w, 0, b0), "count 2, MoE layer 0");
+  expect_close(b1.out, reference(w, 1, b1), "count 2, MoE layer 1");
+  for (int i = 0; i < 2; ++i) {
+    const PlacementCounts pc = u.hybrid().counts(i);
+    for (int x = 0; x < kE; ++x)
+      if (x != 0 && x != 4) EXPECT_EQ(pc.hot[x], 0u) << "count 2, MoE layer " << i << " expert " << x;
+  }
+}
+
+// Layer 0 defers each token's lowest-weighted CPU expert; its output lands in layer 1's.
+TEST(Engine, DeferredExpertsLandInTheNextLayer) {
+  const uint64_t seed = test_seed();
+  std::mt19937_64 rng(seed);
+  const Weights w(rng);
+  test::ScratchDir dir;
+  const Checkpoint ckpt = write_checkpoint(dir, checkpoint_entries(w, "BF16"));
+  Engine e(config(", hot_experts: {layers: {1: [0, 3], 3: [5]}}, deferred_experts: 1", "buffers: {pinned_slots: 2}\n"),
+           spec());
+  EXPECT_EQ(e.hybrid().options().deferred, 1);
+  e.load(ckpt, ExpertNaming::qwen3());
+
+  Batch b0(rng, XType::f32, true), b1(rng, XType::f32, true);
+  // Token 0: equal weights, slot 3 hot, so the tie rule picks slot 2 (the later CPU
+  // expert); token 1: only hot experts and empty slots, so it defers nothing.
+  const int32_t t0[kK] = {1, 2, 6, 0}, t1[kK] = {0, -1, 3, -1};
+  std::copy(t0, t0 + kK, b0.r.ids.begin());
+  std::copy(t1, t1 + kK, b0.r.ids.begin() + kK);
+  for (int k = 0; k < kK; ++k) b0.r.w[k] = 0.25f;
+  e.forward(0, b0.io());
+  e.forward(1, b1.io());
+  e.synchronize();
+
+  const std::vector<Where> p0 = place(b0.r, e.hot(0), 1), p1 = place(b1.r, e.hot(1), 0);  // the last layer defers nothing
+  RefOut r0, r1;
+  add_layer(w, 0, b0, p0, {Where::hot, Where::cold}, r0);
+  add_layer(w, 1, b1, p1, {Where::hot, Where::cold}, r1);
+  add_layer(w, 0, b0, p0, {Where::deferred}, r1);  // layer 0's deferred experts, on layer 0's x
+  expect_close(b0.out, r0, "MoE layer 0 (its deferred experts left out)");
+  expect_close(b1.out, r1, "MoE layer 1 (plus layer 0's deferred experts)");
+
+  // The counts agree with the placement: one deferred expert per token with a cold one.
+  const PlacementCounts c0 = e.hybrid().counts(0), c1 = e.hybrid().counts(1);
+  uint64_t deferred0 = 0, deferred1 = 0;
+  for (int x = 0; x < kE; ++x) {
+    uint64_t want = 0;
+    for (size_t s = 0; s < p0.size(); ++s) want += p0[s] == Where::deferred && b0.r.ids[s] == x;
+    EXPECT_EQ(c0.deferred[x], want) << "expert " << x;
+    deferred0 += c0.deferred[x];
+    deferred1 += c1.deferred[x];
+  }
+  EXPECT_EQ(deferred0, uint64_t(kTokens - 1)) << "every token but token 1 has a cold expert to defer";
+  // The reference itself resolved token 0's tie as intended (so the outputs above check it).
+  EXPECT_EQ(p0[2], Where::deferred) << "token 0's tie goes to its last CPU expert (slot 2)";
+  EXPECT_EQ(deferred1, 0u) << "the last layer defers nothing";
+}
+
+// The same weights from memory (f32) and from a checkpoint (bf16) pack and run alike.
+TEST(Engine, LoadLayerFromMemoryMatchesTheCheckpoint) {
+  const uint64_t seed = test_seed();
+  std::mt19937_64 rng(seed);
+  const Weights w(rng);
+  test::ScratchDir dir;
+  const Checkpoint ckpt = write_checkpoint(dir, checkpoint_entries(w, "BF16"));
+  const Config cfg = config(", hot_experts: {layers: {1: [2], 3: [1, 7]}}");
+  Engine from_ckpt(cfg, spec()), from_mem(cfg, spec());
+  from_ckpt.load(ckpt, ExpertNaming::qwen3());
+  from_mem.load_layer(1, w.source(1));  // any order
+  EXPECT_FALSE(from_mem.loaded());
+  EXPECT_TRUE(from_mem.layer(1).loaded());
+  from_mem.load_layer(0, w.source(0));
+  EXPECT_TRUE(from_mem.loaded());
+
+  EXPECT_EQ(from_mem.cpu_bytes(), from_ckpt.cpu_bytes());
+  EXPECT_EQ(from_mem.device_bytes(), from_ckpt.device_bytes());
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(from_mem.hot(i), from_ckpt.hot(i));
+    for (int s = 0; s < 2; ++s)
+      for (int x = 0; x < kE; ++x) {
+        if (from_mem.layer(i).excluded(x)) continue;
+        ASSERT_EQ(unpack(from_mem.layer(i).gate_up_pack(s, x)), unpack(from_ckpt.layer(i).gate_up_pack(s, x)))
+            << "layer " << i << " subpool " << s << " expert " << x;
+        ASSERT_EQ(unpack(from_mem.layer(i).down_pack(s, x)), unpack(from_ckpt.layer(i).down_pack(s, x)))
+            << "layer " << i << " subpool " << s << " expert " << x;
+      }
+  }
+
+  Batch b0(rng, XType::f32, true), b1(rng, XType::f32, true);
+  std::vector<std::vector<float>> outs;
+  for (Engine* e : {&from_ckpt, &from_mem}) {
+    for (Batch* b : {&b0, &b1}) std::fill(b->out.begin(), b->out.end(), std::nanf(""));
+    e->forward(0, b0.io());
+    e->forward(1, b1.io());
+    e->synchronize();
+    expect_close(b0.out, reference(w, 0, b0), "MoE layer 0");
+    expect_close(b1.out, reference(w, 1, b1), "MoE layer 1");
+    outs.push_back(b0.out);
+    outs.push_back(b1.out);
+  }
+  // Same packs, same placement, same kernels: the same bits.
+  EXPECT_EQ(outs[0], outs[2]);
+  EXPECT_EQ(outs[1], outs[3]);
+}
+
+// progress(done, total) counts experts over all layers: never past total, never back.
+// DISABLED: fails against runtime/engine.cpp as of this test's writing. Engine::load
+// adds MoeLayer::load's `done` (which counts (subpool, expert) items, up to
+// experts x subpools) to i * experts, so with 2 subpools it reports 16 of 16 after
+// layer 0, then 8.. and 24 of 16 for layer 1. Enable once that is fixed.
+TEST(Engine, ProgressCountsExpertsOverAllLayers) {
+  std::mt19937_64 rng(test_seed());
+  const Weights w(rng);
+  test::ScratchDir dir;
+  const Checkpoint ckpt = write_checkpoint(dir, checkpoint_entries(w, "BF16"));
+  Engine e(config(", hot_experts: {count: 1}"), spec());
+  std::vector<std::pair<int, int>> calls;
+  e.load(ckpt, ExpertNaming::qwen3(), [&](int done, int total) { calls.emplace_back(done, total); });
+  ASSERT_FALSE(calls.empty());
+  const int total = kE * int(kLayers.size());
+  for (size_t c = 0; c < calls.size(); ++c) {
+    EXPECT_EQ(calls[c].second, total) << "call " << c;
+    EXPECT_GE(calls[c].first, 0) << "call " << c;
+    EXPECT_LE(calls[c].first, total) << "call " << c;
+    if (c) EXPECT_GE(calls[c].first, calls[c - 1].first) << "call " << c << ": progress went back";
+  }
+  EXPECT_EQ(calls.back(), std::make_pair(total, total));
+}
+
+// ---- errors ---------------------------------------------------------------------------
+
+// A broken checkpoint is refused naming the tensor, before any layer is loaded.
+TEST(Engine, CheckpointErrorsNameTheTensor) {
+  std::mt19937_64 rng(test_seed());
+  const Weights w(rng);
+  const std::string missing = expert_key(3, 5, "down"), reshaped = expert_key(1, 2, "up"), retyped = expert_key(3, 0, "gate");
+  struct Case {
+    std::string what, needle;
+    Errc code;
+    std::function<void(std::vector<test::Entry>&)> edit;
+  };
+  auto find = [](std::vector<test::Entry>& es, const std::string& name) {
+    return std::find_if(es.begin(), es.end(), [&](const test::Entry& x) { return x.name == name; });
+  };
+  const std::vector<Case> cases = {
+      {"missing", "has no tensor " + missing, Errc::bad_format, [&](auto& es) { es.erase(find(es, missing)); }},
+      {"wrong shape", reshaped + " has shape [64, 128], the layer needs [128, 128]", Errc::bad_format,
+       [&](auto& es) {
+         auto it = find(es, reshaped);
+         it->shape = {64, kH};
+         it->bytes.resize(size_t(64) * kH * 2);
+       }},
+      {"wrong dtype", retyped + " has dtype I16", Errc::unsupported, [&](auto& es) { find(es, retyped)->dtype = "I16"; }},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    test::ScratchDir dir;
+    std::vector<test::Entry> es = checkpoint_entries(w, "BF16");
+    c.edit(es);
+    const Checkpoint ckpt = write_checkpoint(dir, es);
+    Engine e(config(", hot_experts: {count: 2}"), spec());
+    EXPECT_TRUE(throws_error([&] { e.load(ckpt, ExpertNaming::qwen3()); }, c.needle, c.code));
+    EXPECT_FALSE(e.layer(0).loaded()) << "a layer was loaded before the bad tensor was found";
+    EXPECT_FALSE(e.layer(1).loaded());
+    EXPECT_EQ(e.cpu_bytes(), 0u);
+  }
+}
+
+TEST(Engine, MisuseGetsAClearError) {
+  std::mt19937_64 rng(test_seed());
+  const Weights w(rng);
+  test::ScratchDir dir;
+  const Checkpoint ckpt = write_checkpoint(dir, checkpoint_entries(w, "BF16"));
+  Engine e(config(), spec());
+  Batch b(rng, XType::f32, true);
+  const Errc inv = Errc::invalid_argument;
+  EXPECT_TRUE(throws_error([&] { e.forward(0, b.io()); }, "engine: MoE layer 0 (model layer 1) has no weights: load every layer before the first forward", inv));
+  EXPECT_TRUE(throws_error([&] { e.load_layer(2, w.source(0)); }, "engine: MoE layer 2 is outside [0, 2)", inv));
+  EXPECT_TRUE(throws_error([&] { e.load_layer(-1, w.source(0)); }, "engine: MoE layer -1 is outside [0, 2)", inv));
+
+  e.load(ckpt, ExpertNaming::qwen3());
+  EXPECT_TRUE(throws_error([&] { e.load(ckpt, ExpertNaming::qwen3()); }, "engine: MoE layer 0 (model layer 1) is already loaded", inv));
+  EXPECT_TRUE(throws_error([&] { e.load_layer(1, w.source(1)); }, "engine: MoE layer 1 (model layer 3) is already loaded", inv));
+  EXPECT_TRUE(throws_error([&] { e.forward(2, b.io()); }, "engine: MoE layer 2 is outside [0, 2)", inv));
+  EXPECT_TRUE(throws_error([&] { e.forward(-1, b.io()); }, "engine: MoE layer -1 is outside [0, 2)", inv));
+  // Still usable after the refusals.
+  e.forward(0, b.io());
+  e.synchronize();
+  expect_close(b.out, reference(w, 0, b), "MoE layer 0 after the refusals");
+}
+
+TEST(Engine, BadSpecOrPlacementIsRefused) {
+  const Errc inv = Errc::invalid_argument;
+  const MoeShape shape{kE, kH, kI};
+  EXPECT_TRUE(throws_error([&] { Engine(config(), {shape, {}}); }, "engine: the model has no MoE layers", inv));
+  const std::string order = "MoE layer indices must be distinct, ascending and non-negative";
+  EXPECT_TRUE(throws_error([&] { Engine(config(), {shape, {3, 1}}); }, order + " (entry 1 is 1)", inv));
+  EXPECT_TRUE(throws_error([&] { Engine(config(), {shape, {1, 1}}); }, order + " (entry 1 is 1)", inv));
+  EXPECT_TRUE(throws_error([&] { Engine(config(), {shape, {-1, 2}}); }, order + " (entry 0 is -1)", inv));
+  // Hot experts listed for a model layer without routed experts (2 is dense here).
+  EXPECT_TRUE(throws_error([&] { Engine(config(", hot_experts: {layers: {1: [0], 2: [1]}}"), spec()); },
+                           "engine.yaml: gpu.hot_experts.layers: layer 2 is not a MoE layer of this model", inv));
+  // A hot expert id the model does not have is named with its config key, when the
+  // engine is built (not halfway through loading), for any layer.
+  EXPECT_TRUE(throws_error([&] { Engine(config(", hot_experts: {layers: {1: [0], 3: [8]}}"), spec()); },
+                           "gpu.hot_experts.layers.3: expert 8 is outside [0, 8)", inv));
+}
+
+}  // namespace
+}  // namespace tandem
