@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import re
-import resource
 import statistics
 import subprocess
 import sys
@@ -55,9 +54,10 @@ def model_dir(name: str, layers: int) -> Path:
     return out
 
 
-def rss_kib() -> int:
+def status_kib(field: str) -> int:
+    """VmRSS / VmHWM of this process (VmHWM, unlike ru_maxrss, starts afresh at exec)."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1])
     return 0
 
@@ -72,7 +72,7 @@ def run_variant(args) -> dict:
 
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    if args.variant == "tandem":
+    if args.variant.startswith("tandem"):
         cfg = {"version": 1, "cpu": {"format": args.format}, "gpu": {"device": "auto"}}
         model = tandem.load_model(args.dir, cfg, progress=False)
     else:
@@ -80,8 +80,8 @@ def run_variant(args) -> dict:
         if torch.cuda.is_available():
             model = model.cuda()
     load_s = time.perf_counter() - t0
-    peak_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    after_load = rss_kib()
+    peak_load = status_kib("VmHWM")
+    after_load = status_kib("VmRSS")
     vocab = model.config.vocab_size
     ids = torch.randint(0, min(vocab, 256), (1, args.prompt), generator=torch.Generator().manual_seed(1))
     ids = ids.to(model.device)
@@ -103,7 +103,7 @@ def run_variant(args) -> dict:
     return dict(variant=args.variant, load_s=load_s, prefill_tps=statistics.median(pre),
                 decode_tps=statistics.median(dec), peak_rss_gib=peak_load / 2**20, rss_after_load_gib=after_load / 2**20,
                 decode_bytes=per_token, threads=torch.get_num_threads(),
-                tandem_cpu_gib=(model.tandem_engine.cpu_bytes / 2**30 if args.variant == "tandem" else None),
+                tandem_cpu_gib=(model.tandem_engine.cpu_bytes / 2**30 if args.variant.startswith("tandem") else None),
                 device=str(model.device))
 
 
@@ -120,7 +120,7 @@ def ceilings() -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="demo,qwen3-30b-a3b")
-    p.add_argument("--layers", type=int, default=2, help="layers of the Qwen3-30B-A3B-shaped model")
+    p.add_argument("--layers", type=int, default=4, help="layers of the Qwen3-30B-A3B-shaped model")
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--repeat", type=int, default=3)
@@ -141,20 +141,27 @@ def main() -> int:
     for name in args.models.split(","):
         d = model_dir(name, args.layers)
         row = {"model": name}
-        for variant in ("transformers", "tandem"):
+        cores = os.cpu_count() or 1
+        for variant in ("transformers", "tandem", f"tandem-t{cores}"):
             cmd = [sys.executable, __file__, "--variant", variant, "--dir", str(d), "--prompt", str(args.prompt),
                    "--new", str(args.new), "--repeat", str(args.repeat), "--format", args.format]
-            r = subprocess.run(cmd, capture_output=True, text=True)
+            env = dict(os.environ)
+            if variant != "tandem":  # tandem-tN: torch keeps N threads next to the pool
+                env["TANDEM_TORCH_THREADS"] = str(cores)
+            r = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if r.returncode:
                 print(r.stderr, file=sys.stderr)
                 return 1
             row[variant] = json.loads(r.stdout.strip().splitlines()[-1])
         results.append(row)
         hf, td = row["transformers"], row["tandem"]
-        print(f"\n{name} ({d.name}), device {td['device']}, torch threads {td['threads']}")
-        print(f"{'':14}{'prefill tok/s':>14}{'decode tok/s':>14}{'load s':>8}{'peak RSS GiB':>14}{'RSS after load':>16}")
-        for label, x in (("transformers", hf), ("tandem", td)):
-            print(f"{label:14}{x['prefill_tps']:>14.1f}{x['decode_tps']:>14.2f}{x['load_s']:>8.1f}"
+        print(f"\n{name} ({d.name}), device {td['device']}")
+        print(f"{'':14}{'torch thr':>10}{'prefill tok/s':>14}{'decode tok/s':>14}{'load s':>8}{'peak RSS GiB':>14}"
+              f"{'RSS after load':>16}")
+        for label, x in row.items():
+            if label == "model":
+                continue
+            print(f"{label:14}{x['threads']:>10}{x['prefill_tps']:>14.1f}{x['decode_tps']:>14.2f}{x['load_s']:>8.1f}"
                   f"{x['peak_rss_gib']:>14.2f}{x['rss_after_load_gib']:>16.2f}")
         print(f"tandem / transformers: prefill {td['prefill_tps'] / hf['prefill_tps']:.2f}x, "
               f"decode {td['decode_tps'] / hf['decode_tps']:.2f}x")

@@ -44,6 +44,8 @@ struct HybridMoe::Batch {
   float* back_dev = nullptr;          // [T x H] cold output, copied back
   float* dback_dev = nullptr;         // [T x H] deferred output, copied back
   std::vector<std::unique_ptr<Job>> jobs;
+  uint64_t last_use = 0;  // enqueue counter at its last use (least recently used goes first)
+  bool captured = false;  // used while a graph was captured: kept for the graph's lifetime
   ~Batch() {
     for (void* p : pinned) stream->free_pinned(p);
     for (void* p : device) stream->free_device(p);
@@ -132,8 +134,10 @@ const std::vector<int>& HybridMoe::hot(int layer) const {
 }
 
 HybridMoe::Batch& HybridMoe::batch(int tokens, int top_k, XType xt) {
-  auto& b = batches_[{tokens, top_k, static_cast<int>(xt)}];
-  if (b) return *b;
+  const std::tuple<int, int, int> key{tokens, top_k, static_cast<int>(xt)};
+  if (auto it = batches_.find(key); it != batches_.end()) return *it->second;
+  evict_batches();
+  auto& b = batches_[key];
   b = std::make_unique<Batch>();
   b->stream = &stream_;
   b->tokens = tokens;
@@ -228,6 +232,23 @@ void HybridMoe::wait_fn(void* p) {
   }
 }
 
+void HybridMoe::evict_batches() {
+  // Generation meets a new prompt length per request: without a bound, buffers per batch
+  // shape would pile up. Past kMaxBatchShapes, the least recently used shapes go, except
+  // ones a captured graph may replay and the one a step with deferral is in the middle of.
+  // Freeing needs the stream and the pool idle; this runs only when a shape is new.
+  if (static_cast<int>(batches_.size()) < kMaxBatchShapes || stream_.capturing()) return;
+  std::vector<std::pair<uint64_t, std::tuple<int, int, int>>> lru;
+  for (const auto& [k, b] : batches_)
+    if (!b->captured && b.get() != last_batch_) lru.push_back({b->last_use, k});
+  if (lru.empty()) return;
+  std::sort(lru.begin(), lru.end());
+  stream_.synchronize();
+  cpu_[0]->pool().sync();
+  const size_t drop = std::min(lru.size(), batches_.size() - kMaxBatchShapes / 2);
+  for (size_t i = 0; i < drop; ++i) batches_.erase(lru[i].second);
+}
+
 void HybridMoe::enqueue(int layer, const LayerIO& io) {
   check_layer(layer);
   TANDEM_CHECK(io.tokens >= 1 && io.tokens <= opt_.max_tokens, Errc::invalid_argument, "hybrid: layer ", layer,
@@ -247,6 +268,8 @@ void HybridMoe::enqueue(int layer, const LayerIO& io) {
                  last_batch_ && last_batch_ != &b ? " of another batch shape" : "",
                  "; with deferred experts each step enqueues layers 0, 1, 2, ... in order with one batch shape");
   }
+  b.last_use = ++uses_;
+  b.captured = b.captured || stream_.capturing();
   Job& j = *b.jobs[layer];
   Slot& sl = *j.slot;
   const size_t T = io.tokens, K = io.top_k, H = shape_.hidden;

@@ -395,3 +395,18 @@ def test_cuda_path_matches_transformers(models):
     assert max_rel(b, a, clean_tokens(ra, [r.cpu() for r in rb], *ids.shape)) <= LOGIT_BOUND["bf16"]
     compared = greedy_agrees(ref.cuda(), model, tokens(5, 1, 8).cuda(), 32, 2 * LOGIT_BOUND["bf16"])
     print(f"cuda greedy: {compared} of 32 steps compared")
+
+
+def test_accelerate_prepare_leaves_the_experts_in_place(models):
+    from accelerate import Accelerator
+
+    path, ref = models("qwen3_moe", "fp32")
+    model = tandem.load_model(path, cfg(), progress=False)
+    engine = model.tandem_engine
+    prepared = Accelerator(cpu=True).prepare(model)
+    assert prepared.model.layers[0].mlp.experts.engine is engine
+    ids = tokens(12)
+    ra, rb = record_routing(ref), record_routing(prepared)
+    with torch.no_grad():
+        a, b = ref(ids).logits, prepared(ids).logits
+    assert max_rel(b, a, clean_tokens(ra, rb, *ids.shape)) <= LOGIT_BOUND["fp32"]

@@ -84,8 +84,11 @@ class HybridMoe {
   int layers() const { return static_cast<int>(cpu_.size()); }
   Stream& stream() { return stream_; }
   const HybridOptions& options() const { return opt_; }
-  // Batch shapes with buffers (each holds pinned_slots slots).
+  // Batch shapes with buffers (each holds pinned_slots slots). At most kMaxBatchShapes
+  // are kept: a new shape beyond that frees the least recently used ones (after a
+  // stream and pool sync), except shapes used inside a graph capture.
   int batch_shapes() const { return static_cast<int>(batches_.size()); }
+  static constexpr int kMaxBatchShapes = 8;
 
   // Counted by the stream's host functions: read them after stream().synchronize().
   PlacementCounts counts(int layer) const;
@@ -99,6 +102,7 @@ class HybridMoe {
   struct Job;
   struct Batch;
   Batch& batch(int tokens, int top_k, XType xt);
+  void evict_batches();
   void check_layer(int layer) const;
   static void submit_fn(void* job);
   static void wait_fn(void* job);
@@ -114,6 +118,7 @@ class HybridMoe {
   std::unique_ptr<std::atomic<uint64_t>[]> counts_;  // [layer][3][experts] then tokens per layer
   int last_layer_ = -1;
   Batch* last_batch_ = nullptr;
+  uint64_t uses_ = 0;
 };
 
 // ---- placement ----------------------------------------------------------------------
