@@ -37,6 +37,15 @@ def _config_args(config: ConfigLike) -> dict[str, str]:
     return {"config_path": os.fspath(config)}
 
 
+def config_json(config: ConfigLike) -> dict[str, Any]:
+    """The validated placement (the C++ parser's JSON) of a path, a dict or None."""
+    import json
+
+    args = _config_args(config)
+    text = _C.parse_config_json(args["config_text"]) if "config_text" in args else _C.load_config_json(args["config_path"])
+    return json.loads(text)
+
+
 @dataclass(frozen=True)
 class MoeBlock:
     """Where one MoE layer's routed experts live in a transformers model."""
@@ -113,10 +122,7 @@ def make_engine(config: ConfigLike, shape: tuple[int, int, int], layers: list[in
     "none"; a CPU device uses the host stream (a config asking for a GPU is an error).
     """
     args = _config_args(config)
-    cfg = _C.parse_config_json(args["config_text"]) if "config_text" in args else _C.load_config_json(args["config_path"])
-    import json
-
-    gpu = json.loads(cfg)["gpu"]["device"]
+    gpu = config_json(config)["gpu"]["device"]
     device = torch.device(device) if device is not None else torch.device("cpu")
     E, H, I = shape
     kw = dict(experts=E, hidden=H, inter=I, layers=list(layers), **args)

@@ -15,7 +15,6 @@ or an unsupported model type is a ValueError naming it.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 from torch import nn
 
 from . import _C
-from .engine import SUPPORTED_MODEL_TYPES, ConfigLike, TandemExperts, _config_args, find_moe_blocks, make_engine
+from .engine import SUPPORTED_MODEL_TYPES, ConfigLike, TandemExperts, config_json, find_moe_blocks, make_engine
 
 # Model parameter name -> checkpoint name, where transformers v5 renamed a module.
 _RENAMES = {
@@ -104,8 +103,7 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg_json = json.loads(_C.parse_config_json(_config_args(config)["config_text"])
-                          if "config_text" in _config_args(config) else _C.load_config_json(os.fspath(config)))
+    cfg_json = config_json(config)
     if path is None:
         path = cfg_json["model"].get("path") or None
         if not path:
