@@ -12,6 +12,7 @@
 #include "tandem/doctor.h"
 #include "tandem/engine.h"
 #include "tandem/error.h"
+#include "tandem/lora.h"
 #include "tandem/safetensors.h"
 #include "tandem/trace.h"
 
@@ -40,6 +41,27 @@ Config config_from(const std::string& path, const std::string& text) {
   TANDEM_CHECK(path.empty() != text.empty(), Errc::invalid_argument, "engine: give a config file or config text (one)");
   return path.empty() ? parse_config(text) : load_config(path);
 }
+
+// A LoraWeights from six (data pointer, size, expert_stride, ld, transposed) tuples in the
+// order a_gate, b_gate, a_up, b_up, a_down, b_down; a pointer 0 means "not given".
+using MatrixSpec = std::tuple<uintptr_t, size_t, int64_t, int64_t, bool>;
+LoraWeights lora_weights(const std::vector<MatrixSpec>& specs, const char* what) {
+  TANDEM_CHECK(specs.empty() || specs.size() == 6, Errc::invalid_argument, "lora: ", what,
+               " needs 6 matrices (a_gate, b_gate, a_up, b_up, a_down, b_down) or none, got ", specs.size());
+  LoraWeights w;
+  LoraMatrix* m[6] = {&w.a_gate, &w.b_gate, &w.a_up, &w.b_up, &w.a_down, &w.b_down};
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const auto& [ptr, size, es, ld, t] = specs[i];
+    *m[i] = LoraMatrix{reinterpret_cast<float*>(ptr), size, es, ld, t};
+  }
+  return w;
+}
+
+// A LoRA layer with the pool it runs on (pools are shared between the layers of a model).
+struct PyLoraLayer {
+  std::shared_ptr<Pool> pool;
+  std::unique_ptr<LoraMoe> layer;
+};
 
 }  // namespace
 
@@ -240,4 +262,85 @@ PYBIND11_MODULE(_C, m) {
            }, "Routed (token, expert) pairs of MoE layer i by where they ran (after synchronize).")
       .def("reset_counts", [](Engine& e) { e.hybrid().reset_counts(); })
       .def("write_statistics", [](Engine& e, const std::filesystem::path& p) { e.hybrid().write_statistics(p); });
+
+  // ---- LoRA fine-tuning (tandem/lora.h) ----
+  py::class_<Pool, std::shared_ptr<Pool>>(m, "Pool", "CPU worker pools (one per NUMA node) from a config's cpu section.")
+      .def(py::init([](const std::string& config_path, const std::string& config_text) {
+             Config c = config_from(config_path, config_text);
+             return std::make_shared<Pool>(pool_options(c.cpu));
+           }), py::arg("config_path") = "", py::arg("config_text") = "")
+      .def_property_readonly("subpools", &Pool::subpools)
+      .def_property_readonly("threads", &Pool::total_threads);
+  py::class_<LoraContext>(m, "LoraContext", "What one training forward saved for its backward.")
+      .def_property_readonly("valid", &LoraContext::valid)
+      .def_property_readonly("tokens", &LoraContext::tokens)
+      .def_property_readonly("bytes", &LoraContext::bytes);
+  py::class_<PyLoraLayer>(m, "LoraLayer", "LoRA on the routed experts of one MoE layer (tandem/lora.h).")
+      .def(py::init([](std::shared_ptr<Pool> pool, int experts, int hidden, int inter, const std::string& format, int group,
+                       int rank, float alpha, bool rslora, const std::string& backward_format, int layer) {
+             SftOptions o;
+             o.format.format = parse_format(format);
+             o.format.group = group;
+             o.backward_format = parse_format(backward_format);
+             o.lora = {rank, alpha, rslora};
+             auto l = std::make_unique<LoraMoe>(*pool, MoeShape{experts, hidden, inter}, o, layer);
+             return PyLoraLayer{std::move(pool), std::move(l)};
+           }), py::arg("pool"), py::arg("experts"), py::arg("hidden"), py::arg("inter"), py::arg("format") = "bf16",
+           py::arg("group") = 128, py::arg("rank") = 8, py::arg("alpha") = 16.0f, py::arg("rslora") = false,
+           py::arg("backward_format") = "bf16", py::arg("layer") = 0)
+      .def("load", [](PyLoraLayer& l, const std::vector<uintptr_t>& gate, const std::vector<uintptr_t>& up,
+                      const std::vector<uintptr_t>& down, const std::string& dtype, const py::object& progress) {
+             const MoeShape sh = l.layer->shape();
+             TANDEM_CHECK(gate.size() == size_t(sh.experts) && up.size() == gate.size() && down.size() == gate.size(),
+                          Errc::invalid_argument, "lora: load needs ", sh.experts, " gate/up/down pointers, got ",
+                          gate.size(), "/", up.size(), "/", down.size());
+             const SourceType t = source_type(dtype);
+             auto view = [t](uintptr_t p, int n, int k) { return WeightView{reinterpret_cast<const void*>(p), t, n, k}; };
+             Progress p = py_progress(progress);
+             py::gil_scoped_release nogil;
+             l.layer->load([&](int e) {
+               return ExpertSource{view(gate[e], sh.inter, sh.hidden), view(up[e], sh.inter, sh.hidden),
+                                   view(down[e], sh.hidden, sh.inter)};
+             }, p);
+           }, py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("dtype"), py::arg("progress") = py::none())
+      .def("prepare_backward", [](PyLoraLayer& l, const py::object& progress) {
+             Progress p = py_progress(progress);
+             py::gil_scoped_release nogil;
+             l.layer->prepare_backward(p);
+           }, py::arg("progress") = py::none())
+      .def("forward", [](PyLoraLayer& l, uintptr_t x, bool x_bf16, int tokens, uintptr_t ids, uintptr_t weights, int top_k,
+                         uintptr_t out, const std::vector<MatrixSpec>& lora, bool train) {
+             MoeInput in;
+             if (x_bf16) in.x = reinterpret_cast<const bf16_t*>(x);
+             else in.x_f32 = reinterpret_cast<const float*>(x);
+             in.tokens = tokens;
+             in.ids_i64 = reinterpret_cast<const int64_t*>(ids);
+             in.top_k = top_k;
+             in.weights = reinterpret_cast<const float*>(weights);
+             in.out = reinterpret_cast<float*>(out);
+             const LoraWeights w = lora_weights(lora, "forward weights");
+             py::gil_scoped_release nogil;
+             return l.layer->forward(in, w, train);
+           }, py::arg("x"), py::arg("x_bf16"), py::arg("tokens"), py::arg("ids"), py::arg("weights"), py::arg("top_k"),
+           py::arg("out"), py::arg("lora"), py::arg("train") = true,
+           "out[tokens x hidden] fp32 = the layer; ids int64, weights fp32 [tokens x top_k]")
+      .def("backward", [](PyLoraLayer& l, LoraContext& ctx, const std::vector<MatrixSpec>& lora, uintptr_t d_out,
+                          bool d_out_bf16, uintptr_t d_x, bool accumulate_x, uintptr_t d_weights,
+                          const std::vector<MatrixSpec>& grads) {
+             SftGrad g;
+             if (d_out_bf16) g.d_out_bf16 = reinterpret_cast<const bf16_t*>(d_out);
+             else g.d_out = reinterpret_cast<const float*>(d_out);
+             g.d_x = reinterpret_cast<float*>(d_x);
+             g.accumulate_x = accumulate_x;
+             g.d_weights = reinterpret_cast<float*>(d_weights);
+             g.grads = lora_weights(grads, "gradients");
+             const LoraWeights w = lora_weights(lora, "backward weights");
+             py::gil_scoped_release nogil;
+             l.layer->backward(ctx, w, g);
+           }, py::arg("ctx"), py::arg("lora"), py::arg("d_out"), py::arg("d_out_bf16"), py::arg("d_x"),
+           py::arg("accumulate_x"), py::arg("d_weights"), py::arg("grads"))
+      .def_property_readonly("packed_bytes", [](PyLoraLayer& l) { return l.layer->packed_bytes(); })
+      .def_property_readonly("backward_bytes", [](PyLoraLayer& l) { return l.layer->backward_bytes(); })
+      .def_property_readonly("lora_shapes", [](PyLoraLayer& l) { return l.layer->lora_shapes(); })
+      .def_property_readonly("scaling", [](PyLoraLayer& l) { return l.layer->options().lora.scaling(); });
 }

@@ -102,24 +102,6 @@ size_t MoeLayer::packed_bytes() const {
   return b;
 }
 
-namespace {
-
-class LoadTask : public Task {
- public:
-  LoadTask(MoeLayer& l, std::function<void(int s, int e)> f) : layer(l), fn(std::move(f)) {}
-  int phases() const override { return 1; }
-  int items(int, int) override { return layer.shape().experts; }
-  void run(int, int s, int e, int) override {
-    trace::Span span("pack", {-1, 1, -1});
-    fn(s, e);
-    done.fetch_add(1, std::memory_order_relaxed);
-  }
-  MoeLayer& layer;
-  std::function<void(int, int)> fn;
-  std::atomic<int> done{0};
-};
-
-}  // namespace
 
 void MoeLayer::exclude(const std::vector<int>& experts) {
   TANDEM_CHECK(!loaded_, Errc::invalid_argument, "moe: layer ", layer_, ": exclude() after load()");
@@ -131,32 +113,30 @@ void MoeLayer::exclude(const std::vector<int>& experts) {
   }
 }
 
+void check_expert_source(const ExpertSource& src, const MoeShape& sh, int e) {
+  auto check = [&](const char* what, const WeightView& v, int n, int k) {
+    TANDEM_CHECK(v.n == n && v.k == k, Errc::invalid_argument, "moe: expert ", e, " ", what, " is [", v.n, " x ", v.k,
+                 "], the layer needs [", n, " x ", k, "]");
+  };
+  check("gate", src.gate, sh.inter, sh.hidden);
+  check("up", src.up, sh.inter, sh.hidden);
+  check("down", src.down, sh.hidden, sh.inter);
+}
+
 void MoeLayer::load(const std::function<ExpertSource(int)>& source, const Progress& progress) {
   TANDEM_CHECK(static_cast<bool>(source), Errc::invalid_argument, "moe: load without a weight source");
   const MoeShape sh = shape_;
-  auto task = std::make_shared<LoadTask>(*this, [this, &source, sh](int s, int e) {
+  const std::function<void(int, int)> pack_one = [this, &source, sh](int s, int e) {
     if (excluded(e)) return;
     const ExpertSource src = source(e);
-    auto check = [&](const char* what, const WeightView& v, int n, int k) {
-      TANDEM_CHECK(v.n == n && v.k == k, Errc::invalid_argument, "moe: expert ", e, " ", what, " is [", v.n, " x ", v.k,
-                   "], the layer needs [", n, " x ", k, "]");
-    };
-    check("gate", src.gate, sh.inter, sh.hidden);
-    check("up", src.up, sh.inter, sh.hidden);
-    check("down", src.down, sh.hidden, sh.inter);
+    check_expert_source(src, sh, e);
     const int i0 = slices_[s], i1 = slices_[s + 1];
     if (i0 == i1) return;
     shards_[s].gate_up[e] = pack_gate_up(sub_view(src.gate, i0, i1 - i0, 0, sh.hidden),
                                          sub_view(src.up, i0, i1 - i0, 0, sh.hidden), format_);
     shards_[s].down[e] = pack(sub_view(src.down, 0, sh.hidden, i0, i1 - i0), format_);
-  });
-  const int total = shape_.experts * pool_.subpools();
-  pool_.submit(task);
-  for (;;) {
-    const bool finished = pool_.wait_for(0, 100);  // rethrows the task's error, if any
-    if (progress) progress(task->done.load(), total);
-    if (finished) break;
-  }
+  };
+  for_each_item(pool_, shape_.experts, pack_one, progress);
   loaded_ = true;
 }
 
@@ -232,7 +212,7 @@ void MoeLayer::load(const Checkpoint& ckpt, int layer, const ExpertNaming& namin
 
 // ---- forward ---------------------------------------------------------------------
 
-class MoeTask : public Task {
+class MoeTask : public Task, public TokenGroups {
  public:
   enum Phase { kGather, kGateUp, kAct, kDown, kMerge, kPhases };
   static constexpr const char* kNames[kPhases] = {"gather", "gate_up", "act", "down", "merge"};
@@ -280,13 +260,6 @@ class MoeTask : public Task {
   }
 
   void finished() override { trace::record("moe_layer", begin_ns, trace::now_ns(), {L.layer_, static_cast<int>(active.size()), in_.tokens}); }
-
-  // Routing, computed at submit (validated there).
-  std::vector<int> active;       // experts with tokens, ascending
-  std::vector<int> count, offset;  // per active expert: rows and first row in the grouped buffers
-  std::vector<int> rows_token;   // grouped row -> token
-  std::vector<int> slot_row;     // [tokens x top_k] -> grouped row, -1: nothing to add
-  int total_rows = 0;
 
  private:
   int active_index(int s, int item) const { return s + item * L.pool_.subpools(); }
@@ -447,10 +420,10 @@ class MoeTask : public Task {
   std::vector<Runs> gu_runs, dn_runs;  // per subpool: how gate_up / down items map to panels
 };
 
-uint64_t MoeLayer::submit(const MoeInput& in) {
-  TANDEM_CHECK(loaded_, Errc::invalid_argument, "moe: layer ", layer_, " has no weights (call load first)");
+TokenGroups group_tokens(const MoeInput& in, int experts, int layer, const std::vector<uint8_t>& excluded) {
   TANDEM_CHECK(in.tokens >= 0, Errc::invalid_argument, "moe: tokens = ", in.tokens, " is negative");
-  if (in.tokens == 0) return 0;
+  TokenGroups g;
+  if (in.tokens == 0) return g;
   TANDEM_CHECK((in.x != nullptr) != (in.x_f32 != nullptr), Errc::invalid_argument,
                "moe: give exactly one input (bf16 x or fp32 x_f32)");
   TANDEM_CHECK((in.ids != nullptr) != (in.ids_i64 != nullptr), Errc::invalid_argument,
@@ -458,10 +431,10 @@ uint64_t MoeLayer::submit(const MoeInput& in) {
   TANDEM_CHECK(in.weights != nullptr, Errc::invalid_argument, "moe: topk_weights is null");
   TANDEM_CHECK(in.out != nullptr, Errc::invalid_argument, "moe: output is null");
   TANDEM_CHECK(in.top_k >= 1, Errc::invalid_argument, "moe: top_k = ", in.top_k, " must be at least 1");
-  const int E = shape_.experts, K = in.top_k, T = in.tokens;
-  auto task = std::make_shared<MoeTask>(*this, in);
+  const int E = experts, K = in.top_k, T = in.tokens;
+  auto is_excluded = [&](int64_t e) { return !excluded.empty() && excluded[e]; };
   std::vector<int> per_expert(E, 0);
-  task->slot_row.assign(static_cast<size_t>(T) * K, -1);
+  g.slot_row.assign(static_cast<size_t>(T) * K, -1);
   for (int t = 0; t < T; ++t)
     for (int k = 0; k < K; ++k) {
       const size_t i = static_cast<size_t>(t) * K + k;
@@ -471,21 +444,21 @@ uint64_t MoeLayer::submit(const MoeInput& in) {
       TANDEM_CHECK(std::isfinite(in.weights[i]), Errc::invalid_argument, "moe: topk_weights[", t, ", ", k, "] = ",
                    in.weights[i], " is not finite");
       if (id < 0 || (in.expert_mask && !in.expert_mask[id])) continue;
-      TANDEM_CHECK(!excluded(static_cast<int>(id)), Errc::invalid_argument, "moe: topk_ids[", t, ", ", k, "] = ", id,
-                   ": layer ", layer_, " does not hold that expert on the CPU (excluded: it is placed elsewhere)");
+      TANDEM_CHECK(!is_excluded(id), Errc::invalid_argument, "moe: topk_ids[", t, ", ", k, "] = ", id, ": layer ",
+                   layer, " does not hold that expert on the CPU (excluded: it is placed elsewhere)");
       ++per_expert[id];
     }
   // Group rows per expert (experts ascending, tokens in order within each).
   std::vector<int> first(E, -1);
   for (int e = 0; e < E; ++e)
     if (per_expert[e]) {
-      first[e] = task->total_rows;
-      task->active.push_back(e);
-      task->count.push_back(per_expert[e]);
-      task->offset.push_back(task->total_rows);
-      task->total_rows += per_expert[e];
+      first[e] = g.total_rows;
+      g.active.push_back(e);
+      g.count.push_back(per_expert[e]);
+      g.offset.push_back(g.total_rows);
+      g.total_rows += per_expert[e];
     }
-  task->rows_token.resize(task->total_rows);
+  g.rows_token.resize(g.total_rows);
   std::vector<int> fill(E, 0);
   for (int t = 0; t < T; ++t)
     for (int k = 0; k < K; ++k) {
@@ -493,9 +466,18 @@ uint64_t MoeLayer::submit(const MoeInput& in) {
       const int64_t id = in.ids ? in.ids[i] : in.ids_i64[i];
       if (id < 0 || (in.expert_mask && !in.expert_mask[id])) continue;
       const int row = first[id] + fill[id]++;
-      task->rows_token[row] = t;
-      task->slot_row[i] = row;
+      g.rows_token[row] = t;
+      g.slot_row[i] = row;
     }
+  return g;
+}
+
+uint64_t MoeLayer::submit(const MoeInput& in) {
+  TANDEM_CHECK(loaded_, Errc::invalid_argument, "moe: layer ", layer_, " has no weights (call load first)");
+  TokenGroups groups = group_tokens(in, shape_.experts, layer_, excluded_);
+  if (in.tokens == 0) return 0;
+  auto task = std::make_shared<MoeTask>(*this, in);
+  static_cast<TokenGroups&>(*task) = std::move(groups);
   return pool_.submit(std::move(task));
 }
 

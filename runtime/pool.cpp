@@ -262,4 +262,38 @@ void Pool::worker_main(int subpool, int worker, int index, int cpu) {
   }
 }
 
+namespace {
+
+class ForEachTask : public Task {
+ public:
+  ForEachTask(int n, const std::function<void(int, int)>& f, const char* name) : items_(n), fn_(f), name_(name) {}
+  int phases() const override { return 1; }
+  int items(int, int) override { return items_; }
+  void run(int, int s, int i, int) override {
+    trace::Span span(name_, {-1, 1, -1});
+    fn_(s, i);
+    done.fetch_add(1, std::memory_order_relaxed);
+  }
+  std::atomic<int> done{0};
+
+ private:
+  int items_;
+  const std::function<void(int, int)>& fn_;
+  const char* name_;
+};
+
+}  // namespace
+
+void for_each_item(Pool& pool, int items, const std::function<void(int, int)>& fn,
+                   const std::function<void(int, int)>& progress, const char* span) {
+  auto task = std::make_shared<ForEachTask>(items, fn, span);
+  const int total = items * pool.subpools();
+  pool.submit(task);
+  for (;;) {
+    const bool finished = pool.wait_for(0, 100);  // rethrows the task's error, if any
+    if (progress) progress(task->done.load(), total);
+    if (finished) break;
+  }
+}
+
 }  // namespace tandem

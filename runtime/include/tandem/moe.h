@@ -35,6 +35,9 @@ struct ExpertSource {
   WeightView gate, up, down;
 };
 
+// Errors name the projection of expert `expert` whose shape is not the layer's.
+void check_expert_source(const ExpertSource& src, const MoeShape& shape, int expert);
+
 // progress(done, total): called on the loading thread, at least every 100 ms and at the end.
 using Progress = std::function<void(int done, int total)>;
 
@@ -70,6 +73,19 @@ struct MoeInput {
   float* out = nullptr;              // [tokens x hidden] fp32
   bool accumulate = false;           // out += instead of out =
 };
+
+// A batch's (token, slot) rows grouped per expert, the way the CPU layers run them.
+struct TokenGroups {
+  std::vector<int> active;         // experts with rows, ascending
+  std::vector<int> count, offset;  // per active expert: rows and first row in the grouped buffers
+  std::vector<int> rows_token;     // grouped row -> token
+  std::vector<int> slot_row;       // [tokens x top_k] -> grouped row, -1: nothing to add
+  int total_rows = 0;
+};
+// Validates `in` against a layer of `experts` experts (errors name the offending slot,
+// id or weight) and groups its rows; slots with id -1, masked or (an error) excluded
+// experts get no row.
+TokenGroups group_tokens(const MoeInput& in, int experts, int layer, const std::vector<uint8_t>& excluded = {});
 
 class MoeLayer {
  public:

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <deque>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -122,5 +123,11 @@ class Pool {
   std::mutex error_mu_;
   std::exception_ptr first_error_;  // of finished tasks, for sync()
 };
+
+// Runs fn(subpool, item) for item in [0, items) on every subpool's own threads (one
+// single-phase task) and waits; progress(done, subpools * items), when given, is called
+// on this thread at least every 100 ms and once at the end. Rethrows fn's first error.
+void for_each_item(Pool& pool, int items, const std::function<void(int subpool, int item)>& fn,
+                   const std::function<void(int done, int total)>& progress = {}, const char* span = "pack");
 
 }  // namespace tandem

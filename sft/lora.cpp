@@ -1,0 +1,913 @@
+#include "tandem/lora.h"
+
+#include <dnnl.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+
+#include "tandem/error.h"
+#include "tandem/trace.h"
+
+namespace tandem {
+namespace {
+
+// Uninitialized storage: pages are first touched by the pool threads that write them.
+template <typename T>
+std::unique_ptr<T[]> raw(size_t n) {
+  return std::unique_ptr<T[]>(new T[std::max<size_t>(n, 1)]);
+}
+
+// A grow-only uninitialized buffer, reused by a layer's tasks (they run one at a time).
+template <typename T>
+struct Grow {
+  std::unique_ptr<T[]> p;
+  size_t cap = 0;
+  void reserve(size_t n) {
+    if (n > cap) {
+      p.reset(new T[n]);
+      cap = n;
+    }
+  }
+  T* get() const { return p.get(); }
+  T& operator[](size_t i) const { return p[i]; }
+};
+
+// A logical fp32 matrix: element (i, j) at p[i * ld + j], or p[j * ld + i] when t.
+struct Mat {
+  const float* p;
+  int64_t ld;
+  bool t = false;
+  Mat T() const { return {p, ld, !t}; }
+  Mat at(int i, int j) const { return {p + (t ? int64_t(j) * ld + i : int64_t(i) * ld + j), ld, t}; }
+};
+
+// C[M x N] (row-major, ldc) = alpha * A[M x K] B[K x N] + beta * C, single-threaded
+// (pool workers run with one OpenMP thread) in oneDNN's sgemm.
+void mm(int M, int N, int K, float alpha, Mat A, Mat B, float beta, float* C, int64_t ldc) {
+  if (M <= 0 || N <= 0) return;
+  if (K <= 0) {
+    for (int i = 0; i < M; ++i)
+      for (int j = 0; j < N; ++j) C[int64_t(i) * ldc + j] = beta == 0 ? 0.0f : beta * C[int64_t(i) * ldc + j];
+    return;
+  }
+  const dnnl_status_t st = dnnl_sgemm(A.t ? 'T' : 'N', B.t ? 'T' : 'N', M, N, K, alpha, A.p, std::max<int64_t>(A.ld, 1), B.p,
+                                      std::max<int64_t>(B.ld, 1), beta, C, ldc);
+  TANDEM_CHECK(st == dnnl_success, Errc::internal, "lora: oneDNN sgemm failed (status ", int(st), ") for [", M, " x ", K,
+               "] x [", K, " x ", N, "]");
+}
+// The same into a logical matrix C that may be stored transposed: C^T = B^T A^T.
+void mm_into(Mat C, int M, int N, int K, float alpha, Mat A, Mat B, float beta) {
+  if (C.t)
+    mm(N, M, K, alpha, B.T(), A.T(), beta, const_cast<float*>(C.p), C.ld);
+  else
+    mm(M, N, K, alpha, A, B, beta, const_cast<float*>(C.p), C.ld);
+}
+
+// A LoraMatrix with its defaults resolved, for one expert.
+struct Lm {
+  float* data = nullptr;
+  int64_t es = 0, ld = 0;
+  bool t = false;
+  explicit operator bool() const { return data != nullptr; }
+  Mat of(int e) const { return {data + int64_t(e) * es, ld, t}; }
+};
+
+Lm resolve(const LoraMatrix& m, int rows, int cols) {
+  Lm r;
+  r.data = m.data;
+  r.t = m.transposed;
+  r.ld = m.ld ? m.ld : (m.transposed ? rows : cols);
+  r.es = m.expert_stride ? m.expert_stride : int64_t(rows) * cols;
+  return r;
+}
+
+float silu(float g) { return g / (1.0f + std::exp(-g)); }
+
+// Work items that are runs of panels of one active expert's weights (one or more
+// weights per expert): about kItemBytes of weights each, at least 4 items per thread.
+struct Runs {
+  static constexpr size_t kItemBytes = 512 << 10;
+  int panels = 0, chunk = 1, per = 1, weights = 1;
+  static Runs plan(int n, int weights, int panels, size_t panel_bytes, int threads) {
+    Runs r;
+    r.panels = panels;
+    r.weights = weights;
+    int c = static_cast<int>(std::max<size_t>(1, kItemBytes / std::max<size_t>(1, panel_bytes)));
+    c = std::min(c, std::max(1, n * weights * panels / (4 * threads)));
+    r.chunk = std::max(1, std::min(c, panels));
+    r.per = (panels + r.chunk - 1) / r.chunk;
+    return r;
+  }
+  int items(int n) const { return panels ? n * weights * per : 0; }
+  struct Item {
+    int i, w, begin, end;
+  };
+  Item item(int k) const {
+    const int b = (k % per) * chunk;
+    return {k / (per * weights), (k / per) % weights, b, std::min(panels, b + chunk)};
+  }
+};
+
+// Row blocks of the active experts (for row-independent work) and column chunks (for
+// gradient work that reduces over an expert's rows).
+struct Block {
+  int i, begin, end;
+};
+std::vector<Block> blocks(const std::vector<int>& count, int per_block) {
+  std::vector<Block> b;
+  for (int i = 0; i < static_cast<int>(count.size()); ++i)
+    for (int r = 0; r < count[i]; r += per_block) b.push_back({i, r, std::min(count[i], r + per_block)});
+  return b;
+}
+
+constexpr int kRowBlock = 64, kColChunk = 256, kMergeCols = 512;
+std::atomic<uint64_t> next_layer_id{1};
+
+}  // namespace
+
+float LoraConfig::scaling() const { return rslora ? alpha / std::sqrt(float(rank)) : alpha / float(rank); }
+
+// ---- context -------------------------------------------------------------------------
+
+struct LoraContext::State {
+  uint64_t layer_id = 0;
+  int layer_index = 0;
+  TokenGroups g;
+  int tokens = 0, top_k = 0;
+  bool lora = false;
+  std::unique_ptr<float[]> wrow;      // [R] routing weight of each grouped row
+  std::unique_ptr<bf16_t[]> xg;       // [R x H] gathered input, as the products saw it
+  std::unique_ptr<float[]> pgu;       // [R x 2r] x Ag^T | x Au^T
+  std::unique_ptr<float[]> pd;        // [R x r] h Ad^T (summed over subpools)
+  std::vector<std::unique_ptr<float[]>> gu;  // per subpool [R x 2 len]: g | u pre-activations
+  size_t bytes = 0;
+};
+
+LoraContext::LoraContext() = default;
+LoraContext::~LoraContext() = default;
+LoraContext::LoraContext(LoraContext&&) noexcept = default;
+LoraContext& LoraContext::operator=(LoraContext&&) noexcept = default;
+bool LoraContext::valid() const { return s_ && !consumed_; }
+int LoraContext::tokens() const { return s_ ? s_->tokens : 0; }
+size_t LoraContext::bytes() const { return s_ ? s_->bytes : 0; }
+
+// ---- layer ---------------------------------------------------------------------------
+
+struct LoraMoe::Scratch {
+  uint64_t id = 0;
+  // forward
+  std::vector<QuantizedActs> qin;                 // per active expert (integer base)
+  std::vector<Grow<bf16_t>> h;                    // per subpool [R x len] bf16 h
+  std::vector<std::vector<QuantizedActs>> qmid;   // per subpool, per active expert
+  std::vector<Grow<float>> y, pdp;                // per subpool [R x H], [R x r]
+  // backward
+  Grow<bf16_t> dog;                               // [R x H] dOut rows, bf16
+  Grow<float> dogf, qd, wqd, wpd, qgu;            // [R x H], [R x r] x 3, [R x 2r]
+  std::vector<QuantizedActs> qbin;                // per active expert (integer backward packs)
+  std::vector<std::vector<QuantizedActs>> qbmid;  // per subpool, per active expert
+  std::vector<Grow<float>> dh, hf, dguf, qgup, dx, dwp;  // per subpool
+  std::vector<Grow<bf16_t>> dgub;                 // per subpool [R x 2 len]
+};
+
+namespace {
+int units_of(const PackOptions& f) { return f.format == WeightFormat::int4 ? std::max(kPanel, f.group) : kPanel; }
+}  // namespace
+
+LoraMoe::LoraMoe(Pool& pool, MoeShape shape, SftOptions options, int layer_index)
+    : pool_(pool), shape_(shape), options_(options), layer_(layer_index), kt_(&kernels()),
+      scratch_(std::make_unique<Scratch>()) {
+  TANDEM_CHECK(shape.experts >= 1 && shape.hidden >= 1 && shape.inter >= 1, Errc::invalid_argument, "lora: shape (experts ",
+               shape.experts, ", hidden ", shape.hidden, ", intermediate ", shape.inter, ") must be positive");
+  TANDEM_CHECK(options.lora.rank >= 1, Errc::invalid_argument, "lora: rank ", options.lora.rank, " must be at least 1");
+  TANDEM_CHECK(std::isfinite(options.lora.alpha), Errc::invalid_argument, "lora: alpha ", options.lora.alpha,
+               " is not finite");
+  TANDEM_CHECK(options.backward_format != WeightFormat::int4, Errc::unsupported,
+               "lora: backward_format int4 is not supported (use bf16, or int8 to halve the backward packs)");
+  if (options.format.format == WeightFormat::int4)
+    TANDEM_CHECK(shape.hidden % options.format.group == 0 && shape.inter % options.format.group == 0,
+                 Errc::invalid_argument, "lora: int4 group ", options.format.group, " must divide hidden (", shape.hidden,
+                 ") and intermediate (", shape.inter, ")");
+  scratch_->id = next_layer_id.fetch_add(1);
+  const int S = pool.subpools(), unit = units_of(options.format);
+  const int units = (shape.inter + unit - 1) / unit;
+  slices_.resize(S + 1);
+  for (int s = 0; s <= S; ++s)
+    slices_[s] = std::min(shape.inter, static_cast<int>(static_cast<int64_t>(units) * s / S) * unit);
+  shards_.resize(S);
+  for (auto& sh : shards_)
+    for (auto* v : {&sh.gate, &sh.up, &sh.down, &sh.gu_t, &sh.down_t}) v->resize(shape.experts);
+}
+
+LoraMoe::~LoraMoe() = default;
+
+void LoraMoe::load(const std::function<ExpertSource(int)>& source, const Progress& progress) {
+  TANDEM_CHECK(static_cast<bool>(source), Errc::invalid_argument, "lora: load without a weight source");
+  const std::function<void(int, int)> pack_one = [&](int s, int e) {
+    const ExpertSource src = source(e);
+    check_expert_source(src, shape_, e);
+    const auto [i0, i1] = slice(s);
+    if (i0 == i1) return;
+    shards_[s].gate[e] = pack(sub_view(src.gate, i0, i1 - i0, 0, shape_.hidden), options_.format);
+    shards_[s].up[e] = pack(sub_view(src.up, i0, i1 - i0, 0, shape_.hidden), options_.format);
+    shards_[s].down[e] = pack(sub_view(src.down, 0, shape_.hidden, i0, i1 - i0), options_.format);
+    shards_[s].gu_t[e] = {};
+    shards_[s].down_t[e] = {};
+  };
+  loaded_ = backward_ready_ = false;
+  for_each_item(pool_, shape_.experts, pack_one, progress);
+  loaded_ = true;
+}
+
+void LoraMoe::load(const Checkpoint& ckpt, int layer, const ExpertNaming& naming, const Progress& progress) {
+  std::vector<ExpertSource> sources(shape_.experts);  // every key checked before any packing
+  for (int e = 0; e < shape_.experts; ++e) sources[e] = checkpoint_expert(ckpt, layer, e, naming, shape_);
+  load([&](int e) { return sources[e]; }, progress);
+}
+
+void LoraMoe::prepare_backward(const Progress& progress) {
+  TANDEM_CHECK(loaded_, Errc::invalid_argument, "lora: layer ", layer_, " has no weights (call load first)");
+  if (backward_ready_) return;
+  const int H = shape_.hidden;
+  PackOptions bo;
+  bo.format = options_.backward_format;
+  const std::function<void(int, int)> pack_one = [&](int s, int e) {
+    const auto [i0, i1] = slice(s);
+    const int len = i1 - i0;
+    if (!len) return;
+    Shard& sh = shards_[s];
+    {  // [dg du] [Wg; Wu]: W^T = [H x 2 len]
+      const std::vector<float> g = unpack(sh.gate[e]), u = unpack(sh.up[e]);
+      std::vector<float> t(size_t(H) * 2 * len);
+      for (int c = 0; c < len; ++c)
+        for (int j = 0; j < H; ++j) {
+          t[size_t(j) * 2 * len + c] = g[size_t(c) * H + j];
+          t[size_t(j) * 2 * len + len + c] = u[size_t(c) * H + j];
+        }
+      sh.gu_t[e] = pack(WeightView{t.data(), SourceType::f32, H, 2 * len}, bo);
+    }
+    {  // dOut Wd: Wd^T = [len x H]
+      const std::vector<float> d = unpack(sh.down[e]);
+      std::vector<float> t(size_t(len) * H);
+      for (int j = 0; j < H; ++j)
+        for (int c = 0; c < len; ++c) t[size_t(c) * H + j] = d[size_t(j) * len + c];
+      sh.down_t[e] = pack(WeightView{t.data(), SourceType::f32, len, H}, bo);
+    }
+  };
+  for_each_item(pool_, shape_.experts, pack_one, progress, "pack_backward");
+  backward_ready_ = true;
+}
+
+size_t LoraMoe::packed_bytes() const {
+  size_t b = 0;
+  for (const auto& sh : shards_)
+    for (int e = 0; e < shape_.experts; ++e) b += sh.gate[e].bytes() + sh.up[e].bytes() + sh.down[e].bytes();
+  return b;
+}
+
+size_t LoraMoe::backward_bytes() const {
+  size_t b = 0;
+  for (const auto& sh : shards_)
+    for (int e = 0; e < shape_.experts; ++e) b += sh.gu_t[e].bytes() + sh.down_t[e].bytes();
+  return b;
+}
+
+std::array<std::vector<float>, 3> LoraMoe::dequantized(int e) const {
+  TANDEM_CHECK(loaded_ && e >= 0 && e < shape_.experts, Errc::invalid_argument, "lora: expert ", e,
+               " is not a loaded expert of layer ", layer_);
+  const int H = shape_.hidden, I = shape_.inter;
+  std::array<std::vector<float>, 3> w{std::vector<float>(size_t(I) * H), std::vector<float>(size_t(I) * H),
+                                      std::vector<float>(size_t(H) * I)};
+  for (int s = 0; s < pool_.subpools(); ++s) {
+    const auto [i0, i1] = slice(s);
+    if (i0 == i1) continue;
+    const std::vector<float> g = unpack(shards_[s].gate[e]), u = unpack(shards_[s].up[e]), d = unpack(shards_[s].down[e]);
+    std::copy(g.begin(), g.end(), w[0].begin() + size_t(i0) * H);
+    std::copy(u.begin(), u.end(), w[1].begin() + size_t(i0) * H);
+    for (int j = 0; j < H; ++j) std::copy_n(d.begin() + size_t(j) * (i1 - i0), i1 - i0, w[2].begin() + size_t(j) * I + i0);
+  }
+  return w;
+}
+
+std::array<std::pair<int, int>, 6> LoraMoe::lora_shapes() const {
+  const int r = options_.lora.rank, H = shape_.hidden, I = shape_.inter;
+  return {{{r, H}, {I, r}, {r, H}, {I, r}, {r, I}, {H, r}}};
+}
+
+void LoraMoe::check_lora(const LoraWeights& w, const char* what, bool allow_null) const {
+  const LoraMatrix* m[6] = {&w.a_gate, &w.b_gate, &w.a_up, &w.b_up, &w.a_down, &w.b_down};
+  static constexpr const char* kNames[6] = {"a_gate", "b_gate", "a_up", "b_up", "a_down", "b_down"};
+  const auto shapes = lora_shapes();
+  int given = 0;
+  for (int i = 0; i < 6; ++i) given += m[i]->data != nullptr;
+  if (!allow_null)
+    TANDEM_CHECK(given == 0 || given == 6, Errc::invalid_argument, "lora: layer ", layer_, ": ", what, " gives ", given,
+                 " of the 6 adapter matrices; give all (LoRA on gate, up and down) or none (the base alone)");
+  for (int i = 0; i < 6; ++i) {
+    const LoraMatrix& x = *m[i];
+    if (!x.data) continue;
+    const auto [rows, cols] = shapes[i];
+    const Lm r = resolve(x, rows, cols);
+    const int64_t E = shape_.experts;
+    TANDEM_CHECK(r.ld >= (x.transposed ? rows : cols) && r.es >= 0, Errc::invalid_argument, "lora: layer ", layer_, ": ",
+                 what, ".", kNames[i], ": leading dimension ", r.ld, " is smaller than the ", x.transposed ? "rows" : "columns",
+                 " of a [", rows, " x ", cols, "] matrix");
+    const int64_t last = (E - 1) * r.es + (x.transposed ? int64_t(cols - 1) * r.ld + rows - 1 : int64_t(rows - 1) * r.ld + cols - 1);
+    const bool dense = !x.ld && !x.expert_stride;
+    const int64_t want = E * rows * cols;
+    TANDEM_CHECK(dense ? int64_t(x.size) == want : int64_t(x.size) > last, Errc::invalid_argument, "lora: layer ", layer_,
+                 ": ", what, ".", kNames[i], " holds ", x.size, " elements; ", E, " experts x [", rows, " x ", cols,
+                 "] (rank ", options_.lora.rank, ") need ", dense ? want : last + 1);
+  }
+}
+
+// ---- forward ---------------------------------------------------------------------------
+
+class SftForwardTask : public Task {
+ public:
+  enum Phase { kGather, kBaseGU, kLoraGU, kBaseDown, kLoraDown, kMerge, kPhases };
+  static constexpr const char* kNames[kPhases] = {"sft_gather", "sft_gate_up", "sft_lora_gu", "sft_down", "sft_lora_down",
+                                                   "sft_merge"};
+
+  SftForwardTask(LoraMoe& l, const MoeInput& in, const LoraWeights& w, LoraContext::State& st)
+      : L(l), sc(*l.scratch_), in_(in), st_(st), g(st.g), S(l.pool_.subpools()), H(l.shape_.hidden),
+        r(l.options_.lora.rank), s_(l.options_.lora.scaling()), gu_runs(S), dn_runs(S) {
+    const auto sh = l.lora_shapes();
+    ag = resolve(w.a_gate, sh[0].first, sh[0].second);
+    bg = resolve(w.b_gate, sh[1].first, sh[1].second);
+    au = resolve(w.a_up, sh[2].first, sh[2].second);
+    bu = resolve(w.b_up, sh[3].first, sh[3].second);
+    ad = resolve(w.a_down, sh[4].first, sh[4].second);
+    bd = resolve(w.b_down, sh[5].first, sh[5].second);
+    rows = blocks(g.count, kRowBlock);
+    quant = l.options_.format.format != WeightFormat::bf16;
+    for (int s = 0; s < S; ++s)
+      if (len(s)) {
+        s0 = s;
+        break;
+      }
+    allocate();
+  }
+  int phases() const override { return kPhases; }
+
+  int items(int phase, int s) override {
+    const int n = static_cast<int>(g.active.size());
+    switch (phase) {
+      case kGather: return spread(int(rows.size()), s);
+      case kBaseGU:
+        if (!len(s)) return 0;
+        gu_runs[s] = Runs::plan(n, 2, (len(s) + kPanel - 1) / kPanel, L.shards_[s].gate[g.active[0]].panel_stride, L.pool_.threads(s));
+        return gu_runs[s].items(n);
+      case kLoraGU: return len(s) ? static_cast<int>(rows.size()) : 0;
+      case kBaseDown:
+        if (!len(s)) return 0;
+        dn_runs[s] = Runs::plan(n, 1, (H + kPanel - 1) / kPanel, L.shards_[s].down[g.active[0]].panel_stride, L.pool_.threads(s));
+        return dn_runs[s].items(n);
+      case kLoraDown: return st_.lora ? spread(int(rows.size()), s) : 0;
+      case kMerge: return spread(in_.tokens * merge_blocks(), s);
+    }
+    return 0;
+  }
+
+  void run(int phase, int s, int item, int) override {
+    trace::Span span(kNames[phase], {L.layer_, static_cast<int>(g.active.size()), in_.tokens});
+    switch (phase) {
+      case kGather: gather(rows[s + item * S]); break;
+      case kBaseGU: base_gu(s, gu_runs[s].item(item)); break;
+      case kLoraGU: lora_gu(s, rows[item]); break;
+      case kBaseDown: base_down(s, dn_runs[s].item(item)); break;
+      case kLoraDown: lora_down(rows[s + item * S]); break;
+      case kMerge: merge(s + item * S); break;
+    }
+  }
+
+ private:
+  // Items of a list shared by all subpools: subpool s takes s, s + S, s + 2S, ...
+  int spread(int total, int s) const { return total / S + (s < total % S ? 1 : 0); }
+  int len(int s) const { return L.slices_[s + 1] - L.slices_[s]; }
+  int merge_blocks() const { return (H + kMergeCols - 1) / kMergeCols; }
+
+  void allocate() {
+    const size_t R = g.total_rows;
+    const int n = static_cast<int>(g.active.size());
+    st_.xg = raw<bf16_t>(R * H);
+    st_.gu.resize(S);
+    sc.h.resize(S);
+    sc.y.resize(S);
+    sc.pdp.resize(S);
+    sc.qmid.resize(S);
+    if (st_.lora) {
+      st_.pgu = raw<float>(R * 2 * r);
+      st_.pd = raw<float>(R * r);
+    }
+    if (quant) {
+      sc.qin.resize(n);
+      for (int i = 0; i < n; ++i) sc.qin[i].prepare(L.shards_[s0].gate[g.active[i]], g.count[i]);
+    }
+    for (int s = 0; s < S; ++s) {
+      if (!len(s)) continue;
+      st_.gu[s] = raw<float>(R * 2 * len(s));
+      sc.h[s].reserve(R * len(s));
+      sc.y[s].reserve(R * H);
+      if (st_.lora) sc.pdp[s].reserve(R * r);
+      if (quant) {
+        sc.qmid[s].resize(n);
+        for (int i = 0; i < n; ++i) sc.qmid[s][i].prepare(L.shards_[s].down[g.active[i]], g.count[i]);
+      }
+    }
+    st_.bytes = R * (H * sizeof(bf16_t) + sizeof(float) + (st_.lora ? 3 * r * sizeof(float) : 0)) +
+                R * 2 * L.shape_.inter * sizeof(float) + (g.rows_token.size() + g.slot_row.size()) * sizeof(int);
+  }
+
+  void gather(const Block& b) {
+    const int i = b.i, off = g.offset[i], m = b.end - b.begin;
+    bf16_t* xg = st_.xg.get() + size_t(off) * H;
+    for (int q = b.begin; q < b.end; ++q) {
+      const int t = g.rows_token[off + q];
+      if (in_.x)
+        std::memcpy(xg + size_t(q) * H, in_.x + size_t(t) * H, sizeof(bf16_t) * H);
+      else
+        fp32_to_bf16(in_.x_f32 + size_t(t) * H, xg + size_t(q) * H, H);
+    }
+    if (quant) quantize_activations(sc.qin[i], xg, H, b.begin, b.end);
+    if (!st_.lora) return;
+    thread_local std::vector<float> xf;
+    xf.resize(size_t(m) * H);
+    for (size_t k = 0; k < xf.size(); ++k) xf[k] = bf16_to_fp32(xg[size_t(b.begin) * H + k]);
+    const int e = g.active[i];
+    float* p = st_.pgu.get() + size_t(off + b.begin) * 2 * r;
+    mm(m, r, H, 1.0f, {xf.data(), H}, ag.of(e).T(), 0.0f, p, 2 * r);
+    mm(m, r, H, 1.0f, {xf.data(), H}, au.of(e).T(), 0.0f, p + r, 2 * r);
+  }
+
+  void base_gu(int s, Runs::Item it) {
+    const int e = g.active[it.i], l = len(s);
+    const PackedWeight& w = it.w == 0 ? L.shards_[s].gate[e] : L.shards_[s].up[e];
+    GemmArgs a;
+    if (quant)
+      a.qa = &sc.qin[it.i];
+    else
+      a.a = st_.xg.get() + size_t(g.offset[it.i]) * H;
+    a.m = g.count[it.i];
+    a.lda = H;
+    a.c = st_.gu[s].get() + size_t(g.offset[it.i]) * 2 * l + it.w * l;
+    a.ldc = 2 * l;
+    a.panel_begin = it.begin;
+    a.panel_end = it.end;
+    L.kt_->of(w.format).pick(a.m).gemm(w, a);
+  }
+
+  void lora_gu(int s, const Block& b) {
+    const int i = b.i, e = g.active[i], l = len(s), i0 = L.slices_[s], m = b.end - b.begin;
+    const size_t row0 = size_t(g.offset[i]) + b.begin;
+    float* gu = st_.gu[s].get() + row0 * 2 * l;
+    if (st_.lora) {
+      const float* p = st_.pgu.get() + row0 * 2 * r;
+      mm(m, l, r, s_, {p, 2 * r}, bg.of(e).at(i0, 0).T(), 1.0f, gu, 2 * l);
+      mm(m, l, r, s_, {p + r, 2 * r}, bu.of(e).at(i0, 0).T(), 1.0f, gu + l, 2 * l);
+    }
+    thread_local std::vector<float> h;
+    h.resize(size_t(m) * l);
+    bf16_t* hb = sc.h[s].get() + row0 * l;
+    for (int q = 0; q < m; ++q)
+      for (int j = 0; j < l; ++j) {
+        const float v = silu(gu[size_t(q) * 2 * l + j]) * gu[size_t(q) * 2 * l + l + j];
+        h[size_t(q) * l + j] = v;
+        hb[size_t(q) * l + j] = fp32_to_bf16(v);
+      }
+    if (quant) quantize_activations(sc.qmid[s][i], sc.h[s].get() + size_t(g.offset[i]) * l, l, b.begin, b.end);
+    if (st_.lora) mm(m, r, l, 1.0f, {h.data(), l}, ad.of(e).at(0, i0).T(), 0.0f, sc.pdp[s].get() + row0 * r, r);
+  }
+
+  void base_down(int s, Runs::Item it) {
+    const int e = g.active[it.i], l = len(s);
+    const PackedWeight& w = L.shards_[s].down[e];
+    GemmArgs a;
+    if (quant)
+      a.qa = &sc.qmid[s][it.i];
+    else
+      a.a = sc.h[s].get() + size_t(g.offset[it.i]) * l;
+    a.m = g.count[it.i];
+    a.lda = l;
+    a.c = sc.y[s].get() + size_t(g.offset[it.i]) * H;
+    a.ldc = H;
+    a.panel_begin = it.begin;
+    a.panel_end = it.end;
+    L.kt_->of(w.format).pick(a.m).gemm(w, a);
+  }
+
+  void lora_down(const Block& b) {
+    const int i = b.i, e = g.active[i], m = b.end - b.begin;
+    const size_t row0 = size_t(g.offset[i]) + b.begin;
+    float* pd = st_.pd.get() + row0 * r;
+    std::fill(pd, pd + size_t(m) * r, 0.0f);
+    for (int s = 0; s < S; ++s) {
+      if (!len(s)) continue;
+      const float* p = sc.pdp[s].get() + row0 * r;
+      for (size_t k = 0; k < size_t(m) * r; ++k) pd[k] += p[k];
+    }
+    mm(m, H, r, s_, {pd, r}, bd.of(e).T(), 1.0f, sc.y[s0].get() + row0 * H, H);
+  }
+
+  void merge(int idx) {
+    const int K = in_.top_k, t = idx / merge_blocks(), j0 = (idx % merge_blocks()) * kMergeCols, j1 = std::min(H, j0 + kMergeCols);
+    float* out = in_.out + size_t(t) * H;
+    if (!in_.accumulate) std::fill(out + j0, out + j1, 0.0f);
+    alignas(64) float sum[kMergeCols];
+    for (int k = 0; k < K; ++k) {
+      const int row = g.slot_row[size_t(t) * K + k];
+      if (row < 0) continue;
+      std::fill(sum, sum + (j1 - j0), 0.0f);
+      for (int s = 0; s < S; ++s) {
+        if (!len(s)) continue;
+        const float* y = sc.y[s].get() + size_t(row) * H;
+        for (int j = j0; j < j1; ++j) sum[j - j0] += y[j];
+      }
+      const float w = st_.wrow[row];
+      for (int j = j0; j < j1; ++j) out[j] += w * sum[j - j0];
+    }
+  }
+
+  LoraMoe& L;
+  LoraMoe::Scratch& sc;
+  MoeInput in_;
+  LoraContext::State& st_;
+  const TokenGroups& g;
+  const int S, H, r;
+  const float s_;
+  int s0 = 0;
+  bool quant = false;
+  Lm ag, bg, au, bu, ad, bd;
+  std::vector<Block> rows;
+  std::vector<Runs> gu_runs, dn_runs;
+};
+
+LoraContext LoraMoe::forward(const MoeInput& in, const LoraWeights& lora, bool train) {
+  TANDEM_CHECK(loaded_, Errc::invalid_argument, "lora: layer ", layer_, " has no weights (call load first)");
+  TANDEM_CHECK(in.expert_mask == nullptr, Errc::unsupported, "lora: layer ", layer_,
+               ": expert_mask is not supported in training (every expert of a LoRA layer is on the CPU)");
+  check_lora(lora, "forward weights", false);
+  auto st = std::make_unique<LoraContext::State>();
+  st->g = group_tokens(in, shape_.experts, layer_);
+  st->layer_id = scratch_->id;
+  st->layer_index = layer_;
+  st->tokens = in.tokens;
+  st->top_k = in.top_k;
+  st->lora = lora.a_gate.data != nullptr;
+  LoraContext ctx;
+  if (in.tokens == 0) {
+    if (train) ctx.s_ = std::move(st);
+    return ctx;
+  }
+  const TokenGroups& g = st->g;
+  st->wrow = raw<float>(g.total_rows);
+  for (size_t i = 0; i < g.slot_row.size(); ++i)
+    if (g.slot_row[i] >= 0) st->wrow[g.slot_row[i]] = in.weights[i];
+  if (g.total_rows == 0) {  // every slot empty: out = 0 (or unchanged)
+    if (!in.accumulate) std::fill(in.out, in.out + size_t(in.tokens) * shape_.hidden, 0.0f);
+  } else {
+    pool_.wait(pool_.submit(std::make_shared<SftForwardTask>(*this, in, lora, *st)));
+  }
+  if (train) ctx.s_ = std::move(st);
+  return ctx;
+}
+
+// ---- backward --------------------------------------------------------------------------
+
+class SftBackwardTask : public Task {
+ public:
+  enum Phase { kGather, kDBd, kBaseDh, kAct, kSliceGrads, kBaseDx, kLoraDx, kAGrads, kMerge, kPhases };
+  static constexpr const char* kNames[kPhases] = {"sft_bw_gather", "sft_bw_dBd", "sft_bw_dh", "sft_bw_act", "sft_bw_grads",
+                                                   "sft_bw_dx", "sft_bw_lora_dx", "sft_bw_dA", "sft_bw_merge"};
+
+  SftBackwardTask(LoraMoe& l, LoraContext::State& st, const LoraWeights& w, const SftGrad& grad)
+      : L(l), sc(*l.scratch_), st_(st), g(st.g), gr(grad), S(l.pool_.subpools()), H(l.shape_.hidden),
+        r(l.options_.lora.rank), s_(l.options_.lora.scaling()), dh_runs(S), dx_runs(S) {
+    const auto sh = l.lora_shapes();
+    const LoraMatrix* in[6] = {&w.a_gate, &w.b_gate, &w.a_up, &w.b_up, &w.a_down, &w.b_down};
+    const LoraMatrix* gm[6] = {&grad.grads.a_gate, &grad.grads.b_gate, &grad.grads.a_up,
+                               &grad.grads.b_up,   &grad.grads.a_down, &grad.grads.b_down};
+    for (int k = 0; k < 6; ++k) {
+      wt[k] = resolve(*in[k], sh[k].first, sh[k].second);
+      gw[k] = resolve(*gm[k], sh[k].first, sh[k].second);
+    }
+    rows = blocks(g.count, kRowBlock);
+    for (int i = 0; i < static_cast<int>(g.count.size()); ++i)
+      for (int c = 0; c < H; c += kColChunk) hcols.push_back({i, c, std::min(H, c + kColChunk)});
+    for (int s = 0; s < S; ++s) {
+      scols.emplace_back();
+      for (int i = 0; i < static_cast<int>(g.count.size()); ++i)
+        for (int c = 0; c < len(s); c += kColChunk) scols[s].push_back({i, c, std::min(len(s), c + kColChunk)});
+    }
+    quant = l.options_.backward_format != WeightFormat::bf16;
+    for (int s = 0; s < S; ++s)
+      if (len(s)) {
+        s0 = s;
+        break;
+      }
+    allocate();
+  }
+  int phases() const override { return kPhases; }
+
+  int items(int phase, int s) override {
+    const int n = static_cast<int>(g.active.size());
+    const bool lora = st_.lora;
+    switch (phase) {
+      case kGather: return spread(int(rows.size()), s);
+      case kDBd: return lora && gw[5] ? spread(int(hcols.size()), s) : 0;
+      case kBaseDh:
+        if (!len(s)) return 0;
+        dh_runs[s] = Runs::plan(n, 1, (len(s) + kPanel - 1) / kPanel, L.shards_[s].down_t[g.active[0]].panel_stride,
+                                L.pool_.threads(s));
+        return dh_runs[s].items(n);
+      case kAct: return len(s) ? static_cast<int>(rows.size()) : 0;
+      case kSliceGrads: return lora && len(s) ? static_cast<int>(scols[s].size()) : 0;
+      case kBaseDx:
+        if (!len(s) || !gr.d_x) return 0;
+        dx_runs[s] = Runs::plan(n, 1, (H + kPanel - 1) / kPanel, L.shards_[s].gu_t[g.active[0]].panel_stride, L.pool_.threads(s));
+        return dx_runs[s].items(n);
+      case kLoraDx: return lora ? spread(int(rows.size()), s) : 0;
+      case kAGrads: return lora && (gw[0] || gw[2]) ? spread(int(hcols.size()), s) : 0;
+      case kMerge: return gr.d_x || gr.d_weights ? spread(st_.tokens * merge_blocks(), s) : 0;
+    }
+    return 0;
+  }
+
+  void run(int phase, int s, int item, int) override {
+    trace::Span span(kNames[phase], {L.layer_, static_cast<int>(g.active.size()), st_.tokens});
+    switch (phase) {
+      case kGather: gather(rows[s + item * S]); break;
+      case kDBd: d_bd(hcols[s + item * S]); break;
+      case kBaseDh: base_dh(s, dh_runs[s].item(item)); break;
+      case kAct: act(s, rows[item]); break;
+      case kSliceGrads: slice_grads(s, scols[s][item]); break;
+      case kBaseDx: base_dx(s, dx_runs[s].item(item)); break;
+      case kLoraDx: lora_dx(rows[s + item * S]); break;
+      case kAGrads: a_grads(hcols[s + item * S]); break;
+      case kMerge: merge(s + item * S); break;
+    }
+  }
+
+ private:
+  enum { AG, BG, AU, BU, AD, BD };
+  int spread(int total, int s) const { return total / S + (s < total % S ? 1 : 0); }
+  int len(int s) const { return L.slices_[s + 1] - L.slices_[s]; }
+  int merge_blocks() const { return (H + kMergeCols - 1) / kMergeCols; }
+
+  void allocate() {
+    const size_t R = g.total_rows;
+    const int n = static_cast<int>(g.active.size());
+    sc.dog.reserve(R * H);
+    if (st_.lora) {
+      sc.dogf.reserve(R * H);
+      sc.qd.reserve(R * r);
+      sc.wqd.reserve(R * r);
+      sc.wpd.reserve(R * r);
+      sc.qgu.reserve(R * 2 * r);
+    }
+    for (auto* v : {&sc.dh, &sc.hf, &sc.dguf, &sc.qgup, &sc.dx, &sc.dwp}) v->resize(S);
+    sc.dgub.resize(S);
+    sc.qbmid.resize(S);
+    if (quant) {
+      sc.qbin.resize(n);
+      for (int i = 0; i < n; ++i) sc.qbin[i].prepare(L.shards_[s0].down_t[g.active[i]], g.count[i]);
+    }
+    for (int s = 0; s < S; ++s) {
+      const size_t l = len(s);
+      if (!l) continue;
+      sc.dh[s].reserve(R * l);
+      sc.hf[s].reserve(R * l);
+      sc.dguf[s].reserve(R * 2 * l);
+      sc.dgub[s].reserve(R * 2 * l);
+      sc.dwp[s].reserve(R);
+      if (st_.lora) sc.qgup[s].reserve(R * 2 * r);
+      if (gr.d_x) sc.dx[s].reserve(R * H);
+      if (quant) {
+        sc.qbmid[s].resize(n);
+        for (int i = 0; i < n; ++i) sc.qbmid[s][i].prepare(L.shards_[s].gu_t[g.active[i]], g.count[i]);
+      }
+    }
+  }
+
+  void gather(const Block& b) {
+    const int i = b.i, off = g.offset[i], m = b.end - b.begin;
+    const size_t row0 = size_t(off) + b.begin;
+    bf16_t* dog = sc.dog.get() + size_t(off) * H;
+    for (int q = b.begin; q < b.end; ++q) {
+      const int t = g.rows_token[off + q];
+      if (gr.d_out) {
+        fp32_to_bf16(gr.d_out + size_t(t) * H, dog + size_t(q) * H, H);
+        if (st_.lora) std::memcpy(sc.dogf.get() + size_t(off + q) * H, gr.d_out + size_t(t) * H, sizeof(float) * H);
+      } else {
+        std::memcpy(dog + size_t(q) * H, gr.d_out_bf16 + size_t(t) * H, sizeof(bf16_t) * H);
+        if (st_.lora)
+          for (int j = 0; j < H; ++j) sc.dogf[size_t(off + q) * H + j] = bf16_to_fp32(gr.d_out_bf16[size_t(t) * H + j]);
+      }
+    }
+    if (quant) quantize_activations(sc.qbin[i], dog, H, b.begin, b.end);
+    if (!st_.lora) return;
+    const int e = g.active[i];
+    float* qd = sc.qd.get() + row0 * r;
+    mm(m, r, H, 1.0f, {sc.dogf.get() + row0 * H, H}, wt[BD].of(e), 0.0f, qd, r);
+    for (int q = 0; q < m; ++q) {
+      const float w = st_.wrow[row0 + q];
+      for (int k = 0; k < r; ++k) {
+        sc.wqd[(row0 + q) * r + k] = w * qd[size_t(q) * r + k];
+        sc.wpd[(row0 + q) * r + k] = w * st_.pd[(row0 + q) * r + k];
+      }
+    }
+  }
+
+  // dBd[c0:c1, :] += s (w dOut)^T[c0:c1] (h Ad^T)
+  void d_bd(const Block& c) {
+    const int i = c.i, e = g.active[i], off = g.offset[i], m = g.count[i];
+    mm_into(gw[BD].of(e).at(c.begin, 0), c.end - c.begin, r, m, s_, Mat{sc.dogf.get() + size_t(off) * H + c.begin, H}.T(),
+            {sc.wpd.get() + size_t(off) * r, r}, 1.0f);
+  }
+
+  void base_dh(int s, Runs::Item it) {
+    const int e = g.active[it.i], l = len(s);
+    const PackedWeight& w = L.shards_[s].down_t[e];
+    GemmArgs a;
+    if (quant)
+      a.qa = &sc.qbin[it.i];
+    else
+      a.a = sc.dog.get() + size_t(g.offset[it.i]) * H;
+    a.m = g.count[it.i];
+    a.lda = H;
+    a.c = sc.dh[s].get() + size_t(g.offset[it.i]) * l;
+    a.ldc = l;
+    a.panel_begin = it.begin;
+    a.panel_end = it.end;
+    L.kt_->of(w.format).pick(a.m).gemm(w, a);
+  }
+
+  void act(int s, const Block& b) {
+    const int i = b.i, e = g.active[i], l = len(s), i0 = L.slices_[s], m = b.end - b.begin;
+    const size_t row0 = size_t(g.offset[i]) + b.begin;
+    float* dh = sc.dh[s].get() + row0 * l;
+    if (st_.lora) mm(m, l, r, s_, {sc.qd.get() + row0 * r, r}, wt[AD].of(e).at(0, i0), 1.0f, dh, l);
+    const float* gu = st_.gu[s].get() + row0 * 2 * l;
+    float* hf = sc.hf[s].get() + row0 * l;
+    float* dguf = sc.dguf[s].get() + row0 * 2 * l;
+    bf16_t* dgub = sc.dgub[s].get() + row0 * 2 * l;
+    for (int q = 0; q < m; ++q) {
+      const float w = st_.wrow[row0 + q];
+      double dw = 0;
+      for (int j = 0; j < l; ++j) {
+        const float gv = gu[size_t(q) * 2 * l + j], uv = gu[size_t(q) * 2 * l + l + j];
+        const float sg = 1.0f / (1.0f + std::exp(-gv)), si = gv * sg, h = si * uv, dhu = dh[size_t(q) * l + j];
+        hf[size_t(q) * l + j] = h;
+        dw += double(h) * dhu;
+        const float d = w * dhu;
+        const float dg = d * uv * sg * (1.0f + gv * (1.0f - sg)), du = d * si;
+        dguf[size_t(q) * 2 * l + j] = dg;
+        dguf[size_t(q) * 2 * l + l + j] = du;
+        dgub[size_t(q) * 2 * l + j] = fp32_to_bf16(dg);
+        dgub[size_t(q) * 2 * l + l + j] = fp32_to_bf16(du);
+      }
+      sc.dwp[s][row0 + q] = static_cast<float>(dw);
+    }
+    if (quant) quantize_activations(sc.qbmid[s][i], sc.dgub[s].get() + size_t(g.offset[i]) * 2 * l, 2 * l, b.begin, b.end);
+    if (st_.lora) {
+      float* q = sc.qgup[s].get() + row0 * 2 * r;
+      mm(m, r, l, 1.0f, {dguf, 2 * l}, wt[BG].of(e).at(i0, 0), 0.0f, q, 2 * r);
+      mm(m, r, l, 1.0f, {dguf + l, 2 * l}, wt[BU].of(e).at(i0, 0), 0.0f, q + r, 2 * r);
+    }
+  }
+
+  // The gradients over this subpool's slice: dAd[:, slice], dBg[slice, :], dBu[slice, :].
+  void slice_grads(int s, const Block& c) {
+    const int i = c.i, e = g.active[i], off = g.offset[i], m = g.count[i], l = len(s), i0 = L.slices_[s];
+    const int c0 = c.begin, w = c.end - c.begin;
+    if (gw[AD])
+      mm_into(gw[AD].of(e).at(0, i0 + c0), r, w, m, s_, Mat{sc.wqd.get() + size_t(off) * r, r}.T(),
+              {sc.hf[s].get() + size_t(off) * l + c0, l}, 1.0f);
+    const float* dguf = sc.dguf[s].get() + size_t(off) * 2 * l;
+    const float* pgu = st_.pgu.get() + size_t(off) * 2 * r;
+    if (gw[BG]) mm_into(gw[BG].of(e).at(i0 + c0, 0), w, r, m, s_, Mat{dguf + c0, 2 * l}.T(), {pgu, 2 * r}, 1.0f);
+    if (gw[BU]) mm_into(gw[BU].of(e).at(i0 + c0, 0), w, r, m, s_, Mat{dguf + l + c0, 2 * l}.T(), {pgu + r, 2 * r}, 1.0f);
+  }
+
+  void base_dx(int s, Runs::Item it) {
+    const int e = g.active[it.i], l = len(s);
+    const PackedWeight& w = L.shards_[s].gu_t[e];
+    GemmArgs a;
+    if (quant)
+      a.qa = &sc.qbmid[s][it.i];
+    else
+      a.a = sc.dgub[s].get() + size_t(g.offset[it.i]) * 2 * l;
+    a.m = g.count[it.i];
+    a.lda = 2 * l;
+    a.c = sc.dx[s].get() + size_t(g.offset[it.i]) * H;
+    a.ldc = H;
+    a.panel_begin = it.begin;
+    a.panel_end = it.end;
+    L.kt_->of(w.format).pick(a.m).gemm(w, a);
+  }
+
+  void lora_dx(const Block& b) {
+    const int i = b.i, e = g.active[i], m = b.end - b.begin;
+    const size_t row0 = size_t(g.offset[i]) + b.begin;
+    float* q = sc.qgu.get() + row0 * 2 * r;
+    std::fill(q, q + size_t(m) * 2 * r, 0.0f);
+    for (int s = 0; s < S; ++s) {
+      if (!len(s)) continue;
+      const float* p = sc.qgup[s].get() + row0 * 2 * r;
+      for (size_t k = 0; k < size_t(m) * 2 * r; ++k) q[k] += p[k];
+    }
+    if (!gr.d_x) return;
+    float* dx = sc.dx[s0].get() + row0 * H;
+    mm(m, H, r, s_, {q, 2 * r}, wt[AG].of(e), 1.0f, dx, H);
+    mm(m, H, r, s_, {q + r, 2 * r}, wt[AU].of(e), 1.0f, dx, H);
+  }
+
+  // dAg[:, c0:c1] += s (dg Bg)^T x[:, c0:c1], and the same for up.
+  void a_grads(const Block& c) {
+    const int i = c.i, e = g.active[i], off = g.offset[i], m = g.count[i], w = c.end - c.begin;
+    thread_local std::vector<float> xf;
+    xf.resize(size_t(m) * w);
+    for (int q = 0; q < m; ++q)
+      for (int j = 0; j < w; ++j) xf[size_t(q) * w + j] = bf16_to_fp32(st_.xg[size_t(off + q) * H + c.begin + j]);
+    const float* q = sc.qgu.get() + size_t(off) * 2 * r;
+    if (gw[AG]) mm_into(gw[AG].of(e).at(0, c.begin), r, w, m, s_, Mat{q, 2 * r}.T(), {xf.data(), w}, 1.0f);
+    if (gw[AU]) mm_into(gw[AU].of(e).at(0, c.begin), r, w, m, s_, Mat{q + r, 2 * r}.T(), {xf.data(), w}, 1.0f);
+  }
+
+  void merge(int idx) {
+    const int K = st_.top_k, t = idx / merge_blocks(), blk = idx % merge_blocks(), j0 = blk * kMergeCols,
+              j1 = std::min(H, j0 + kMergeCols);
+    if (gr.d_weights && blk == 0)
+      for (int k = 0; k < K; ++k) {
+        const int row = g.slot_row[size_t(t) * K + k];
+        float dw = 0;
+        if (row >= 0)
+          for (int s = 0; s < S; ++s)
+            if (len(s)) dw += sc.dwp[s][row];
+        gr.d_weights[size_t(t) * K + k] = dw;
+      }
+    if (!gr.d_x) return;
+    float* dx = gr.d_x + size_t(t) * H;
+    if (!gr.accumulate_x) std::fill(dx + j0, dx + j1, 0.0f);
+    for (int k = 0; k < K; ++k) {
+      const int row = g.slot_row[size_t(t) * K + k];
+      if (row < 0) continue;
+      for (int s = 0; s < S; ++s) {
+        if (!len(s)) continue;
+        const float* p = sc.dx[s].get() + size_t(row) * H;
+        for (int j = j0; j < j1; ++j) dx[j] += p[j];
+      }
+    }
+  }
+
+  LoraMoe& L;
+  LoraMoe::Scratch& sc;
+  LoraContext::State& st_;
+  const TokenGroups& g;
+  const SftGrad& gr;
+  const int S, H, r;
+  const float s_;
+  int s0 = 0;
+  bool quant = false;
+  Lm wt[6], gw[6];
+  std::vector<Block> rows, hcols;
+  std::vector<std::vector<Block>> scols;
+  std::vector<Runs> dh_runs, dx_runs;
+};
+
+void LoraMoe::backward(LoraContext& ctx, const LoraWeights& lora, const SftGrad& grad) {
+  TANDEM_CHECK(!ctx.consumed_, Errc::invalid_argument, "lora: layer ", layer_,
+               ": this context was already used by a backward (each forward's context serves one backward)");
+  TANDEM_CHECK(ctx.s_ != nullptr, Errc::invalid_argument, "lora: layer ", layer_,
+               ": backward without a forward context (the context is empty: was forward called with train = true?)");
+  LoraContext::State& st = *ctx.s_;
+  TANDEM_CHECK(st.layer_id == scratch_->id, Errc::invalid_argument, "lora: layer ", layer_,
+               ": the context comes from another layer's forward (layer ", st.layer_index, ")");
+  TANDEM_CHECK((grad.d_out != nullptr) != (grad.d_out_bf16 != nullptr), Errc::invalid_argument, "lora: layer ", layer_,
+               ": give exactly one dL/dout (fp32 d_out or bf16 d_out_bf16)");
+  check_lora(lora, "backward weights", false);
+  check_lora(grad.grads, "gradients", true);
+  const bool has = lora.a_gate.data != nullptr;
+  TANDEM_CHECK(has == st.lora, Errc::invalid_argument, "lora: layer ", layer_, ": the forward ran ",
+               st.lora ? "with" : "without", " LoRA weights but backward was given ", has ? "some" : "none");
+  const LoraMatrix* gm[6] = {&grad.grads.a_gate, &grad.grads.b_gate, &grad.grads.a_up,
+                             &grad.grads.b_up,   &grad.grads.a_down, &grad.grads.b_down};
+  if (!st.lora)
+    for (const LoraMatrix* m : gm)
+      TANDEM_CHECK(m->data == nullptr, Errc::invalid_argument, "lora: layer ", layer_,
+                   ": LoRA gradients were asked for, but the forward ran without LoRA weights");
+  prepare_backward();
+  ctx.consumed_ = true;
+  const int T = st.tokens, H = shape_.hidden;
+  if (T == 0) return;
+  if (st.g.total_rows == 0) {
+    if (grad.d_x && !grad.accumulate_x) std::fill(grad.d_x, grad.d_x + size_t(T) * H, 0.0f);
+    if (grad.d_weights) std::fill(grad.d_weights, grad.d_weights + size_t(T) * st.top_k, 0.0f);
+  } else {
+    pool_.wait(pool_.submit(std::make_shared<SftBackwardTask>(*this, st, lora, grad)));
+  }
+  ctx.s_.reset();  // the saved state is freed as soon as it has served
+}
+
+}  // namespace tandem
