@@ -83,6 +83,17 @@ Lm resolve(const LoraMatrix& m, int rows, int cols) {
   return r;
 }
 
+// bf16 -> fp32 is a shift; inline so the conversion loops vectorize.
+inline float widen(bf16_t v) {
+  const uint32_t bits = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+void widen(const bf16_t* src, float* dst, size_t n) {
+  for (size_t i = 0; i < n; ++i) dst[i] = widen(src[i]);
+}
+
 float silu(float g) { return g / (1.0f + std::exp(-g)); }
 
 // Work items that are runs of panels of one active expert's weights (one or more
@@ -122,7 +133,7 @@ std::vector<Block> blocks(const std::vector<int>& count, int per_block) {
   return b;
 }
 
-constexpr int kRowBlock = 64, kColChunk = 256, kMergeCols = 512;
+constexpr int kRowBlock = 256, kColChunk = 256, kMergeCols = 512;
 std::atomic<uint64_t> next_layer_id{1};
 
 }  // namespace
@@ -434,7 +445,7 @@ class SftForwardTask : public Task {
     if (!st_.lora) return;
     thread_local std::vector<float> xf;
     xf.resize(size_t(m) * H);
-    for (size_t k = 0; k < xf.size(); ++k) xf[k] = bf16_to_fp32(xg[size_t(b.begin) * H + k]);
+    widen(xg + size_t(b.begin) * H, xf.data(), xf.size());
     const int e = g.active[i];
     float* p = st_.pgu.get() + size_t(off + b.begin) * 2 * r;
     mm(m, r, H, 1.0f, {xf.data(), H}, ag.of(e).T(), 0.0f, p, 2 * r);
@@ -702,7 +713,7 @@ class SftBackwardTask : public Task {
       } else {
         std::memcpy(dog + size_t(q) * H, gr.d_out_bf16 + size_t(t) * H, sizeof(bf16_t) * H);
         if (st_.lora)
-          for (int j = 0; j < H; ++j) sc.dogf[size_t(off + q) * H + j] = bf16_to_fp32(gr.d_out_bf16[size_t(t) * H + j]);
+          widen(gr.d_out_bf16 + size_t(t) * H, sc.dogf.get() + size_t(off + q) * H, H);
       }
     }
     if (quant) quantize_activations(sc.qbin[i], dog, H, b.begin, b.end);
@@ -828,8 +839,7 @@ class SftBackwardTask : public Task {
     const int i = c.i, e = g.active[i], off = g.offset[i], m = g.count[i], w = c.end - c.begin;
     thread_local std::vector<float> xf;
     xf.resize(size_t(m) * w);
-    for (int q = 0; q < m; ++q)
-      for (int j = 0; j < w; ++j) xf[size_t(q) * w + j] = bf16_to_fp32(st_.xg[size_t(off + q) * H + c.begin + j]);
+    for (int q = 0; q < m; ++q) widen(st_.xg.get() + size_t(off + q) * H + c.begin, xf.data() + size_t(q) * w, w);
     const float* q = sc.qgu.get() + size_t(off) * 2 * r;
     if (gw[AG]) mm_into(gw[AG].of(e).at(0, c.begin), r, w, m, s_, Mat{q, 2 * r}.T(), {xf.data(), w}, 1.0f);
     if (gw[AU]) mm_into(gw[AU].of(e).at(0, c.begin), r, w, m, s_, Mat{q + r, 2 * r}.T(), {xf.data(), w}, 1.0f);
