@@ -13,9 +13,10 @@ dL/dw (routing weights) and dL/dA, dL/dB of every expert's gate/up/down LoRA.
 Base FLOPs per step = 12 * rows * hidden * inter (forward: gate, up, down; backward: dOut Wd
 and [dg du][Wg; Wu]; LoRA needs no weight gradient of the base), rows = tokens * top_k.
 The ceiling is the machine's vdpbf16ps peak measured by build/bench/bench_ceilings right
-before each shape (the machine is shared: the ratio uses the peak measured next to it).
+before and after each shape (the higher of the two: an instruction peak is a ceiling) (the machine is shared: the ratio uses the peak measured next to it).
 
-The PyTorch peer: the experts' base weights in bf16, LoRA A/B fp32 Parameters, x bf16 with
+The PyTorch peer: the experts' base weights in bf16, LoRA A/B fp32 leaf tensors (one per
+expert and matrix, as PEFT's per-expert modules hold them), x bf16 with
 requires_grad, routing weights fp32 with requires_grad; per expert (tokens grouped by a
 sort, as transformers' eager MoE does) g = (x Wg^T) + s (x Ag^T) Bg^T with the base product
 in bf16 (oneDNN) and the LoRA products in fp32, the same for up and down; out.index_add_;
@@ -179,7 +180,10 @@ def run_torch(args, shape: dict, r: int, T: int) -> dict:
 
     torch.set_num_threads(args.threads or os.cpu_count())
     W = random_weights(torch, shape)
-    params = [p.requires_grad_() for p in lora_params(torch, shape, r)]
+    # One leaf tensor per expert and matrix, as PEFT's per-expert LoRA modules hold them
+    # (indexing one [experts x ...] Parameter would make autograd write a full-size zero
+    # gradient per expert: the peer would then lose by E^2 work, not by its arithmetic).
+    params = [[m.clone().requires_grad_() for m in p] for p in lora_params(torch, shape, r)]
     x, ids, w, dout = make_inputs(torch, shape, T, seed=T)
     base_rss = status_kib("VmRSS")
     reset_peak()
@@ -187,7 +191,8 @@ def run_torch(args, shape: dict, r: int, T: int) -> dict:
     times = []
     for _ in range(args.reps):
         for p in params:
-            p.grad = None
+            for m in p:
+                m.grad = None
         t0 = time.perf_counter()
         torch_step(torch, shape, W, params, x, ids, w, dout, 2.0)
         times.append(time.perf_counter() - t0)
@@ -238,7 +243,7 @@ def main() -> int:
                     print(f"  ({v} r={r} tokens={T}: {res[v][-1]['seconds']:.3f} s)", flush=True)
         peak_after = bf16_peak()
         if peak and peak_after:
-            peak = (peak + peak_after) / 2
+            peak = max(peak, peak_after)
         rows = []
         print(f"{'r':>3} {'tokens':>6} | {'tandem s':>8} {'GFLOP/s':>8} {'%peak':>6} {'saved B/tok':>11} {'step MiB':>8} |"
               f" {'torch s':>8} {'step MiB':>8} | {'speedup':>7} {'mem':>5}")

@@ -28,7 +28,7 @@ cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DTANDEM_SANITIZE=thr
   -DTANDEM_CUDA=OFF -DTANDEM_PYTHON=OFF -DTANDEM_BENCH=OFF >/dev/null
 cmake --build build-tsan -j "$(nproc)" --target tandem_tests
 OMP_NUM_THREADS=1 TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/tandem_tests --gtest_brief=1 \
-  --gtest_filter='Pool.*:*MoeEngine*:Trace.*:*Hybrid*:Engine.*'
+  --gtest_filter='Pool.*:*MoeEngine*:Trace.*:*Hybrid*:Engine.*:Lora*'
 
 echo "== Python tests (pytest) =="
 .venv/bin/python -m pytest -q -ra tests/python "$@"
