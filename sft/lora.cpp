@@ -172,13 +172,13 @@ struct LoraMoe::Scratch {
   std::vector<QuantizedActs> qin;                 // per active expert (integer base)
   std::vector<Grow<bf16_t>> h;                    // per subpool [R x len] bf16 h
   std::vector<std::vector<QuantizedActs>> qmid;   // per subpool, per active expert
-  std::vector<Grow<float>> y, pdp;                // per subpool [R x H], [R x r]
+  std::vector<Grow<float>> y, pdp;                // per subpool [R x H] (y, then backward's dx), [R x r]
   // backward
   Grow<bf16_t> dog;                               // [R x H] dOut rows, bf16
   Grow<float> dogf, qd, wqd, wpd, qgu;            // [R x H], [R x r] x 3, [R x 2r]
   std::vector<QuantizedActs> qbin;                // per active expert (integer backward packs)
   std::vector<std::vector<QuantizedActs>> qbmid;  // per subpool, per active expert
-  std::vector<Grow<float>> dh, hf, dguf, qgup, dx, dwp;  // per subpool
+  std::vector<Grow<float>> dh, dguf, qgup, dwp;  // per subpool (dh then holds h: act overwrites it in place)
   std::vector<Grow<bf16_t>> dgub;                 // per subpool [R x 2 len]
 };
 
@@ -677,7 +677,7 @@ class SftBackwardTask : public Task {
       sc.wpd.reserve(R * r);
       sc.qgu.reserve(R * 2 * r);
     }
-    for (auto* v : {&sc.dh, &sc.hf, &sc.dguf, &sc.qgup, &sc.dx, &sc.dwp}) v->resize(S);
+    for (auto* v : {&sc.dh, &sc.dguf, &sc.qgup, &sc.y, &sc.dwp}) v->resize(S);
     sc.dgub.resize(S);
     sc.qbmid.resize(S);
     if (quant) {
@@ -688,12 +688,11 @@ class SftBackwardTask : public Task {
       const size_t l = len(s);
       if (!l) continue;
       sc.dh[s].reserve(R * l);
-      sc.hf[s].reserve(R * l);
       sc.dguf[s].reserve(R * 2 * l);
       sc.dgub[s].reserve(R * 2 * l);
       sc.dwp[s].reserve(R);
       if (st_.lora) sc.qgup[s].reserve(R * 2 * r);
-      if (gr.d_x) sc.dx[s].reserve(R * H);
+      if (gr.d_x) sc.y[s].reserve(R * H);  // dx partials
       if (quant) {
         sc.qbmid[s].resize(n);
         for (int i = 0; i < n; ++i) sc.qbmid[s][i].prepare(L.shards_[s].gu_t[g.active[i]], g.count[i]);
@@ -760,7 +759,7 @@ class SftBackwardTask : public Task {
     float* dh = sc.dh[s].get() + row0 * l;
     if (st_.lora) mm(m, l, r, s_, {sc.qd.get() + row0 * r, r}, wt[AD].of(e).at(0, i0), 1.0f, dh, l);
     const float* gu = st_.gu[s].get() + row0 * 2 * l;
-    float* hf = sc.hf[s].get() + row0 * l;
+    float* hf = dh;  // h replaces dh element by element (each is read just before)
     float* dguf = sc.dguf[s].get() + row0 * 2 * l;
     bf16_t* dgub = sc.dgub[s].get() + row0 * 2 * l;
     for (int q = 0; q < m; ++q) {
@@ -794,7 +793,7 @@ class SftBackwardTask : public Task {
     const int c0 = c.begin, w = c.end - c.begin;
     if (gw[AD])
       mm_into(gw[AD].of(e).at(0, i0 + c0), r, w, m, s_, Mat{sc.wqd.get() + size_t(off) * r, r}.T(),
-              {sc.hf[s].get() + size_t(off) * l + c0, l}, 1.0f);
+              {sc.dh[s].get() + size_t(off) * l + c0, l}, 1.0f);
     const float* dguf = sc.dguf[s].get() + size_t(off) * 2 * l;
     const float* pgu = st_.pgu.get() + size_t(off) * 2 * r;
     if (gw[BG]) mm_into(gw[BG].of(e).at(i0 + c0, 0), w, r, m, s_, Mat{dguf + c0, 2 * l}.T(), {pgu, 2 * r}, 1.0f);
@@ -811,7 +810,7 @@ class SftBackwardTask : public Task {
       a.a = sc.dgub[s].get() + size_t(g.offset[it.i]) * 2 * l;
     a.m = g.count[it.i];
     a.lda = 2 * l;
-    a.c = sc.dx[s].get() + size_t(g.offset[it.i]) * H;
+    a.c = sc.y[s].get() + size_t(g.offset[it.i]) * H;
     a.ldc = H;
     a.panel_begin = it.begin;
     a.panel_end = it.end;
@@ -829,7 +828,7 @@ class SftBackwardTask : public Task {
       for (size_t k = 0; k < size_t(m) * 2 * r; ++k) q[k] += p[k];
     }
     if (!gr.d_x) return;
-    float* dx = sc.dx[s0].get() + row0 * H;
+    float* dx = sc.y[s0].get() + row0 * H;
     mm(m, H, r, s_, {q, 2 * r}, wt[AG].of(e), 1.0f, dx, H);
     mm(m, H, r, s_, {q + r, 2 * r}, wt[AU].of(e), 1.0f, dx, H);
   }
@@ -865,7 +864,7 @@ class SftBackwardTask : public Task {
       if (row < 0) continue;
       for (int s = 0; s < S; ++s) {
         if (!len(s)) continue;
-        const float* p = sc.dx[s].get() + size_t(row) * H;
+        const float* p = sc.y[s].get() + size_t(row) * H;
         for (int j = j0; j < j1; ++j) dx[j] += p[j];
       }
     }
