@@ -335,29 +335,66 @@ void LoraMoe::check_lora(const LoraWeights& w, const char* what, bool allow_null
 
 // ---- forward ---------------------------------------------------------------------------
 
-class SftForwardTask : public Task {
+// What the forward and backward tasks share: the layer, its scratch, the context, the
+// resolved adapter matrices, and how lists and base products map onto subpools.
+class SftTask : public Task {
+ protected:
+  enum { AG, BG, AU, BU, AD, BD };
+  SftTask(LoraMoe& l, LoraContext::State& st, const LoraWeights& w)
+      : L(l), sc(*l.scratch_), st_(st), g(st.g), S(l.pool_.subpools()), H(l.shape_.hidden), r(l.options_.lora.rank),
+        s_(l.options_.lora.scaling()) {
+    resolve_all(w, wt);
+    rows = blocks(g.count, kRowBlock);
+    for (int s = S - 1; s >= 0; --s)
+      if (len(s)) s0 = s;  // the first subpool with a slice
+  }
+  void resolve_all(const LoraWeights& w, Lm* out) const {
+    const auto sh = L.lora_shapes();
+    const LoraMatrix* m[6] = {&w.a_gate, &w.b_gate, &w.a_up, &w.b_up, &w.a_down, &w.b_down};
+    for (int k = 0; k < 6; ++k) out[k] = resolve(*m[k], sh[k].first, sh[k].second);
+  }
+  // Items of a list shared by all subpools: subpool s takes s, s + S, s + 2S, ...
+  int spread(int total, int s) const { return total / S + (s < total % S ? 1 : 0); }
+  int len(int s) const { return L.slices_[s + 1] - L.slices_[s]; }
+  int merge_blocks() const { return (H + kMergeCols - 1) / kMergeCols; }
+  // One run of panels of a base product: C[rows of active expert i] (ldc) = A . w^T, A the
+  // expert's bf16 rows (lda) or, for an integer pack, their quantized form qa.
+  void base_gemm(const PackedWeight& w, Runs::Item it, const bf16_t* a, const QuantizedActs* qa, int lda, float* c,
+                 int ldc) const {
+    GemmArgs args;
+    if (w.format == WeightFormat::bf16)
+      args.a = a + size_t(g.offset[it.i]) * lda;
+    else
+      args.qa = qa;
+    args.m = g.count[it.i];
+    args.lda = lda;
+    args.c = c + size_t(g.offset[it.i]) * ldc;
+    args.ldc = ldc;
+    args.panel_begin = it.begin;
+    args.panel_end = it.end;
+    L.kt_->of(w.format).pick(args.m).gemm(w, args);
+  }
+
+  LoraMoe& L;
+  LoraMoe::Scratch& sc;
+  LoraContext::State& st_;
+  const TokenGroups& g;
+  const int S, H, r;
+  const float s_;
+  int s0 = 0;
+  Lm wt[6];
+  std::vector<Block> rows;
+};
+
+class SftForwardTask : public SftTask {
  public:
   enum Phase { kGather, kBaseGU, kLoraGU, kBaseDown, kLoraDown, kMerge, kPhases };
   static constexpr const char* kNames[kPhases] = {"sft_gather", "sft_gate_up", "sft_lora_gu", "sft_down", "sft_lora_down",
                                                    "sft_merge"};
 
   SftForwardTask(LoraMoe& l, const MoeInput& in, const LoraWeights& w, LoraContext::State& st)
-      : L(l), sc(*l.scratch_), in_(in), st_(st), g(st.g), S(l.pool_.subpools()), H(l.shape_.hidden),
-        r(l.options_.lora.rank), s_(l.options_.lora.scaling()), gu_runs(S), dn_runs(S) {
-    const auto sh = l.lora_shapes();
-    ag = resolve(w.a_gate, sh[0].first, sh[0].second);
-    bg = resolve(w.b_gate, sh[1].first, sh[1].second);
-    au = resolve(w.a_up, sh[2].first, sh[2].second);
-    bu = resolve(w.b_up, sh[3].first, sh[3].second);
-    ad = resolve(w.a_down, sh[4].first, sh[4].second);
-    bd = resolve(w.b_down, sh[5].first, sh[5].second);
-    rows = blocks(g.count, kRowBlock);
+      : SftTask(l, st, w), in_(in), gu_runs(S), dn_runs(S) {
     quant = l.options_.format.format != WeightFormat::bf16;
-    for (int s = 0; s < S; ++s)
-      if (len(s)) {
-        s0 = s;
-        break;
-      }
     allocate();
   }
   int phases() const override { return kPhases; }
@@ -394,11 +431,6 @@ class SftForwardTask : public Task {
   }
 
  private:
-  // Items of a list shared by all subpools: subpool s takes s, s + S, s + 2S, ...
-  int spread(int total, int s) const { return total / S + (s < total % S ? 1 : 0); }
-  int len(int s) const { return L.slices_[s + 1] - L.slices_[s]; }
-  int merge_blocks() const { return (H + kMergeCols - 1) / kMergeCols; }
-
   void allocate() {
     const size_t R = g.total_rows;
     const int n = static_cast<int>(g.active.size());
@@ -448,25 +480,14 @@ class SftForwardTask : public Task {
     widen(xg + size_t(b.begin) * H, xf.data(), xf.size());
     const int e = g.active[i];
     float* p = st_.pgu.get() + size_t(off + b.begin) * 2 * r;
-    mm(m, r, H, 1.0f, {xf.data(), H}, ag.of(e).T(), 0.0f, p, 2 * r);
-    mm(m, r, H, 1.0f, {xf.data(), H}, au.of(e).T(), 0.0f, p + r, 2 * r);
+    mm(m, r, H, 1.0f, {xf.data(), H}, wt[AG].of(e).T(), 0.0f, p, 2 * r);
+    mm(m, r, H, 1.0f, {xf.data(), H}, wt[AU].of(e).T(), 0.0f, p + r, 2 * r);
   }
 
   void base_gu(int s, Runs::Item it) {
     const int e = g.active[it.i], l = len(s);
     const PackedWeight& w = it.w == 0 ? L.shards_[s].gate[e] : L.shards_[s].up[e];
-    GemmArgs a;
-    if (quant)
-      a.qa = &sc.qin[it.i];
-    else
-      a.a = st_.xg.get() + size_t(g.offset[it.i]) * H;
-    a.m = g.count[it.i];
-    a.lda = H;
-    a.c = st_.gu[s].get() + size_t(g.offset[it.i]) * 2 * l + it.w * l;
-    a.ldc = 2 * l;
-    a.panel_begin = it.begin;
-    a.panel_end = it.end;
-    L.kt_->of(w.format).pick(a.m).gemm(w, a);
+    base_gemm(w, it, st_.xg.get(), quant ? &sc.qin[it.i] : nullptr, H, st_.gu[s].get() + it.w * l, 2 * l);
   }
 
   void lora_gu(int s, const Block& b) {
@@ -475,8 +496,8 @@ class SftForwardTask : public Task {
     float* gu = st_.gu[s].get() + row0 * 2 * l;
     if (st_.lora) {
       const float* p = st_.pgu.get() + row0 * 2 * r;
-      mm(m, l, r, s_, {p, 2 * r}, bg.of(e).at(i0, 0).T(), 1.0f, gu, 2 * l);
-      mm(m, l, r, s_, {p + r, 2 * r}, bu.of(e).at(i0, 0).T(), 1.0f, gu + l, 2 * l);
+      mm(m, l, r, s_, {p, 2 * r}, wt[BG].of(e).at(i0, 0).T(), 1.0f, gu, 2 * l);
+      mm(m, l, r, s_, {p + r, 2 * r}, wt[BU].of(e).at(i0, 0).T(), 1.0f, gu + l, 2 * l);
     }
     thread_local std::vector<float> h;
     h.resize(size_t(m) * l);
@@ -488,24 +509,13 @@ class SftForwardTask : public Task {
         hb[size_t(q) * l + j] = fp32_to_bf16(v);
       }
     if (quant) quantize_activations(sc.qmid[s][i], sc.h[s].get() + size_t(g.offset[i]) * l, l, b.begin, b.end);
-    if (st_.lora) mm(m, r, l, 1.0f, {h.data(), l}, ad.of(e).at(0, i0).T(), 0.0f, sc.pdp[s].get() + row0 * r, r);
+    if (st_.lora) mm(m, r, l, 1.0f, {h.data(), l}, wt[AD].of(e).at(0, i0).T(), 0.0f, sc.pdp[s].get() + row0 * r, r);
   }
 
   void base_down(int s, Runs::Item it) {
-    const int e = g.active[it.i], l = len(s);
-    const PackedWeight& w = L.shards_[s].down[e];
-    GemmArgs a;
-    if (quant)
-      a.qa = &sc.qmid[s][it.i];
-    else
-      a.a = sc.h[s].get() + size_t(g.offset[it.i]) * l;
-    a.m = g.count[it.i];
-    a.lda = l;
-    a.c = sc.y[s].get() + size_t(g.offset[it.i]) * H;
-    a.ldc = H;
-    a.panel_begin = it.begin;
-    a.panel_end = it.end;
-    L.kt_->of(w.format).pick(a.m).gemm(w, a);
+    const int l = len(s);
+    base_gemm(L.shards_[s].down[g.active[it.i]], it, sc.h[s].get(), quant ? &sc.qmid[s][it.i] : nullptr, l,
+              sc.y[s].get(), H);
   }
 
   void lora_down(const Block& b) {
@@ -518,7 +528,7 @@ class SftForwardTask : public Task {
       const float* p = sc.pdp[s].get() + row0 * r;
       for (size_t k = 0; k < size_t(m) * r; ++k) pd[k] += p[k];
     }
-    mm(m, H, r, s_, {pd, r}, bd.of(e).T(), 1.0f, sc.y[s0].get() + row0 * H, H);
+    mm(m, H, r, s_, {pd, r}, wt[BD].of(e).T(), 1.0f, sc.y[s0].get() + row0 * H, H);
   }
 
   void merge(int idx) {
@@ -540,17 +550,8 @@ class SftForwardTask : public Task {
     }
   }
 
-  LoraMoe& L;
-  LoraMoe::Scratch& sc;
   MoeInput in_;
-  LoraContext::State& st_;
-  const TokenGroups& g;
-  const int S, H, r;
-  const float s_;
-  int s0 = 0;
   bool quant = false;
-  Lm ag, bg, au, bu, ad, bd;
-  std::vector<Block> rows;
   std::vector<Runs> gu_runs, dn_runs;
 };
 
@@ -586,24 +587,15 @@ LoraContext LoraMoe::forward(const MoeInput& in, const LoraWeights& lora, bool t
 
 // ---- backward --------------------------------------------------------------------------
 
-class SftBackwardTask : public Task {
+class SftBackwardTask : public SftTask {
  public:
   enum Phase { kGather, kDBd, kBaseDh, kAct, kSliceGrads, kBaseDx, kLoraDx, kAGrads, kMerge, kPhases };
   static constexpr const char* kNames[kPhases] = {"sft_bw_gather", "sft_bw_dBd", "sft_bw_dh", "sft_bw_act", "sft_bw_grads",
                                                    "sft_bw_dx", "sft_bw_lora_dx", "sft_bw_dA", "sft_bw_merge"};
 
   SftBackwardTask(LoraMoe& l, LoraContext::State& st, const LoraWeights& w, const SftGrad& grad)
-      : L(l), sc(*l.scratch_), st_(st), g(st.g), gr(grad), S(l.pool_.subpools()), H(l.shape_.hidden),
-        r(l.options_.lora.rank), s_(l.options_.lora.scaling()), dh_runs(S), dx_runs(S) {
-    const auto sh = l.lora_shapes();
-    const LoraMatrix* in[6] = {&w.a_gate, &w.b_gate, &w.a_up, &w.b_up, &w.a_down, &w.b_down};
-    const LoraMatrix* gm[6] = {&grad.grads.a_gate, &grad.grads.b_gate, &grad.grads.a_up,
-                               &grad.grads.b_up,   &grad.grads.a_down, &grad.grads.b_down};
-    for (int k = 0; k < 6; ++k) {
-      wt[k] = resolve(*in[k], sh[k].first, sh[k].second);
-      gw[k] = resolve(*gm[k], sh[k].first, sh[k].second);
-    }
-    rows = blocks(g.count, kRowBlock);
+      : SftTask(l, st, w), gr(grad), dh_runs(S), dx_runs(S) {
+    resolve_all(grad.grads, gw);
     for (int i = 0; i < static_cast<int>(g.count.size()); ++i)
       for (int c = 0; c < H; c += kColChunk) hcols.push_back({i, c, std::min(H, c + kColChunk)});
     for (int s = 0; s < S; ++s) {
@@ -612,11 +604,6 @@ class SftBackwardTask : public Task {
         for (int c = 0; c < len(s); c += kColChunk) scols[s].push_back({i, c, std::min(len(s), c + kColChunk)});
     }
     quant = l.options_.backward_format != WeightFormat::bf16;
-    for (int s = 0; s < S; ++s)
-      if (len(s)) {
-        s0 = s;
-        break;
-      }
     allocate();
   }
   int phases() const override { return kPhases; }
@@ -661,11 +648,6 @@ class SftBackwardTask : public Task {
   }
 
  private:
-  enum { AG, BG, AU, BU, AD, BD };
-  int spread(int total, int s) const { return total / S + (s < total % S ? 1 : 0); }
-  int len(int s) const { return L.slices_[s + 1] - L.slices_[s]; }
-  int merge_blocks() const { return (H + kMergeCols - 1) / kMergeCols; }
-
   void allocate() {
     const size_t R = g.total_rows;
     const int n = static_cast<int>(g.active.size());
@@ -737,20 +719,8 @@ class SftBackwardTask : public Task {
   }
 
   void base_dh(int s, Runs::Item it) {
-    const int e = g.active[it.i], l = len(s);
-    const PackedWeight& w = L.shards_[s].down_t[e];
-    GemmArgs a;
-    if (quant)
-      a.qa = &sc.qbin[it.i];
-    else
-      a.a = sc.dog.get() + size_t(g.offset[it.i]) * H;
-    a.m = g.count[it.i];
-    a.lda = H;
-    a.c = sc.dh[s].get() + size_t(g.offset[it.i]) * l;
-    a.ldc = l;
-    a.panel_begin = it.begin;
-    a.panel_end = it.end;
-    L.kt_->of(w.format).pick(a.m).gemm(w, a);
+    base_gemm(L.shards_[s].down_t[g.active[it.i]], it, sc.dog.get(), quant ? &sc.qbin[it.i] : nullptr, H,
+              sc.dh[s].get(), len(s));
   }
 
   void act(int s, const Block& b) {
@@ -801,20 +771,8 @@ class SftBackwardTask : public Task {
   }
 
   void base_dx(int s, Runs::Item it) {
-    const int e = g.active[it.i], l = len(s);
-    const PackedWeight& w = L.shards_[s].gu_t[e];
-    GemmArgs a;
-    if (quant)
-      a.qa = &sc.qbmid[s][it.i];
-    else
-      a.a = sc.dgub[s].get() + size_t(g.offset[it.i]) * 2 * l;
-    a.m = g.count[it.i];
-    a.lda = 2 * l;
-    a.c = sc.y[s].get() + size_t(g.offset[it.i]) * H;
-    a.ldc = H;
-    a.panel_begin = it.begin;
-    a.panel_end = it.end;
-    L.kt_->of(w.format).pick(a.m).gemm(w, a);
+    base_gemm(L.shards_[s].gu_t[g.active[it.i]], it, sc.dgub[s].get(), quant ? &sc.qbmid[s][it.i] : nullptr, 2 * len(s),
+              sc.y[s].get(), H);
   }
 
   void lora_dx(const Block& b) {
@@ -870,17 +828,10 @@ class SftBackwardTask : public Task {
     }
   }
 
-  LoraMoe& L;
-  LoraMoe::Scratch& sc;
-  LoraContext::State& st_;
-  const TokenGroups& g;
   const SftGrad& gr;
-  const int S, H, r;
-  const float s_;
-  int s0 = 0;
   bool quant = false;
-  Lm wt[6], gw[6];
-  std::vector<Block> rows, hcols;
+  Lm gw[6];
+  std::vector<Block> hcols;
   std::vector<std::vector<Block>> scols;
   std::vector<Runs> dh_runs, dx_runs;
 };

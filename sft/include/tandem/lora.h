@@ -90,6 +90,7 @@ class LoraContext {
 
  private:
   friend class LoraMoe;
+  friend class SftTask;
   friend class SftForwardTask;
   friend class SftBackwardTask;
   struct State;
@@ -146,6 +147,7 @@ class LoraMoe {
     std::vector<PackedWeight> gu_t, down_t;     // backward: [H x 2 len], [len x H]
   };
   struct Scratch;
+  friend class SftTask;
   friend class SftForwardTask;
   friend class SftBackwardTask;
   void check_lora(const LoraWeights& w, const char* what, bool allow_null) const;
