@@ -27,6 +27,9 @@
 // The base products run in the engine's kernels (bf16 or integer dot products, fp32
 // accumulation); the rank-r products in fp32 (oneDNN sgemm, one thread per work item).
 //
+// A LoraMoe is driven by one thread at a time (its calls run on the pool and wait); layers
+// sharing a pool run their tasks in submission order.
+//
 // Not supported: dropout on the LoRA input (PEFT's lora_dropout must be 0), LoRA on
 // experts held on a GPU (hot experts), bias terms.
 #pragma once
