@@ -25,7 +25,6 @@ struct RawBuffer {
   }
 };
 
-int units_of(const PackOptions& f) { return f.format == WeightFormat::int4 ? std::max(kPanel, f.group) : kPanel; }
 
 }  // namespace
 
@@ -81,12 +80,8 @@ MoeLayer::MoeLayer(Pool& pool, MoeShape shape, PackOptions format, int layer_ind
                  "moe: int4 group ", format.group, " must divide hidden (", shape.hidden, ") and intermediate (",
                  shape.inter, ")");
   }
-  // Intermediate slices in whole units (a 64-row panel, or an int4 group if larger).
-  const int S = pool.subpools(), unit = units_of(format);
-  const int units = (shape.inter + unit - 1) / unit;
-  slices_.resize(S + 1);
-  for (int s = 0; s <= S; ++s) slices_[s] = std::min(shape.inter, static_cast<int>(static_cast<int64_t>(units) * s / S) * unit);
-  shards_.resize(S);
+  slices_ = intermediate_slices(shape.inter, pool.subpools(), format);
+  shards_.resize(pool.subpools());
   for (auto& sh : shards_) {
     sh.gate_up.resize(shape.experts);
     sh.down.resize(shape.experts);
@@ -111,6 +106,15 @@ void MoeLayer::exclude(const std::vector<int>& experts) {
                  " is outside [0, ", shape_.experts, ")");
     excluded_[e] = 1;
   }
+}
+
+std::vector<int> intermediate_slices(int inter, int subpools, const PackOptions& format) {
+  const int unit = format.format == WeightFormat::int4 ? std::max(kPanel, format.group) : kPanel;
+  const int units = (inter + unit - 1) / unit;
+  std::vector<int> slices(subpools + 1);
+  for (int s = 0; s <= subpools; ++s)
+    slices[s] = std::min(inter, static_cast<int>(static_cast<int64_t>(units) * s / subpools) * unit);
+  return slices;
 }
 
 void check_expert_source(const ExpertSource& src, const MoeShape& sh, int e) {

@@ -182,10 +182,6 @@ struct LoraMoe::Scratch {
   std::vector<Grow<bf16_t>> dgub;                 // per subpool [R x 2 len]
 };
 
-namespace {
-int units_of(const PackOptions& f) { return f.format == WeightFormat::int4 ? std::max(kPanel, f.group) : kPanel; }
-}  // namespace
-
 LoraMoe::LoraMoe(Pool& pool, MoeShape shape, SftOptions options, int layer_index)
     : pool_(pool), shape_(shape), options_(options), layer_(layer_index), kt_(&kernels()),
       scratch_(std::make_unique<Scratch>()) {
@@ -201,12 +197,8 @@ LoraMoe::LoraMoe(Pool& pool, MoeShape shape, SftOptions options, int layer_index
                  Errc::invalid_argument, "lora: int4 group ", options.format.group, " must divide hidden (", shape.hidden,
                  ") and intermediate (", shape.inter, ")");
   scratch_->id = next_layer_id.fetch_add(1);
-  const int S = pool.subpools(), unit = units_of(options.format);
-  const int units = (shape.inter + unit - 1) / unit;
-  slices_.resize(S + 1);
-  for (int s = 0; s <= S; ++s)
-    slices_[s] = std::min(shape.inter, static_cast<int>(static_cast<int64_t>(units) * s / S) * unit);
-  shards_.resize(S);
+  slices_ = intermediate_slices(shape.inter, pool.subpools(), options.format);
+  shards_.resize(pool.subpools());
   for (auto& sh : shards_)
     for (auto* v : {&sh.gate, &sh.up, &sh.down, &sh.gu_t, &sh.down_t}) v->resize(shape.experts);
 }

@@ -35,6 +35,10 @@ struct ExpertSource {
   WeightView gate, up, down;
 };
 
+// How a layer splits the intermediate dimension over `subpools` subpools: slice s is
+// [slices[s], slices[s + 1]), in whole units (a 64-row panel, or an int4 group if larger).
+std::vector<int> intermediate_slices(int inter, int subpools, const PackOptions& format);
+
 // Errors name the projection of expert `expert` whose shape is not the layer's.
 void check_expert_source(const ExpertSource& src, const MoeShape& shape, int expert);
 
