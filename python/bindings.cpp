@@ -277,17 +277,19 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("bytes", &LoraContext::bytes);
   py::class_<PyLoraLayer>(m, "LoraLayer", "LoRA on the routed experts of one MoE layer (tandem/lora.h).")
       .def(py::init([](std::shared_ptr<Pool> pool, int experts, int hidden, int inter, const std::string& format, int group,
-                       int rank, float alpha, bool rslora, const std::string& backward_format, int layer) {
+                       int rank, float alpha, bool rslora, const std::string& backward_format, int layer,
+                       bool zero_point) {
              SftOptions o;
              o.format.format = parse_format(format);
              o.format.group = group;
+             o.format.symmetric = !zero_point;
              o.backward_format = parse_format(backward_format);
              o.lora = {rank, alpha, rslora};
              auto l = std::make_unique<LoraMoe>(*pool, MoeShape{experts, hidden, inter}, o, layer);
              return PyLoraLayer{std::move(pool), std::move(l)};
            }), py::arg("pool"), py::arg("experts"), py::arg("hidden"), py::arg("inter"), py::arg("format") = "bf16",
            py::arg("group") = 128, py::arg("rank") = 8, py::arg("alpha") = 16.0f, py::arg("rslora") = false,
-           py::arg("backward_format") = "bf16", py::arg("layer") = 0)
+           py::arg("backward_format") = "bf16", py::arg("layer") = 0, py::arg("zero_point") = false)
       .def("load", [](PyLoraLayer& l, const std::vector<uintptr_t>& gate, const std::vector<uintptr_t>& up,
                       const std::vector<uintptr_t>& down, const std::string& dtype, const py::object& progress) {
              const MoeShape sh = l.layer->shape();
@@ -303,6 +305,22 @@ PYBIND11_MODULE(_C, m) {
                                    view(down[e], sh.hidden, sh.inter)};
              }, p);
            }, py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("dtype"), py::arg("progress") = py::none())
+      .def("load_checkpoint", [](PyLoraLayer& l, const Checkpoint& c, int layer,
+                                 const std::tuple<std::string, std::string, std::string>& n, const py::object& progress) {
+             ExpertNaming naming{std::get<0>(n), std::get<1>(n), std::get<2>(n)};
+             Progress p = py_progress(progress);
+             py::gil_scoped_release nogil;
+             l.layer->load(c, layer, naming, p);
+           }, py::arg("checkpoint"), py::arg("layer"), py::arg("naming"), py::arg("progress") = py::none(),
+           "Packs model layer `layer`'s experts from a checkpoint, read in place.")
+      .def("set_lora", [](PyLoraLayer& l, int rank, float alpha, bool rslora) { l.layer->set_lora({rank, alpha, rslora}); },
+           py::arg("rank"), py::arg("alpha"), py::arg("rslora") = false)
+      .def_property_readonly("layer_index", [](PyLoraLayer& l) { return l.layer->layer_index(); })
+      .def_property_readonly("rank", [](PyLoraLayer& l) { return l.layer->options().lora.rank; })
+      .def_property_readonly("experts", [](PyLoraLayer& l) { return l.layer->shape().experts; })
+      .def_property_readonly("hidden", [](PyLoraLayer& l) { return l.layer->shape().hidden; })
+      .def_property_readonly("inter", [](PyLoraLayer& l) { return l.layer->shape().inter; })
+      .def_property_readonly("threads", [](PyLoraLayer& l) { return l.layer->pool().total_threads(); })
       .def("prepare_backward", [](PyLoraLayer& l, const py::object& progress) {
              Progress p = py_progress(progress);
              py::gil_scoped_release nogil;

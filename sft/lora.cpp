@@ -148,6 +148,7 @@ struct LoraContext::State {
   TokenGroups g;
   int tokens = 0, top_k = 0;
   bool lora = false;
+  LoraConfig config;                  // rank and scaling the forward ran with
   std::unique_ptr<float[]> wrow;      // [R] routing weight of each grouped row
   std::unique_ptr<bf16_t[]> xg;       // [R x H] gathered input, as the products saw it
   std::unique_ptr<float[]> pgu;       // [R x 2r] x Ag^T | x Au^T
@@ -187,9 +188,7 @@ LoraMoe::LoraMoe(Pool& pool, MoeShape shape, SftOptions options, int layer_index
       scratch_(std::make_unique<Scratch>()) {
   TANDEM_CHECK(shape.experts >= 1 && shape.hidden >= 1 && shape.inter >= 1, Errc::invalid_argument, "lora: shape (experts ",
                shape.experts, ", hidden ", shape.hidden, ", intermediate ", shape.inter, ") must be positive");
-  TANDEM_CHECK(options.lora.rank >= 1, Errc::invalid_argument, "lora: rank ", options.lora.rank, " must be at least 1");
-  TANDEM_CHECK(std::isfinite(options.lora.alpha), Errc::invalid_argument, "lora: alpha ", options.lora.alpha,
-               " is not finite");
+  set_lora(options.lora);
   TANDEM_CHECK(options.backward_format != WeightFormat::int4, Errc::unsupported,
                "lora: backward_format int4 is not supported (use bf16, or int8 to halve the backward packs)");
   if (options.format.format == WeightFormat::int4)
@@ -291,6 +290,14 @@ std::array<std::vector<float>, 3> LoraMoe::dequantized(int e) const {
     for (int j = 0; j < H; ++j) std::copy_n(d.begin() + size_t(j) * (i1 - i0), i1 - i0, w[2].begin() + size_t(j) * I + i0);
   }
   return w;
+}
+
+void LoraMoe::set_lora(const LoraConfig& lora) {
+  TANDEM_CHECK(lora.rank >= 1, Errc::invalid_argument, "lora: layer ", layer_, ": rank ", lora.rank,
+               " must be at least 1");
+  TANDEM_CHECK(std::isfinite(lora.alpha), Errc::invalid_argument, "lora: layer ", layer_, ": alpha ", lora.alpha,
+               " is not finite");
+  options_.lora = lora;
 }
 
 std::array<std::pair<int, int>, 6> LoraMoe::lora_shapes() const {
@@ -559,6 +566,7 @@ LoraContext LoraMoe::forward(const MoeInput& in, const LoraWeights& lora, bool t
   st->tokens = in.tokens;
   st->top_k = in.top_k;
   st->lora = lora.a_gate.data != nullptr;
+  st->config = options_.lora;
   LoraContext ctx;
   if (in.tokens == 0) {
     if (train) ctx.s_ = std::move(st);
@@ -838,6 +846,10 @@ void LoraMoe::backward(LoraContext& ctx, const LoraWeights& lora, const SftGrad&
                ": the context comes from another layer's forward (layer ", st.layer_index, ")");
   TANDEM_CHECK((grad.d_out != nullptr) != (grad.d_out_bf16 != nullptr), Errc::invalid_argument, "lora: layer ", layer_,
                ": give exactly one dL/dout (fp32 d_out or bf16 d_out_bf16)");
+  TANDEM_CHECK(!st.lora || (st.config.rank == options_.lora.rank && st.config.scaling() == options_.lora.scaling()),
+               Errc::invalid_argument, "lora: layer ", layer_, ": the forward ran with rank ", st.config.rank,
+               " and scaling ", st.config.scaling(), ", the layer now has rank ", options_.lora.rank, " and scaling ",
+               options_.lora.scaling(), " (set_lora between a forward and its backward)");
   check_lora(lora, "backward weights", false);
   check_lora(grad.grads, "gradients", true);
   const bool has = lora.a_gate.data != nullptr;

@@ -13,6 +13,7 @@ so ``.to()``, ``state_dict()`` and ``Accelerator.prepare`` see only the rest of 
 from __future__ import annotations
 
 import os
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -79,8 +80,8 @@ def expert_shape(experts: nn.Module) -> tuple[int, int, int]:
     if isinstance(experts, TandemExperts):
         return experts.num_experts, experts.hidden_dim, experts.intermediate_dim
     if isinstance(experts, nn.ModuleList):
-        g, _, d = _v4_projections(experts[0])
-        return len(experts), g.weight.shape[1], g.weight.shape[0]
+        g = _unwrap_linear(_v4_modules(experts[0])[0])
+        return len(experts), g.in_features, g.out_features
     gu, dn = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if not isinstance(gu, torch.Tensor) or not isinstance(dn, torch.Tensor) or gu.dim() != 3:
         raise ValueError(f"{type(experts).__name__}: expected fused gate_up_proj [E, 2I, H] and down_proj [E, H, I] "
@@ -96,11 +97,26 @@ def expert_shape(experts: nn.Module) -> tuple[int, int, int]:
     return E, H, two_i // 2
 
 
-def _v4_projections(expert: nn.Module) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+def _v4_modules(expert: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module]:
+    """gate / up / down of a v4 per-expert MLP as they sit in the tree (nn.Linear or PEFT lora.Linear)."""
     for names in (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")):
         mods = [getattr(expert, n, None) for n in names]
-        if all(isinstance(m, nn.Linear) for m in mods):
+        if all(isinstance(_unwrap_linear(m), (nn.Linear, _FrozenLinear)) for m in mods):
             return mods[0], mods[1], mods[2]
+    raise ValueError(f"{type(expert).__name__}: a per-expert module needs gate_proj/up_proj/down_proj "
+                     "or w1/w3/w2 linear layers")
+
+
+def _unwrap_linear(m: nn.Module | None) -> nn.Module | None:
+    while m is not None and hasattr(m, "base_layer") and hasattr(m, "lora_A"):
+        m = m.base_layer
+    return m
+
+
+def _v4_projections(expert: nn.Module) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+    mods = tuple(_unwrap_linear(m) for m in _v4_modules(expert))
+    if all(isinstance(m, nn.Linear) for m in mods):
+        return mods[0], mods[1], mods[2]
     raise ValueError(f"{type(expert).__name__}: a per-expert module needs gate_proj/up_proj/down_proj "
                      "or w1/w3/w2 linear layers")
 
@@ -143,7 +159,7 @@ def make_engine(config: ConfigLike, shape: tuple[int, int, int], layers: list[in
     return _C.Engine(stream="host", **kw)
 
 
-def share_cpu_with_torch(engine: _C.Engine, device: torch.device) -> int:
+def share_cpu_with_torch(engine: _C.Engine | LoraEngine, device: torch.device) -> int:
     """Sets torch's intra-op threads for a model whose experts run on the CPU pool.
 
     On the host stream torch (attention, router) and the pool take turns on the same
@@ -154,13 +170,34 @@ def share_cpu_with_torch(engine: _C.Engine, device: torch.device) -> int:
     want = os.environ.get("TANDEM_TORCH_THREADS")
     if want:
         n = int(want)
-    elif engine.is_cuda or device.type != "cpu":
+    elif getattr(engine, "is_cuda", False) or device.type != "cpu":
         return torch.get_num_threads()
     else:
         n = max(1, (os.cpu_count() or 1) - engine.threads)
     if n != torch.get_num_threads():
         torch.set_num_threads(n)
     return n
+
+
+def _check_inputs(where: str, hidden: int, x: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor) -> int:
+    """Validates an experts call (hidden [T, H], top_k_index [T, K] int, top_k_weights [T, K] float); returns T."""
+    if x.dim() != 2 or x.shape[1] != hidden:
+        raise ValueError(f"{where}: hidden_states has shape {tuple(x.shape)}, expected [tokens, {hidden}]")
+    T = x.shape[0]
+    if top_k_index.dim() != 2 or top_k_index.shape[0] != T:
+        raise ValueError(f"{where}: top_k_index has shape {tuple(top_k_index.shape)}, expected [{T}, top_k]")
+    if tuple(top_k_weights.shape) != tuple(top_k_index.shape):
+        raise ValueError(f"{where}: top_k_weights has shape {tuple(top_k_weights.shape)}, "
+                         f"top_k_index {tuple(top_k_index.shape)}")
+    if top_k_index.dtype.is_floating_point or top_k_index.dtype == torch.bool:
+        raise ValueError(f"{where}: top_k_index must be an integer tensor, got {top_k_index.dtype}")
+    if not top_k_weights.dtype.is_floating_point:
+        raise ValueError(f"{where}: top_k_weights must be floating point, got {top_k_weights.dtype}")
+    for name, t in (("top_k_index", top_k_index), ("top_k_weights", top_k_weights)):
+        if t.device != x.device:
+            raise ValueError(f"{where}: {name} is on {t.device}, hidden_states on {x.device}")
+    return T
 
 
 class TandemExperts(nn.Module):
@@ -190,27 +227,14 @@ class TandemExperts(nn.Module):
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         where = f"tandem experts (model layer {self.layer})"
         x = hidden_states
-        if x.dim() != 2 or x.shape[1] != self.hidden_dim:
-            raise ValueError(f"{where}: hidden_states has shape {tuple(x.shape)}, expected [tokens, {self.hidden_dim}]")
-        T = x.shape[0]
-        if top_k_index.dim() != 2 or top_k_index.shape[0] != T:
-            raise ValueError(f"{where}: top_k_index has shape {tuple(top_k_index.shape)}, expected [{T}, top_k]")
-        if tuple(top_k_weights.shape) != tuple(top_k_index.shape):
-            raise ValueError(f"{where}: top_k_weights has shape {tuple(top_k_weights.shape)}, "
-                             f"top_k_index {tuple(top_k_index.shape)}")
-        if top_k_index.dtype.is_floating_point or top_k_index.dtype == torch.bool:
-            raise ValueError(f"{where}: top_k_index must be an integer tensor, got {top_k_index.dtype}")
-        if not top_k_weights.dtype.is_floating_point:
-            raise ValueError(f"{where}: top_k_weights must be floating point, got {top_k_weights.dtype}")
+        T = _check_inputs(where, self.hidden_dim, x, top_k_index, top_k_weights)
         if torch.is_grad_enabled() and (x.requires_grad or top_k_weights.requires_grad):
-            raise RuntimeError(f"{where}: gradients do not flow through tandem's experts yet; run inference under "
-                               "torch.no_grad() / torch.inference_mode() (model.generate does)")
+            raise RuntimeError(f"{where}: this model was offloaded for inference; for training offload it with "
+                               "train=True (tandem.offload(model, config, train=True), or apply PEFT first), or run "
+                               "inference under torch.no_grad() / torch.inference_mode() (model.generate does)")
         if T == 0:
             return torch.zeros_like(x)
         dev = x.device
-        for name, t in (("top_k_index", top_k_index), ("top_k_weights", top_k_weights)):
-            if t.device != dev:
-                raise ValueError(f"{where}: {name} is on {t.device}, hidden_states on {dev}")
         if self.engine.is_cuda:
             if dev.type != "cuda":
                 raise ValueError(f"{where}: the engine runs on {self.engine.stream} but hidden_states is on {dev}")
@@ -225,6 +249,83 @@ class TandemExperts(nn.Module):
         self.engine.forward(self.index, xin.data_ptr(), xin.dtype == torch.bfloat16, T, ids.data_ptr(), w.data_ptr(),
                             ids.shape[1], out.data_ptr(), synchronize=not self.engine.is_cuda)
         return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+class TandemLoraExperts(nn.Module):
+    """The training counterpart of ``TandemExperts``: one layer's routed experts held by a
+    ``_C.LoraLayer`` (frozen base in the CPU pools, LoRA on gate/up/down of every expert),
+    differentiable in the hidden states, the routing weights and the LoRA tensors.
+
+    forward(hidden, top_k_index, top_k_weights, lora=None): ``lora`` is a
+    ``tandem.lora.LoraTensors`` (PEFT's wrappers pass theirs; None runs the frozen base).
+    The module holds no parameters; for fused (v5) experts it answers ``gate_up_proj`` and
+    ``down_proj`` with storage-free placeholders of the right shape, dtype and device, so
+    that PEFT's ``target_parameters`` can wrap it after offloading."""
+
+    def __init__(self, lora_layer: _C.LoraLayer, layer: int, fused: bool, dtype: torch.dtype,
+                 device: torch.device):
+        super().__init__()
+        self.lora_layer = lora_layer
+        self.layer = layer
+        self.fused = fused
+        self.num_experts = lora_layer.experts
+        self.hidden_dim = lora_layer.hidden
+        self.intermediate_dim = lora_layer.inter
+        # One element that .to() moves and casts like the model: the placeholders' dtype/device.
+        self.register_buffer("tandem_probe", torch.zeros(1, dtype=dtype, device=device), persistent=False)
+
+    def _placeholders(self) -> dict[str, torch.Tensor]:
+        E, H, I = self.num_experts, self.hidden_dim, self.intermediate_dim
+        p = self._buffers["tandem_probe"]
+        return {"gate_up_proj": nn.Parameter(p.expand(E, 2 * I, H), requires_grad=False),
+                "down_proj": nn.Parameter(p.expand(E, H, I), requires_grad=False)}
+
+    def __getattr__(self, name: str):
+        if name in ("gate_up_proj", "down_proj") and self.__dict__.get("fused"):
+            return self._placeholders()[name]
+        return super().__getattr__(name)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        # Only direct calls see the placeholders (PEFT's target_parameters matching); a parent's
+        # parameters() / state_dict() / DDP / optimizers walk _parameters and never do.
+        yield from super().named_parameters(prefix, recurse, remove_duplicate)
+        if self.fused:
+            for n, p in self._placeholders().items():
+                yield (f"{prefix}.{n}" if prefix else n), p
+
+    def extra_repr(self) -> str:
+        return (f"layer={self.layer}, experts={self.num_experts}, hidden={self.hidden_dim}, "
+                f"intermediate={self.intermediate_dim}, train=True, cpu threads={self.lora_layer.threads}")
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                lora=None) -> torch.Tensor:
+        from .lora import run_experts
+
+        where = f"tandem experts (model layer {self.layer})"
+        T = _check_inputs(where, self.hidden_dim, hidden_states, top_k_index, top_k_weights)
+        if T == 0:
+            return hidden_states.new_zeros(hidden_states.shape)
+        return run_experts(self.lora_layer, hidden_states, top_k_index, top_k_weights, lora, where)
+
+
+class _FrozenLinear(nn.Module):
+    """Stands in for the nn.Linear inside a v4 per-expert PEFT lora.Linear once tandem holds its
+    weight: in/out features and a storage-free ``weight`` placeholder for PEFT's bookkeeping."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("tandem_probe", torch.zeros(1, dtype=linear.weight.dtype, device=linear.weight.device),
+                             persistent=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._buffers["tandem_probe"].expand(self.out_features, self.in_features)
+
+    bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("this expert's base weight lives in tandem; the expert runs as part of its MoE layer")
 
 
 def _layer_pointers(experts: nn.Module) -> tuple[list[int], list[int], list[int], str, list[torch.Tensor]]:
@@ -255,39 +356,161 @@ def _activation(model: nn.Module) -> str:
     return getattr(cfg, "hidden_act", "silu") if cfg is not None else "silu"
 
 
-def offload(model: nn.Module, config: ConfigLike = None, *, progress: bool = True) -> _C.Engine:
+def _hf_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside a PEFT model (or the model itself)."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) else model
+
+
+def _innermost(experts: nn.Module) -> tuple[nn.Module, nn.Module | None]:
+    """(the experts module under any PEFT ParamWrappers, the innermost wrapper or None)."""
+    from .lora import _is_param_wrapper
+
+    wrapper = None
+    while _is_param_wrapper(experts):
+        wrapper, experts = experts, experts.base_layer
+    return experts, wrapper
+
+
+def _has_v4_lora(experts: nn.Module) -> bool:
+    return isinstance(experts, nn.ModuleList) and any(hasattr(m, "lora_A") for m in _v4_modules(experts[0]))
+
+
+def offload(model: nn.Module, config: ConfigLike = None, *, train: bool | None = None,
+            progress: bool = True) -> _C.Engine | LoraEngine:
     """Moves the routed experts of a transformers MoE model into tandem, in place.
 
-    Each MoE layer's experts module is replaced by a ``TandemExperts`` (v5 fused experts,
-    or a v4 ModuleList of per-expert MLPs); the placement follows ``config`` (a YAML path,
-    a dict of the same keys, or None for the defaults). The experts' torch tensors are
-    released. Returns the engine (also ``model.tandem_engine``).
+    Each MoE layer's experts (v5 fused experts, or a v4 ModuleList of per-expert MLPs) now
+    run in tandem with the placement of ``config`` (a YAML path, a dict of the same keys,
+    or None for the defaults); their torch tensors are released.
+
+    train=False: the inference engine (``TandemExperts``: hot experts on the GPU, deferred
+    experts), no gradients. train=True: the LoRA fine-tuning path (``TandemLoraExperts``:
+    every routed expert on the CPU pools, differentiable in hidden states, routing weights
+    and LoRA tensors). The default (None) trains when ``model`` is a PEFT model or has
+    PEFT LoRA on its experts. PEFT may be applied before or after offloading (fused
+    experts); for v4 per-expert modules apply it before. Returns the engine or pool (also
+    ``tandem_engine`` on the transformers model).
     """
-    if getattr(model, "tandem_engine", None) is not None:
+    from .lora import _is_param_wrapper
+
+    hf = _hf_model(model)
+    if getattr(hf, "tandem_engine", None) is not None:
         raise ValueError("this model's experts are already offloaded to tandem")
-    blocks = find_moe_blocks(model)
-    shapes = {expert_shape(b.experts) for b in blocks}
+    blocks = find_moe_blocks(hf)
+    inner = [_innermost(b.experts) for b in blocks]
+    peft_experts = any(w is not None or _has_v4_lora(e) for e, w in inner)
+    if train is None:
+        train = peft_experts or hasattr(model, "peft_config")
+    elif not train and peft_experts:
+        raise ValueError("the experts carry PEFT LoRA adapters, which the inference engine cannot apply; "
+                         "offload with train=True (the default for PEFT models)")
+    shapes = {expert_shape(e) for e, _ in inner}
     if len(shapes) != 1:
         raise ValueError(f"MoE layers have different expert shapes {sorted(shapes)}; tandem needs one")
-    for b in blocks:
-        if isinstance(b.experts, nn.ModuleList):
+    shape = shapes.pop()
+    for (e, _), b in zip(inner, blocks):
+        if isinstance(e, nn.ModuleList):
             _check_v4_block(b.block)
-    act = _activation(model)
-    engine = make_engine(config, shapes.pop(), [b.layer for b in blocks], _model_device(model))
-    bar = _progress_bar(progress, engine.experts * len(blocks), "packing experts")
-    for i, b in enumerate(blocks):
-        gate, up, down, dtype, keep = _layer_pointers(b.experts)
-        base = i * engine.experts
-        engine.load_layer(i, gate, up, down, dtype, progress=(lambda d, t, base=base: bar(base + d)) if bar else None)
+    act = _activation(hf)
+    if act not in ("silu", "swish"):
+        raise ValueError(f"expert activation {act!r} is not supported (silu only)")
+    device = _model_device(hf)
+    if train:
+        engine = make_lora_layers(config, shape, [b.layer for b in blocks])
+        layers = engine.layers
+    else:
+        engine = make_engine(config, shape, [b.layer for b in blocks], device)
+    bar = _progress_bar(progress, shape[0] * len(blocks), "packing experts")
+    for i, (b, (experts, wrapper)) in enumerate(zip(blocks, inner)):
+        gate, up, down, dtype, keep = _layer_pointers(experts)
+        base = i * shape[0]
+        step = (lambda d, t, base=base: bar(base + d)) if bar else None
+        if not train:
+            engine.load_layer(i, gate, up, down, dtype, progress=step)
+            if isinstance(experts, nn.ModuleList):
+                _patch_v4_block(b.block, hf)
+            b.block.experts = TandemExperts(engine, i, b.layer, act)
+            continue
+        layers[i].load(gate, up, down, dtype, progress=step)
+        te = TandemLoraExperts(layers[i], b.layer, not isinstance(experts, nn.ModuleList), keep[0].dtype, device)
         del keep
-        if isinstance(b.experts, nn.ModuleList):
-            _patch_v4_block(b.block, model)
-        b.block.experts = TandemExperts(engine, i, b.layer, act)
+        if isinstance(experts, nn.ModuleList) and _has_v4_lora(experts):
+            _attach_v4_lora(b.block, hf, experts, te)
+        elif isinstance(experts, nn.ModuleList):
+            _patch_v4_block(b.block, hf)
+            b.block.experts = te
+        elif wrapper is not None:
+            wrapper.base_layer = te
+        else:
+            b.block.experts = te
+        if te.fused:
+            b.block.register_forward_pre_hook(_route_peft_wrappers)
     if bar:
         bar(None)
-    share_cpu_with_torch(engine, _model_device(model))
-    model.tandem_engine = engine
+    share_cpu_with_torch(engine, device)
+    hf.tandem_engine = engine
     return engine
+
+
+@dataclass
+class LoraEngine:
+    """The training side of a model: the CPU pool and one ``_C.LoraLayer`` per MoE layer."""
+    pool: _C.Pool
+    layers: list[_C.LoraLayer]
+    is_cuda = False
+
+    @property
+    def threads(self) -> int:
+        return self.pool.threads
+
+    def prepare_backward(self) -> None:
+        """Builds every layer's backward packs now (otherwise each layer's first backward does)."""
+        for layer in self.layers:
+            layer.prepare_backward()
+
+
+def make_lora_layers(config: ConfigLike, shape: tuple[int, int, int], layers: list[int]) -> LoraEngine:
+    """A pool from ``config``'s cpu section and one ``_C.LoraLayer`` per MoE layer on it, in
+    the config's weight format; rank / scaling follow the adapters at each call. Training
+    runs every routed expert on the CPU pools."""
+    import warnings
+
+    cfg = config_json(config)
+    gpu = cfg["gpu"]
+    if gpu["hot_experts"]["policy"] != "none" or gpu["deferred_experts"]:
+        warnings.warn("tandem training runs every routed expert on the CPU pools; the config's gpu.hot_experts and "
+                      "gpu.deferred_experts apply to inference only", stacklevel=3)
+    pool = _C.Pool(**_config_args(config))
+    cpu = cfg["cpu"]
+    E, H, I = shape
+    return LoraEngine(pool, [_C.LoraLayer(pool, E, H, I, format=cpu["format"], group=cpu["group_size"],
+                                          zero_point=cpu["zero_point"], layer=L) for L in layers])
+
+
+def _route_peft_wrappers(block: nn.Module, args) -> None:
+    """Forward pre-hook of a MoE block whose experts are tandem's: when PEFT has wrapped them
+    (ParamWrapper on gate_up_proj / down_proj, before or after offloading), the outermost
+    wrapper's forward becomes tandem's LoRA path instead of PEFT's weight parametrization
+    (which would materialize every expert's W + BA)."""
+    from .lora import _is_param_wrapper
+
+    ex = block.experts
+    if _is_param_wrapper(ex) and "forward" not in ex.__dict__:
+        te, _ = _innermost(ex)
+        if isinstance(te, TandemLoraExperts):
+            ex.forward = functools.partial(_peft_experts_forward, ex, te)
+
+
+def _peft_experts_forward(wrapper: nn.Module, te: "TandemLoraExperts", hidden_states: torch.Tensor,
+                          top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    from .lora import param_wrapper_lora
+
+    where = f"tandem experts (model layer {te.layer})"
+    if args or kwargs.get("adapter_names"):
+        raise ValueError(f"{where}: unexpected arguments to the experts (mixed-adapter batches are not supported)")
+    lora = param_wrapper_lora(wrapper, te.num_experts, te.hidden_dim, te.intermediate_dim, where)
+    return te(hidden_states, top_k_index, top_k_weights, lora=lora)
 
 
 def _progress_bar(enabled: bool, total: int, desc: str) -> Callable[[int | None], None] | None:
@@ -317,10 +540,10 @@ def _check_v4_block(block: nn.Module) -> None:
         raise ValueError(f"{type(block).__name__}: v4 blocks with shared experts are not supported, use transformers v5")
 
 
-def _patch_v4_block(block: nn.Module, model: nn.Module) -> None:
+def _patch_v4_block(block: nn.Module, model: nn.Module, run: Callable | None = None) -> None:
     """Gives a v4-style softmax-top-k MoE block (gate: nn.Linear, experts: ModuleList; Qwen3-MoE
     and Mixtral in transformers v4) a forward that routes like v4 and calls the experts
-    module with (hidden, top_k_index, top_k_weights), returning (out, router_logits)."""
+    module (or `run`) with (hidden, top_k_index, top_k_weights), returning (out, router_logits)."""
     cfg = getattr(model, "config", None)
     top_k = getattr(block, "top_k", None) or getattr(cfg, "num_experts_per_tok", None)
     if not top_k:
@@ -337,7 +560,37 @@ def _patch_v4_block(block: nn.Module, model: nn.Module) -> None:
         w, idx = torch.topk(probs, top_k, dim=-1)
         if norm:
             w = w / w.sum(dim=-1, keepdim=True)
-        out = block.experts(x, idx, w.to(x.dtype))
+        out = (run or block.experts)(x, idx, w.to(x.dtype))
         return out.view(b, s, h), logits
 
     block.forward = forward
+
+
+def _attach_v4_lora(block: nn.Module, model: nn.Module, experts: nn.ModuleList, te: TandemLoraExperts) -> None:
+    """A v4 block whose per-expert projections carry PEFT lora.Linear layers: the ModuleList
+    stays where PEFT put it (adapter names, save_pretrained, load_adapter unchanged), each
+    wrapped nn.Linear gives way to a storage-free stand-in, and the block runs its experts in
+    tandem with the per-expert adapters stacked per projection."""
+    from .lora import linear_lora
+
+    for ex in experts:  # projections PEFT left alone give up their weights too
+        for name, child in list(ex.named_children()):
+            if type(child) is nn.Linear:
+                setattr(ex, name, _FrozenLinear(child))
+    mods = [_v4_modules(ex) for ex in experts]
+    for triple in mods:
+        for m in triple:
+            holder = m
+            while hasattr(holder, "lora_A") and hasattr(holder.base_layer, "lora_A"):
+                holder = holder.base_layer
+            if hasattr(holder, "lora_A") and isinstance(holder.base_layer, nn.Linear):
+                holder.base_layer = _FrozenLinear(holder.base_layer)
+    where = f"tandem experts (model layer {te.layer})"
+    E, H, I = te.num_experts, te.hidden_dim, te.intermediate_dim
+    # not a submodule: the ModuleList keeps the tree PEFT knows
+    object.__setattr__(block, "tandem_experts", te)
+
+    def run(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return te(x, idx, w, lora=linear_lora(experts, mods, E, H, I, where))
+
+    _patch_v4_block(block, model, run)

@@ -122,6 +122,9 @@ class LoraMoe {
   // Builds the backward packs now (otherwise the first backward does).
   void prepare_backward(const Progress& progress = {});
   bool backward_ready() const { return backward_ready_; }
+  // Changes the adapters' rank and scaling (e.g. to the PEFT adapter in use). Nothing is
+  // repacked; contexts saved under the previous config are refused by backward().
+  void set_lora(const LoraConfig& lora);
 
   // out (+)= the layer with LoRA. With train = true, returns the context for backward;
   // otherwise an empty one (no state kept). `lora` with every data pointer null runs the
