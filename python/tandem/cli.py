@@ -1,6 +1,8 @@
 """The `tandem` command line.
 
     tandem run [--model DIR --config FILE]  generate with a model (default: the built-in demo)
+    tandem train [--model DIR --data FILE --config FILE]
+                                             LoRA fine-tuning (default: the demo model on the bundled dataset)
     tandem doctor [--config FILE] [--json]   what tandem can use here; validate a config
     tandem trace-merge TANDEM.json TORCH.json -o OUT.json
                                              put tandem's spans on a torch.profiler timeline
@@ -37,6 +39,12 @@ def _run(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _train(args: argparse.Namespace) -> int:
+    from tandem.train import train
+
+    return train(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -47,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="load a model through tandem and generate (default: the built-in demo model)")
     add_arguments(r)
     r.set_defaults(func=_run)
+    from tandem.train import add_arguments as add_train_arguments
+
+    t = sub.add_parser("train", help="LoRA fine-tuning through tandem (default: the demo model on a bundled dataset)")
+    add_train_arguments(t)
+    t.set_defaults(func=_train)
     d = sub.add_parser("doctor", help="report ISA features, NUMA nodes, memory, GPUs; validate a config")
     d.add_argument("--config", help="placement YAML file to validate against this machine")
     d.add_argument("--json", action="store_true", help="machine-readable output")

@@ -92,14 +92,17 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor, is_param: bool
 
 def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None, *,
                device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-               progress: bool = True) -> nn.Module:
+               train: bool = False, progress: bool = True) -> nn.Module:
     """A transformers causal LM from checkpoint directory `path`, its routed experts in tandem.
 
     config: placement (YAML path, dict, or None for defaults); its model.path is used when
     `path` is None. device: where the non-expert weights go (default: the config's GPU when
     torch sees one, else the CPU). dtype: of the non-expert weights (default: the
-    checkpoint's config dtype). The model is returned in eval mode, with
-    ``model.tandem_engine`` holding the engine.
+    checkpoint's config dtype). train: load the experts for LoRA fine-tuning
+    (``TandemLoraExperts`` on the CPU pools; apply PEFT to the returned model, e.g.
+    ``target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]``) instead of
+    the inference engine. The model is returned in eval mode, with ``model.tandem_engine``
+    holding the engine (a ``LoraEngine`` when training).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -131,16 +134,24 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
     layers = [b.layer for b in blocks]
 
     # Routed experts: the C++ loader, straight from the mapped files.
-    engine = make_engine(config, (E, H, I), layers, device)
     naming = _C.expert_naming(ckpt, layers[0])
-    from .engine import _progress_bar
+    from .engine import TandemLoraExperts, _progress_bar, _route_peft_wrappers, make_lora_layers
 
     bar = _progress_bar(progress, E * len(layers), "loading experts")
-    engine.load_checkpoint(ckpt, naming, progress=(lambda d, t: bar(d)) if bar else None)
+    if train:
+        engine = make_lora_layers(config, (E, H, I), layers)
+        for i, (b, layer) in enumerate(zip(blocks, engine.layers)):
+            layer.load_checkpoint(ckpt, b.layer, naming,
+                                  progress=(lambda d, t, base=i * E: bar(base + d)) if bar else None)
+            b.block.experts = TandemLoraExperts(layer, b.layer, True, dtype, device)
+            b.block.register_forward_pre_hook(_route_peft_wrappers)
+    else:
+        engine = make_engine(config, (E, H, I), layers, device)
+        engine.load_checkpoint(ckpt, naming, progress=(lambda d, t: bar(d)) if bar else None)
+        for i, b in enumerate(blocks):
+            b.block.experts = TandemExperts(engine, i, b.layer, hf_config.hidden_act)
     if bar:
         bar(None)
-    for i, b in enumerate(blocks):
-        b.block.experts = TandemExperts(engine, i, b.layer, hf_config.hidden_act)
     expert_keys = {_C.expert_key(p, L, e) for L in layers for e in range(E) for p in naming}
     expert_keys |= {k + "_scale_inv" for k in expert_keys}
 
