@@ -206,7 +206,7 @@ def plot_loss(losses: list[float], out: Path, title: str) -> None:
     steps = range(1, len(losses) + 1)
     ax.plot(steps, losses, lw=0.8, alpha=0.4, label="loss")
     w = max(1, len(losses) // 20)
-    if len(losses) >= w:
+    if w > 1:
         smooth = [sum(losses[max(0, i - w + 1): i + 1]) / len(losses[max(0, i - w + 1): i + 1]) for i in range(len(losses))]
         ax.plot(steps, smooth, lw=2, label=f"mean of {w}")
     ax.set_xlabel("step")

@@ -1,0 +1,134 @@
+"""`tandem train`: the demo job end to end (progress, decreasing loss, adapter, plot),
+resume, and the adapter it writes in stock PEFT.
+
+The demo model is built into a per-module cache (TANDEM_CACHE). Runs are short (tens of
+steps, batch 4 x 32 tokens) so the module takes well under a minute on 2 cores.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tandem import cli, demo
+from tandem.train import PackedDataset, read_texts
+
+SHORT = ["--batch", "4", "--seq", "32", "--no-progress", "--warmup", "5"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tandem-cache")
+    old = os.environ.get("TANDEM_CACHE")
+    os.environ["TANDEM_CACHE"] = str(d)
+    demo.ensure_demo_model(progress=False)
+    yield d
+    if old is None:
+        del os.environ["TANDEM_CACHE"]
+    else:
+        os.environ["TANDEM_CACHE"] = old
+
+
+def losses(out) -> list[float]:
+    rows = (out / "loss.csv").read_text().splitlines()
+    assert rows[0] == "step,loss"
+    return [float(r.split(",")[1]) for r in rows[1:]]
+
+
+@pytest.fixture(scope="module")
+def run60(cache, tmp_path_factory):
+    out = tmp_path_factory.mktemp("train60")
+    assert cli.main(["train", "--steps", "60", "--save-every", "30", "--out", str(out), *SHORT]) == 0
+    return out
+
+
+def test_demo_job_learns_and_writes_adapter_checkpoint_and_plot(run60):
+    ls = losses(run60)
+    assert len(ls) == 60 and all(map(lambda v: v == v and v > 0, ls))
+    first, last = sum(ls[:10]) / 10, sum(ls[-10:]) / 10
+    # Random model on byte-level text: starts near ln(259) = 5.56; measured mean of the first 10
+    # steps 5.16 -> last 10 steps 2.86
+    # (60 steps). Require a clear drop (>= 1 nat), not a particular value.
+    print(f"loss {first:.3f} -> {last:.3f}")
+    assert ls[0] > 5.0 and last < first - 1.0, (first, last)
+    png = (run60 / "loss.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    for f in ("adapter/adapter_model.safetensors", "adapter/adapter_config.json",
+              "checkpoint/adapter_model.safetensors", "checkpoint/training_state.pt"):
+        assert (run60 / f).is_file(), f
+    cfg = json.loads((run60 / "adapter" / "adapter_config.json").read_text())
+    assert sorted(cfg["target_parameters"]) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+    assert not [p for p in run60.parent.glob(".*tmp*")], "no temporary directories left behind"
+
+
+def test_resume_continues_with_the_same_next_step_loss(run60, tmp_path):
+    # 30 steps, then --resume to 60: every step after the resume equals the uninterrupted run
+    # (same batches, adapter, Adam moments, scheduler and RNG).
+    assert cli.main(["train", "--steps", "30", "--out", str(tmp_path), *SHORT]) == 0
+    assert cli.main(["train", "--steps", "60", "--resume", "--out", str(tmp_path), *SHORT]) == 0
+    a, b = losses(run60), losses(tmp_path)
+    assert len(b) == 60
+    assert b[:30] == pytest.approx(a[:30], rel=0, abs=0)
+    # The pool's reductions run in a fixed order, so a resumed step is bitwise the same.
+    assert b[30] == a[30], (b[30], a[30])
+    assert b[30:] == pytest.approx(a[30:], rel=1e-5)
+
+
+def test_adapter_loads_in_stock_peft_with_the_same_logits(run60, cache):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    import tandem
+
+    path = demo.ensure_demo_model(progress=False)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
+    stock = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                                      run60 / "adapter").eval()
+    base = tandem.load_model(path, demo.demo_config_path(), dtype=torch.float32, train=True, progress=False)
+    ours = PeftModel.from_pretrained(base, run60 / "adapter").eval()
+    with torch.no_grad():
+        ref, got = stock(input_ids=ids).logits, ours(input_ids=ids).logits
+    # The checkpoint's experts are bf16, so both sides have the same weights; tandem rounds
+    # the experts' inputs and h to bf16 (u = 2^-9) over 4 layers: bound 1.5e-2 of max|logit|
+    # (the inference tests' fp32 bound), measured 8.2e-4.
+    err = (got - ref).abs().max() / ref.abs().max()
+    print(f"logits error {float(err):.2e}")
+    assert err < 1.5e-2, float(err)
+    # and the adapter matters: without it the logits differ by far more than the bound
+    with torch.no_grad(), stock.disable_adapter():
+        base_logits = stock(input_ids=ids).logits
+    assert (base_logits - ref).abs().max() / ref.abs().max() > 0.1
+
+
+def test_bad_data_is_a_clear_error(cache, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"txt": "typo"}\n')
+    assert cli.main(["train", "--steps", "1", "--data", str(bad), "--out", str(tmp_path / "o"), *SHORT]) == 2
+    err = capsys.readouterr().err
+    assert "bad.jsonl:2" in err and '"text"' in err
+    assert cli.main(["train", "--steps", "1", "--data", str(tmp_path / "none.jsonl"), *SHORT]) == 2
+    assert "no such data file" in capsys.readouterr().err
+    assert cli.main(["train", "--steps", "0", *SHORT]) == 2
+    assert "--steps must be at least 1" in capsys.readouterr().err
+    assert cli.main(["train", "--resume", "--steps", "2", "--out", str(tmp_path / "fresh"), *SHORT]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_packed_dataset_batches_are_a_function_of_the_step():
+    tok = demo.build_tokenizer()
+    ds = PackedDataset(read_texts(demo_data()), tok, 32, seed=7)
+    again = PackedDataset(read_texts(demo_data()), tok, 32, seed=7)
+    for step in (0, 5, 1000):
+        assert torch.equal(ds.batch(step, 4), again.batch(step, 4))
+    assert not torch.equal(ds.batch(0, 4), ds.batch(1, 4))
+    # one epoch visits every block once
+    seen = sorted(tuple(ds.batch(s, 1)[0].tolist()) for s in range(len(ds)))
+    assert seen == sorted(tuple(r.tolist()) for r in ds.blocks)
+
+
+def demo_data():
+    from tandem.train import DEMO_DATA
+
+    return DEMO_DATA
