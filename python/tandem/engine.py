@@ -377,7 +377,7 @@ def _has_v4_lora(experts: nn.Module) -> bool:
 
 
 def offload(model: nn.Module, config: ConfigLike = None, *, train: bool | None = None,
-            progress: bool = True) -> _C.Engine | LoraEngine:
+            backward_format: str = "bf16", progress: bool = True) -> _C.Engine | LoraEngine:
     """Moves the routed experts of a transformers MoE model into tandem, in place.
 
     Each MoE layer's experts (v5 fused experts, or a v4 ModuleList of per-expert MLPs) now
@@ -389,7 +389,8 @@ def offload(model: nn.Module, config: ConfigLike = None, *, train: bool | None =
     every routed expert on the CPU pools, differentiable in hidden states, routing weights
     and LoRA tensors). The default (None) trains when ``model`` is a PEFT model or has
     PEFT LoRA on its experts. PEFT may be applied before or after offloading (fused
-    experts); for v4 per-expert modules apply it before. Returns the engine or pool (also
+    experts); for v4 per-expert modules apply it before. backward_format: the training
+    path's transposed packs, "bf16" or "int8" (half the memory). Returns the engine (also
     ``tandem_engine`` on the transformers model).
     """
     from .lora import _is_param_wrapper
@@ -417,7 +418,7 @@ def offload(model: nn.Module, config: ConfigLike = None, *, train: bool | None =
         raise ValueError(f"expert activation {act!r} is not supported (silu only)")
     device = _model_device(hf)
     if train:
-        engine = make_lora_layers(config, shape, [b.layer for b in blocks])
+        engine = make_lora_layers(config, shape, [b.layer for b in blocks], backward_format)
         layers = engine.layers
     else:
         engine = make_engine(config, shape, [b.layer for b in blocks], device)
@@ -470,7 +471,8 @@ class LoraEngine:
             layer.prepare_backward()
 
 
-def make_lora_layers(config: ConfigLike, shape: tuple[int, int, int], layers: list[int]) -> LoraEngine:
+def make_lora_layers(config: ConfigLike, shape: tuple[int, int, int], layers: list[int],
+                     backward_format: str = "bf16") -> LoraEngine:
     """A pool from ``config``'s cpu section and one ``_C.LoraLayer`` per MoE layer on it, in
     the config's weight format; rank / scaling follow the adapters at each call. Training
     runs every routed expert on the CPU pools."""
@@ -485,7 +487,8 @@ def make_lora_layers(config: ConfigLike, shape: tuple[int, int, int], layers: li
     cpu = cfg["cpu"]
     E, H, I = shape
     return LoraEngine(pool, [_C.LoraLayer(pool, E, H, I, format=cpu["format"], group=cpu["group_size"],
-                                          zero_point=cpu["zero_point"], layer=L) for L in layers])
+                                          zero_point=cpu["zero_point"], backward_format=backward_format, layer=L)
+                             for L in layers])
 
 
 def _route_peft_wrappers(block: nn.Module, args) -> None:

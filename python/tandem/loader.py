@@ -92,7 +92,7 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor, is_param: bool
 
 def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None, *,
                device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-               train: bool = False, progress: bool = True) -> nn.Module:
+               train: bool = False, backward_format: str = "bf16", progress: bool = True) -> nn.Module:
     """A transformers causal LM from checkpoint directory `path`, its routed experts in tandem.
 
     config: placement (YAML path, dict, or None for defaults); its model.path is used when
@@ -101,7 +101,8 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
     checkpoint's config dtype). train: load the experts for LoRA fine-tuning
     (``TandemLoraExperts`` on the CPU pools; apply PEFT to the returned model, e.g.
     ``target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]``) instead of
-    the inference engine. The model is returned in eval mode, with ``model.tandem_engine``
+    the inference engine; backward_format "int8" halves the training path's transposed
+    packs). The model is returned in eval mode, with ``model.tandem_engine``
     holding the engine (a ``LoraEngine`` when training).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -139,7 +140,7 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
 
     bar = _progress_bar(progress, E * len(layers), "loading experts")
     if train:
-        engine = make_lora_layers(config, (E, H, I), layers)
+        engine = make_lora_layers(config, (E, H, I), layers, backward_format)
         for i, (b, layer) in enumerate(zip(blocks, engine.layers)):
             layer.load_checkpoint(ckpt, b.layer, naming,
                                   progress=(lambda d, t, base=i * E: bar(base + d)) if bar else None)

@@ -1,26 +1,75 @@
-"""LoRA fine-tuning through tandem inside transformers + PEFT: gradients, adapters, errors.
+"""LoRA fine-tuning with tandem inside transformers + PEFT: gradients, adapters, errors.
 
-DRAFT (measurement run).
+Reference: the stock PEFT model (same LoraConfig, same LoRA values) on the unmodified
+transformers model. lora_B is randomized on both sides (PEFT's zero init would leave
+lora_A without gradient), and the router weights (mlp.gate.weight) are made trainable so
+the gradient through the routing weights is checked too.
+
+What differs, and the bounds that follow. tandem keeps the frozen expert base in BF16 and
+rounds the experts' input x and intermediate h (and, in backward, dOut before dOut Wd) to
+bf16 (unit roundoff u = 2^-9 = 1.95e-3); its sums run in fp32 and the LoRA math in fp32.
+For fp32 models the reference's expert weights are rounded to bf16 values before either
+side is made, so both hold the same weights and only tandem's activation rounding
+differs: a few independent roundings of relative size <= u, with random signs, carried
+through 2-3 MoE layers and back. Every gradient tensor is compared by relative L2 error
+||g - g_ref|| / ||g_ref|| and by max |g - g_ref| / max |g_ref|:
+
+* fp32 gradients: measured <= 4.4e-3 (L2) and <= 5.2e-3 (max) over qwen3_moe and
+  deepseek_v3; bounds 1e-2 (about 5u) and 1.2e-2. A 1% change of one LoRA tensor on one
+  side (lora_B of one layer scaled by 1.01) moves its partner's gradient by 1e-2, on top
+  of the rounding, and fails the L2 bound (checked by hand when these were set).
+* bf16 models: the reference is itself bf16 (stock PEFT on the bf16 model), rounding every
+  expert product and sum to bf16, where tandem sums in fp32: measured <= 2.1e-2 (L2) and
+  <= 3.0e-2 (max); bounds 5e-2 and 6e-2.
+* logits of a forward (adapter round trips, disabled adapter; fp32 model): measured
+  <= 1.3e-3 (L2) and <= 2.1e-3 (max, relative to max |logit|); bounds 5e-3 both.
+* bf16 autocast on an fp32 model (attention, routers and LoRA matmuls in bf16) against the
+  same model without autocast: measured 2.6e-2 (L2) and 3.0e-2 (max); bounds 8e-2 and
+  1e-1. Against stock PEFT under the same autocast: measured 1.8e-2 / 2.2e-2; bounds
+  5e-2 / 6e-2 (as for bf16 models).
+* exact: gradient checkpointing (reentrant or not) recomputes bit-identical contexts, so
+  its gradients equal the plain run's bit for bit; PEFT applied after offloading (or a
+  model built by tandem.load_model) equals PEFT applied before, bit for bit (same packs,
+  same adapter values), with one or two virtual subpools.
+
+Routing: a near-tie in a router can pick a different expert under any rounding
+difference, and a token routed differently has an O(1) different gradient. Gradient
+tests use fixed token seeds whose routing matches on both sides, and assert that first
+(so a change in the models shows as that assertion, not as a gradient error). Logit
+comparisons skip tokens whose causal past was routed differently (hf_models.clean_tokens).
 """
 from __future__ import annotations
 
 import copy
+import gc
 import weakref
 
 import pytest
 import torch
-from hf_models import VOCAB, build
+from hf_models import VOCAB, build, clean_tokens
 from torch import nn
 
 import tandem
+from tandem.engine import TandemLoraExperts
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CFG = {"version": 1, "cpu": {"threads": 2}, "gpu": {"device": "none"}}
 CFG_SPLIT = {"version": 1, "cpu": {"threads": 2, "virtual_subpools": 2}, "gpu": {"device": "none"}}
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-ATTENTION = {"qwen3_moe": ["q_proj", "v_proj"], "deepseek_v3": ["q_b_proj", "kv_b_proj"]}
+ATTENTION = {"qwen3_moe": ["q_proj", "v_proj"], "deepseek_v3": ["q_b_proj", "kv_b_proj"]}  # DeepSeek: MLA
 CHECKPOINTING = ["none", "reentrant", "non_reentrant"]
 BATCH, SEQ = 2, 16
+
+GRAD_BOUND = {"fp32": (1e-2, 1.2e-2), "bf16": (5e-2, 6e-2)}   # (relative L2, max relative)
+LOGIT_BOUND = (5e-3, 5e-3)
+AUTOCAST_VS_PLAIN = (8e-2, 1e-1)
+AUTOCAST_VS_STOCK = (5e-2, 6e-2)
+GRAD_SEED = 5      # token seed whose routing matches tandem's for the v5 gradient tests
+V4_GRAD_SEED = 6   # same for the v4 model
+
+
+def tokens(seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
 def lora_config(kind: str):
@@ -29,13 +78,9 @@ def lora_config(kind: str):
     return LoraConfig(r=4, lora_alpha=8, target_modules=ATTENTION[kind], target_parameters=EXPERT_PARAMS)
 
 
-def tokens(seed: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """(kind, dtype) -> checkpoint dir, built once per module."""
+    """(kind, dtype) -> checkpoint directory, built once per module."""
     cache = {}
 
     def get(kind: str, dtype: str):
@@ -48,9 +93,9 @@ def checkpoint(tmp_path_factory):
     return get
 
 
-def stock_model(path, dtype: str) -> nn.Module:
+def stock_model(path, dtype: str = "fp32") -> nn.Module:
     """The transformers model of `path` with its expert weights rounded to bf16 values (what
-    tandem's BF16 packs hold), so that both sides compute with the same weights."""
+    tandem's BF16 packs hold), so both sides compute with the same weights."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
@@ -61,94 +106,137 @@ def stock_model(path, dtype: str) -> nn.Module:
     return model
 
 
-def random_lora(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
-    """Every LoRA tensor of `model` set to N(0, 0.05^2) (lora_B too: PEFT's zero init would leave
-    lora_A without gradient); returns the state dict so another model can load the same."""
-    g = torch.Generator().manual_seed(seed)
-    sd = {k: (torch.randn(v.shape, generator=g) * 0.05).to(v.dtype)
-          for k, v in sorted(model.state_dict().items()) if "lora_" in k}
-    assert sd
-    load_lora(model, sd)
-    return sd
+def lora_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items() if "lora_" in k}
 
 
 def load_lora(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
-    missing = set(sd) - set(model.state_dict())
-    assert not missing, sorted(missing)[:4]
+    assert sd and set(sd) <= set(model.state_dict()), sorted(set(sd) - set(model.state_dict()))[:4]
     model.load_state_dict(sd, strict=False)
 
 
+def random_lora(model: nn.Module, seed: int) -> None:
+    """Every LoRA tensor of `model` (lora_A and lora_B) drawn from N(0, 0.05^2)."""
+    g = torch.Generator().manual_seed(seed)
+    load_lora(model, {k: (torch.randn(v.shape, generator=g) * 0.05).to(v.dtype)
+                      for k, v in sorted(lora_state(model).items())})
+
+
 def train_routers(model: nn.Module) -> None:
-    n = 0
-    for name, p in model.named_parameters():
-        if name.endswith("mlp.gate.weight"):
-            p.requires_grad_(True)
-            n += 1
-    assert n > 0
+    routers = [p for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")]
+    assert routers
+    for p in routers:
+        p.requires_grad_(True)
 
 
 def hf_of(model: nn.Module) -> nn.Module:
+    """The transformers model inside a PEFT model."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def tandem_experts(model: nn.Module) -> list[TandemLoraExperts]:
+    out = []
+    for layer in hf_of(model).model.layers:
+        block = layer.mlp
+        te = getattr(block, "tandem_experts", None) or getattr(block, "experts", None)
+        while te is not None and not isinstance(te, TandemLoraExperts):
+            te = getattr(te, "base_layer", None)
+        if te is not None:
+            out.append(te)
+    return out
+
+
 def record_routing(model: nn.Module, top_k: int | None = None) -> list[torch.Tensor]:
-    """Each router call's sorted expert ids (v5 routers return them; v4 gate Linears give logits)."""
-    rec = []
+    """A list that fills with every router call's sorted expert ids (v5 routers return them;
+    a v4 gate Linear returns logits, of which the top_k are taken)."""
+    rec: list[torch.Tensor] = []
 
     def hook(mod, args, out):
         idx = out[2] if isinstance(out, tuple) else out.topk(top_k, -1).indices
         rec.append(idx.detach().sort(-1).values.clone())
 
     for layer in hf_of(model).model.layers:
-        gate = getattr(layer.mlp, "gate", None)
-        if gate is not None and not hasattr(layer.mlp, "gate_proj"):
-            gate.register_forward_hook(hook)
+        if hasattr(layer.mlp, "gate") and not hasattr(layer.mlp, "gate_proj"):  # not a dense MLP
+            layer.mlp.gate.register_forward_hook(hook)
     return rec
+
+
+def assert_same_routing(ra: list[torch.Tensor], rb: list[torch.Tensor]) -> None:
+    assert len(ra) == len(rb) > 0
+    differ = sum((a != b).any(-1).sum().item() for a, b in zip(ra, rb))
+    assert differ == 0, f"{differ} router decisions differ (a near-tie): pick another token seed"
 
 
 def set_checkpointing(model: nn.Module, mode: str) -> None:
     hf = hf_of(model)
     if mode == "none":
-        hf.gradient_checkpointing_disable() if hasattr(hf, "gradient_checkpointing_disable") else None
-        return
-    hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": mode == "reentrant"})
-    hf.config.use_cache = False
+        if hf.is_gradient_checkpointing:
+            hf.activation_checkpointing_disable()
+    else:
+        hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": mode == "reentrant"})
 
 
 def gradients(model: nn.Module, ids: torch.Tensor, checkpointing: str = "none") -> tuple[dict, torch.Tensor]:
-    """Runs forward + backward (cross entropy on ids) from inputs_embeds that require grad; returns
-    {name: grad} of every trainable parameter and of the input embeddings, and the logits."""
+    """Forward + backward of the cross entropy on `ids`, from input embeddings that require
+    grad; returns ({name: grad} of every trainable parameter and "inputs_embeds", logits)."""
     set_checkpointing(model, checkpointing)
     model.train()
     model.zero_grad(set_to_none=True)
     emb = hf_of(model).get_input_embeddings()(ids).detach().requires_grad_(True)
     out = model(inputs_embeds=emb, labels=ids, use_cache=False)
     out.loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-    missing = [n for n, g in grads.items() if g is None]
-    assert not missing, missing
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert not [n for n, g in grads.items() if g is None]
+    grads = {n: g.clone() for n, g in grads.items()}
     grads["inputs_embeds"] = emb.grad.clone()
     return grads, out.logits.detach()
 
 
-def errors(got: dict, want: dict) -> dict[str, tuple[float, float]]:
-    """name -> (relative L2 error, max abs error / max |want|)."""
+def rel_errors(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    """(||got - want|| / ||want||, max |got - want| / max |want|)."""
+    g, w = got.double(), want.double()
+    assert w.abs().max() > 0
+    return ((g - w).norm() / w.norm()).item(), ((g - w).abs().max() / w.abs().max()).item()
+
+
+def grad_errors(got: dict, want: dict) -> dict[str, tuple[float, float]]:
     assert got.keys() == want.keys(), sorted(set(got) ^ set(want))[:6]
-    out = {}
     for n in want:
         assert got[n].dtype == want[n].dtype and got[n].shape == want[n].shape, n
-        g, w = got[n].double(), want[n].double()
-        assert w.norm() > 0, f"{n}: zero reference gradient"
-        out[n] = (((g - w).norm() / w.norm()).item(), ((g - w).abs().max() / w.abs().max()).item())
-    return out
+    return {n: rel_errors(got[n], want[n]) for n in want}
 
 
-def worst(errs: dict[str, tuple[float, float]]) -> tuple[float, float]:
-    return max(e[0] for e in errs.values()), max(e[1] for e in errs.values())
+def check(errs: dict[str, tuple[float, float]], bound: tuple[float, float], what: str) -> None:
+    l2 = max(errs.items(), key=lambda kv: kv[1][0])
+    mx = max(errs.items(), key=lambda kv: kv[1][1])
+    print(f"{what}: {len(errs)} tensors, worst rel L2 {l2[1][0]:.2e} ({l2[0]}), worst max {mx[1][1]:.2e} ({mx[0]})")
+    assert l2[1][0] <= bound[0], f"{what}: {l2[0]} relative L2 error {l2[1][0]:.2e} > {bound[0]:.1e}"
+    assert mx[1][1] <= bound[1], f"{what}: {mx[0]} max relative error {mx[1][1]:.2e} > {bound[1]:.1e}"
 
 
-def peft_pair(checkpoint, kind: str, dtype: str, config=CFG, routers=True):
-    """(stock PEFT model, its deepcopy with the experts offloaded to tandem), same random LoRA."""
+def assert_bitwise(got: dict, want: dict, what: str) -> None:
+    assert got.keys() == want.keys()
+    differ = [n for n in want if not torch.equal(got[n], want[n])]
+    assert not differ, f"{what}: {len(differ)} gradients differ, e.g. {differ[0]}: {rel_errors(got[differ[0]], want[differ[0]])}"
+
+
+def logits_of(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+def check_logits(got, want, ra, rb, bound=LOGIT_BOUND, what="logits") -> tuple[float, float]:
+    clean = clean_tokens(ra, rb, BATCH, SEQ)
+    assert clean.float().mean() >= 0.75, f"routing differs for {(~clean).sum().item()} of {clean.numel()} tokens"
+    errs = rel_errors(got[clean], want[clean])
+    print(f"{what}: clean tokens {clean.sum().item()}/{clean.numel()}, rel L2 {errs[0]:.2e}, max {errs[1]:.2e}")
+    assert errs[0] <= bound[0] and errs[1] <= bound[1], f"{what}: {errs} > {bound}"
+    return errs
+
+
+def peft_pair(checkpoint, kind: str, dtype: str = "fp32", config=CFG, routers: bool = True):
+    """(stock PEFT model, a deepcopy of it with the experts offloaded to tandem), random LoRA."""
     from peft import get_peft_model
 
     ref = get_peft_model(stock_model(checkpoint(kind, dtype), dtype), lora_config(kind))
@@ -157,31 +245,33 @@ def peft_pair(checkpoint, kind: str, dtype: str, config=CFG, routers=True):
         train_routers(ref)
     ours = copy.deepcopy(ref)
     tandem.offload(ours, config, progress=False)
+    assert len(tandem_experts(ours)) == len(hf_of(ours).model.layers) - (kind == "deepseek_v3")
     return ref, ours
 
+
+# ---- 1. gradients of everything trainable, with and without checkpointing -----------------
 
 @pytest.mark.parametrize("checkpointing", CHECKPOINTING)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("kind", list(ATTENTION))
 def test_gradients_match_stock_peft(checkpoint, kind, dtype, checkpointing):
+    """LoRA A/B of gate_up and down (every MoE layer), attention LoRA, routers, input embeddings."""
     ref, ours = peft_pair(checkpoint, kind, dtype)
-    ids = tokens(5)
+    ids = tokens(GRAD_SEED)
+    plain = gradients(ours, ids)[0] if checkpointing != "none" else None
     ra, rb = record_routing(ref), record_routing(ours)
-    want, want_logits = gradients(ref, ids, checkpointing)
-    plain, _ = gradients(ours, ids, "none")
-    rb.clear()
-    got, got_logits = gradients(ours, ids, checkpointing)
-    print(len(ra), len(rb))
-    assert len(ra) == len(rb) and all(torch.equal(a, b) for a, b in zip(ra, rb))
-    errs = errors(got, want)
-    l2, mx = worst(errs)
-    for n, e in sorted(errs.items(), key=lambda x: -x[1][0])[:3]:
-        print(f"  {n}: {e[0]:.2e} {e[1]:.2e}")
-    print(f"MEASURE grads {kind} {dtype} {checkpointing}: rel L2 {l2:.2e}, max {mx:.2e}, n={len(errs)}")
-    if checkpointing != "none":
-        e2 = worst(errors(got, plain))
-        print(f"MEASURE ckpt-vs-none {kind} {dtype} {checkpointing}: {e2}")
+    want, _ = gradients(ref, ids, checkpointing)
+    got, _ = gradients(ours, ids, checkpointing)
+    assert_same_routing(ra, rb)
+    names = set(got)
+    assert any(".mlp.experts.lora_A." in n for n in names) and any(".mlp.experts.base_layer.lora_B." in n for n in names)
+    assert any("mlp.gate.weight" in n for n in names) and any("self_attn" in n for n in names)
+    check(grad_errors(got, want), GRAD_BOUND[dtype], f"{kind} {dtype} {checkpointing}")
+    if plain is not None:  # measured: bit-identical
+        assert_bitwise(got, plain, f"{checkpointing} checkpointing vs none")
 
+
+# ---- 2. PEFT applied after offloading --------------------------------------------------------
 
 @pytest.mark.parametrize("config", [CFG, CFG_SPLIT], ids=["one_subpool", "two_subpools"])
 @pytest.mark.parametrize("how", ["load_model", "offload"])
@@ -194,25 +284,26 @@ def test_peft_after_offload_matches_peft_before(checkpoint, kind, how, config):
     _, before = peft_pair(checkpoint, kind, "fp32", config)
     if how == "load_model":
         base = tandem.load_model(path, config, train=True, progress=False)
-    else:
+    else:  # the checkpoint's fp32 experts, unrounded: the BF16 packs round them the same way
         base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         tandem.offload(base, config, train=True, progress=False)
-    assert not any(".mlp.experts." in k for k in base.state_dict())
     after = get_peft_model(base, lora_config(kind))
-    load_lora(after, {k: v for k, v in before.state_dict().items() if "lora_" in k})
+    assert not any(".mlp.experts." in k and "lora_" not in k for k in after.state_dict()), "experts stay out of torch"
+    load_lora(after, lora_state(before))
     train_routers(after)
-    assert not any(".mlp.experts." in k and "lora_" not in k for k in after.state_dict())
-    ids = tokens(5)
+    ids = tokens(GRAD_SEED)
     ra, rb = record_routing(before), record_routing(after)
     a, la = gradients(before, ids)
     b, lb = gradients(after, ids)
-    assert len(ra) == len(rb) and all(torch.equal(x, y) for x, y in zip(ra, rb))
-    errs = errors(b, a)
-    print(f"MEASURE after-vs-before {kind} {how} {config['cpu']}: {worst(errs)} logits {(lb - la).abs().max().item()}")
+    assert_same_routing(ra, rb)
+    assert torch.equal(la, lb)
+    assert_bitwise(b, a, "PEFT after offload vs before")
 
+
+# ---- 3. transformers v4 layout: per-expert nn.Linear modules ---------------------------------
 
 def strip_router_logits(module, args, out):
-    """v4 sparse blocks return (hidden, router_logits); the v5 decoder layer wants hidden."""
+    """v4 sparse blocks return (hidden, router_logits); the v5 decoder layer takes hidden."""
     return out[0] if isinstance(out, tuple) else out
 
 
@@ -228,8 +319,8 @@ class V4Expert(nn.Module):
 
 
 class V4Block(nn.Module):
-    """transformers v4's Qwen3MoeSparseMoeBlock: a gate Linear, a ModuleList of per-expert MLPs,
-    softmax top-k routing (renormalized) and its own loop over experts."""
+    """transformers v4's Qwen3MoeSparseMoeBlock, with the weights of a v5 block: a gate Linear,
+    a ModuleList of per-expert MLPs, renormalized softmax top-k and its own loop."""
 
     def __init__(self, v5_block: nn.Module, top_k: int):
         super().__init__()
@@ -264,68 +355,57 @@ class V4Block(nn.Module):
 def test_v4_per_expert_layout_matches_stock_peft(checkpoint):
     from peft import LoraConfig, get_peft_model
 
-    v5 = stock_model(checkpoint("qwen3_moe", "fp32"), "fp32")
+    v5 = stock_model(checkpoint("qwen3_moe", "fp32"))
     model = copy.deepcopy(v5)
     top_k = model.config.num_experts_per_tok
     for layer in model.model.layers:
         layer.mlp = V4Block(layer.mlp, top_k)
-    ids = tokens(5)
-    with torch.no_grad():
-        conv = (model(ids).logits - v5(ids).logits).abs().max() / v5(ids).logits.abs().max()
-    print(f"MEASURE v4 conversion {conv.item():.2e}")
+    ids = tokens(V4_GRAD_SEED)
+    same = rel_errors(logits_of(model, ids), logits_of(v5, ids))
+    assert same[1] < 1e-5, f"the v4 conversion changed the model: {same}"  # measured 3.7e-7 (fp32 summation order)
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj", "q_proj"])
     ref = get_peft_model(model, cfg)
     random_lora(ref, 3)
     train_routers(ref)
     ours = copy.deepcopy(ref)
     tandem.offload(ours, CFG, progress=False)
-    assert not any(k.endswith("_proj.base_layer.weight") and ".experts." in k for k in ours.state_dict())
+    assert len(tandem_experts(ours)) == 3
+    assert not any(".experts." in k and "lora_" not in k for k in ours.state_dict()), "expert weights left in torch"
     ra, rb = record_routing(ref, top_k), record_routing(ours, top_k)
     want, _ = gradients(ref, ids)
     got, _ = gradients(ours, ids)
-    assert len(ra) == len(rb) == 3 and all(torch.equal(x, y) for x, y in zip(ra, rb))
-    errs = errors(got, want)
-    print(f"MEASURE v4 grads: {worst(errs)} n={len(errs)}")
+    assert_same_routing(ra, rb)
+    assert sum(".experts." in n and "lora_" in n for n in got) == 3 * 8 * 3 * 2  # layers x experts x proj x A/B
+    check(grad_errors(got, want), GRAD_BOUND["fp32"], "v4 layout")
 
 
-def logits_of(model, ids):
-    model.eval()
-    with torch.no_grad():
-        return model(input_ids=ids, use_cache=False).logits
-
-
-def logit_errors(got, want):
-    g, w = got.double(), want.double()
-    return ((g - w).norm() / w.norm()).item(), ((g - w).abs().max() / w.abs().max()).item()
-
+# ---- 4. adapter round trips ----------------------------------------------------------------
 
 def test_adapter_trained_in_tandem_loads_in_stock_peft(checkpoint, tmp_path):
     from peft import PeftModel
     from safetensors.torch import load_file
 
     path = checkpoint("qwen3_moe", "fp32")
-    stock, ours = peft_pair(checkpoint, "qwen3_moe", "fp32", routers=False)
-    start = {k: v.clone() for k, v in ours.state_dict().items() if "lora_" in k}
+    stock, ours = peft_pair(checkpoint, "qwen3_moe", routers=False)
+    start = lora_state(ours)
     opt = torch.optim.SGD([p for p in ours.parameters() if p.requires_grad], lr=1.0)
     for step in range(2):
         gradients(ours, tokens(10 + step))
         opt.step()
-    moved = max((ours.state_dict()[k] - v).abs().max().item() for k, v in start.items())
-    print(f"MEASURE sgd moved {moved:.2e}")
+    trained = lora_state(ours)
+    assert min((trained[k] - v).abs().max().item() for k, v in start.items()) > 0, "every LoRA tensor trained"
     ours.save_pretrained(tmp_path / "ours")
     stock.save_pretrained(tmp_path / "stock")
     saved = load_file(tmp_path / "ours" / "adapter_model.safetensors")
     assert saved.keys() == load_file(tmp_path / "stock" / "adapter_model.safetensors").keys()
-    sd = ours.state_dict()
+    assert len(saved) == len(trained)
     for k, v in saved.items():
-        key = k.replace(".weight", ".default.weight")
-        assert torch.equal(v, sd[key]), k
-    fresh = PeftModel.from_pretrained(stock_model(path, "fp32"), tmp_path / "ours")
+        assert torch.equal(v, trained[k.replace(".weight", ".default.weight")]), k
+
+    fresh = PeftModel.from_pretrained(stock_model(path), tmp_path / "ours")
     ids = tokens(6)
     ra, rb = record_routing(fresh), record_routing(ours)
-    a, b = logits_of(fresh, ids), logits_of(ours, ids)
-    assert len(ra) == len(rb) and all(torch.equal(x, y) for x, y in zip(ra, rb))
-    print(f"MEASURE roundtrip ours->stock logits {logit_errors(b, a)}")
+    check_logits(logits_of(ours, ids), logits_of(fresh, ids), ra, rb, what="tandem-trained adapter in stock PEFT")
 
 
 @pytest.mark.parametrize("how", ["offload", "load_model"])
@@ -333,68 +413,169 @@ def test_adapter_saved_by_stock_peft_runs_in_tandem(checkpoint, tmp_path, how):
     from peft import PeftModel, get_peft_model
 
     path = checkpoint("qwen3_moe", "fp32")
-    stock = get_peft_model(stock_model(path, "fp32"), lora_config("qwen3_moe"))
+    stock = get_peft_model(stock_model(path), lora_config("qwen3_moe"))
     random_lora(stock, 8)
     stock.save_pretrained(tmp_path)
     if how == "offload":
-        ours = PeftModel.from_pretrained(stock_model(path, "fp32"), tmp_path)
+        ours = PeftModel.from_pretrained(stock_model(path), tmp_path)
         tandem.offload(ours, CFG, progress=False)
     else:
         ours = PeftModel.from_pretrained(tandem.load_model(path, CFG, train=True, progress=False), tmp_path)
+    assert len(tandem_experts(ours)) == 3
+    for k, v in lora_state(stock).items():
+        assert torch.equal(ours.state_dict()[k], v), k
     ids = tokens(6)
     ra, rb = record_routing(stock), record_routing(ours)
-    a, b = logits_of(stock, ids), logits_of(ours, ids)
-    assert len(ra) == len(rb) and all(torch.equal(x, y) for x, y in zip(ra, rb))
-    print(f"MEASURE stock adapter -> tandem ({how}) logits {logit_errors(b, a)}")
+    check_logits(logits_of(ours, ids), logits_of(stock, ids), ra, rb, what=f"stock adapter in tandem ({how})")
 
 
-def test_autocast_bf16(checkpoint):
-    stock, ours = peft_pair(checkpoint, "qwen3_moe", "fp32")
-    ids = tokens(5)
+# ---- 5. autocast ---------------------------------------------------------------------------
+
+def test_bf16_autocast_on_an_fp32_model(checkpoint):
+    stock, ours = peft_pair(checkpoint, "qwen3_moe")
+    ids = tokens(GRAD_SEED)
+    r_plain = record_routing(ours)
     plain, _ = gradients(ours, ids)
     ra, rb = record_routing(stock), record_routing(ours)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        auto, _ = gradients(ours, ids)
-        sauto, _ = gradients(stock, ids)
-    print("routing same", len(ra) == len(rb) and all(torch.equal(x, y) for x, y in zip(ra, rb)))
-    print(f"MEASURE autocast vs plain {worst(errors(auto, plain))}; vs stock autocast {worst(errors(auto, sauto))}")
+        want, _ = gradients(stock, ids)
+        got, logits = gradients(ours, ids)
+    assert logits.dtype == torch.bfloat16  # autocast was in effect
+    assert_same_routing(ra, rb)
+    assert_same_routing(r_plain[:3], rb[3:])
+    for n, p in ours.named_parameters():
+        if p.requires_grad:
+            assert p.grad.dtype == p.dtype == torch.float32, n
+    check(grad_errors(got, plain), AUTOCAST_VS_PLAIN, "autocast vs no autocast")
+    check(grad_errors(got, want), AUTOCAST_VS_STOCK, "autocast vs stock PEFT under autocast")
 
 
-class Spy:
-    """Stands in for a _C.LoraLayer: records every context its forward makes and which ones its
-    backward consumes (weak references: the spy must not keep them alive)."""
+# ---- 6. saved contexts ---------------------------------------------------------------------
+
+class ContextSpy:
+    """Stands in for a _C.LoraLayer: notes every context its forward makes (weakly, so the spy
+    keeps none alive) and which of them its backward consumes."""
 
     def __init__(self, layer):
-        self.layer, self.made, self.used = layer, [], []
+        self.layer = layer
+        self.made: list[weakref.ref] = []
+        self.used: list[int] = []
 
     def __getattr__(self, name):
         return getattr(self.layer, name)
 
     def forward(self, *args, **kwargs):
         c = self.layer.forward(*args, **kwargs)
-        self.made.append((weakref.ref(c), args[-1]))
+        self.made.append(weakref.ref(c))
         return c
 
     def backward(self, c, *args, **kwargs):
-        self.used.append(next(i for i, (r, _) in enumerate(self.made) if r() is c))
+        self.used.append(next(i for i, r in enumerate(self.made) if r() is c))
         return self.layer.backward(c, *args, **kwargs)
+
+    def alive(self) -> list[bool]:
+        gc.collect()
+        return [r() is not None for r in self.made]
 
 
 @pytest.mark.parametrize("checkpointing", CHECKPOINTING)
-def test_contexts_are_freed(checkpoint, checkpointing):
-    import gc
-    _, ours = peft_pair(checkpoint, "qwen3_moe", "fp32")
+def test_contexts_are_freed_and_recomputed_ones_used(checkpoint, checkpointing):
+    _, ours = peft_pair(checkpoint, "qwen3_moe")
+    ids = tokens(GRAD_SEED)
+    plain, _ = gradients(ours, ids)
     spies = []
-    for layer in hf_of(ours).model.layers:
-        te = layer.mlp.experts
-        while not isinstance(te, tandem.engine.TandemLoraExperts):
-            te = te.base_layer
-        te.lora_layer = Spy(te.lora_layer)
+    for te in tandem_experts(ours):
+        te.lora_layer = ContextSpy(te.lora_layer)
         spies.append(te.lora_layer)
     set_checkpointing(ours, checkpointing)
+    ours.zero_grad(set_to_none=True)
+    emb = hf_of(ours).get_input_embeddings()(ids).detach().requires_grad_(True)
+    loss = ours(inputs_embeds=emb, labels=ids, use_cache=False).loss
+    for s in spies:
+        assert len(s.made) == 1
+        # no checkpointing: the context waits for backward; checkpointing keeps nothing
+        assert s.alive() == [checkpointing == "none"]
+    loss.backward()
+    for s in spies:
+        if checkpointing == "none":
+            assert s.used == [0]
+        else:  # backward recomputed the layer and used that context only
+            assert len(s.made) == 2 and s.used == [1]
+        assert not any(s.alive()), "a context outlived its backward"
+    got = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
+    assert_bitwise(got | {"inputs_embeds": emb.grad}, plain, f"{checkpointing}")
+
+
+def test_second_backward_through_the_graph_is_a_clear_error(checkpoint):
+    _, ours = peft_pair(checkpoint, "qwen3_moe")
     ours.train()
-    out = ours(input_ids=tokens(5), labels=tokens(5), use_cache=False)
-    gc.collect()
-    print(checkpointing, "after forward", [[(r() is not None, t) for r, t in s.made] for s in spies])
-    out.loss.backward()
-    print(checkpointing, "after backward", [[(r() is not None, t) for r, t in s.made] for s in spies], [s.used for s in spies])
+    loss = ours(input_ids=tokens(GRAD_SEED), labels=tokens(GRAD_SEED), use_cache=False).loss
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"tandem experts \(model layer \d\): the forward's saved state is gone"):
+        loss.backward()
+
+
+# ---- 7. bad input ----------------------------------------------------------------------------
+
+def test_two_active_adapters_on_the_experts_are_refused(checkpoint):
+    _, ours = peft_pair(checkpoint, "qwen3_moe", routers=False)
+    ours.add_adapter("other", lora_config("qwen3_moe"))
+    ours.base_model.set_adapter(["default", "other"])
+    with pytest.raises(ValueError, match=r"2 active LoRA adapters \(default, other\)"):
+        logits_of(ours, tokens(1))
+    ours.base_model.set_adapter("other")  # one at a time is fine
+    logits_of(ours, tokens(1))
+
+
+def test_merged_adapter_is_refused(checkpoint):
+    from peft import get_peft_model
+
+    model = get_peft_model(stock_model(checkpoint("qwen3_moe", "fp32")), lora_config("qwen3_moe"))
+    random_lora(model, 1)
+    model.merge_adapter()
+    tandem.offload(model, CFG, progress=False)
+    with pytest.raises(ValueError, match="merged into the base weights"):
+        logits_of(model, tokens(1))
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError,
+                   reason="bug: PEFT's merge writes into TandemLoraExperts' storage-free placeholder and fails with "
+                          "torch's 'more than one element of the written-to tensor refers to a single memory "
+                          "location', half-merged (attention merged, experts not)")
+def test_merging_an_offloaded_adapter_is_refused_clearly(checkpoint):
+    _, ours = peft_pair(checkpoint, "qwen3_moe", routers=False)
+    with pytest.raises(ValueError, match="merge"):
+        ours.merge_adapter()
+
+
+def test_offload_for_inference_refuses_peft_experts(checkpoint):
+    from peft import get_peft_model
+
+    model = get_peft_model(stock_model(checkpoint("qwen3_moe", "fp32")), lora_config("qwen3_moe"))
+    with pytest.raises(ValueError, match="offload with train=True"):
+        tandem.offload(model, CFG, train=False, progress=False)
+
+
+def test_gradients_through_an_inference_offload_are_refused(checkpoint):
+    model = stock_model(checkpoint("qwen3_moe", "fp32"))
+    tandem.offload(model, CFG, train=False, progress=False)
+    emb = model.get_input_embeddings()(tokens(1)).detach().requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"offloaded for inference; for training offload it with train=True"):
+        model(inputs_embeds=emb)
+
+
+# ---- 8. disabled adapter --------------------------------------------------------------------
+
+def test_disabled_adapter_gives_the_base_model(checkpoint):
+    path = checkpoint("qwen3_moe", "fp32")
+    _, ours = peft_pair(checkpoint, "qwen3_moe", routers=False)
+    base = stock_model(path)
+    ids = tokens(6)
+    ra, rb = record_routing(base), record_routing(ours)
+    want = logits_of(base, ids)
+    with ours.disable_adapter():
+        got = logits_of(ours, ids)
+    check_logits(got, want, ra, rb, what="disabled adapter vs base model")
+    moved = rel_errors(logits_of(ours, ids), want)
+    print(f"the adapter moves the logits by {moved}")
+    assert moved[0] > 10 * LOGIT_BOUND[0], "the adapter should matter (else this test cannot fail)"
