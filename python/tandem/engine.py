@@ -401,6 +401,11 @@ def offload(model: nn.Module, config: ConfigLike = None, *, train: bool | None =
     blocks = find_moe_blocks(hf)
     inner = [_innermost(b.experts) for b in blocks]
     peft_experts = any(w is not None or _has_v4_lora(e) for e, w in inner)
+    merged = [n for n, m in model.named_modules() if getattr(m, "merged", False) is True and hasattr(m, "lora_A")]
+    if merged:
+        raise ValueError(f"the PEFT adapter is merged into the base weights ({merged[0]}"
+                         f"{f' and {len(merged) - 1} more' if len(merged) > 1 else ''}); call model.unmerge_adapter() "
+                         "before offloading (tandem keeps the experts' base frozen and applies LoRA itself)")
     if train is None:
         train = peft_experts or hasattr(model, "peft_config")
     elif not train and peft_experts:
@@ -447,6 +452,8 @@ def offload(model: nn.Module, config: ConfigLike = None, *, train: bool | None =
             b.block.experts = te
         if te.fused:
             b.block.register_forward_pre_hook(_route_peft_wrappers)
+            if wrapper is not None:
+                _claim_wrappers(b.block.experts, te)
     if bar:
         bar(None)
     share_cpu_with_torch(engine, device)
@@ -502,7 +509,28 @@ def _route_peft_wrappers(block: nn.Module, args) -> None:
     if _is_param_wrapper(ex) and "forward" not in ex.__dict__:
         te, _ = _innermost(ex)
         if isinstance(te, TandemLoraExperts):
-            ex.forward = functools.partial(_peft_experts_forward, ex, te)
+            _claim_wrappers(ex, te)
+
+
+def _claim_wrappers(outer: nn.Module, te: "TandemLoraExperts") -> None:
+    """Routes a PEFT ParamWrapper chain over tandem's experts to tandem: the outermost
+    wrapper's forward calls tandem with the adapters; merging (which would fold B A into
+    every expert's weight, here frozen in the CPU packs) is refused before anything is done."""
+    from .lora import _is_param_wrapper
+
+    outer.forward = functools.partial(_peft_experts_forward, outer, te)
+    m = outer
+    while _is_param_wrapper(m):
+        m.merge = functools.partial(_refuse_merge, te.layer)
+        m = m.base_layer
+
+
+def _refuse_merge(layer: int, *args, **kwargs) -> None:
+    raise ValueError(f"tandem experts (model layer {layer}): merging LoRA into the experts is not supported: their "
+                     "base is frozen in tandem's CPU packs. Layers merged before this one are merged now: call "
+                     "model.unmerge_adapter() to undo them. To get merged weights, load the adapter onto the stock "
+                     "model: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(...), dir)"
+                     ".merge_and_unload()")
 
 
 def _peft_experts_forward(wrapper: nn.Module, te: "TandemLoraExperts", hidden_states: torch.Tensor,

@@ -77,7 +77,7 @@ class ExpertsFunction(torch.autograd.Function):
     """out = tandem's experts (with LoRA) of x routed by (ids, weights); see module doc."""
 
     @staticmethod
-    def forward(ctx, layer: _C.LoraLayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+    def forward(ctx, layer: _C.LoraLayer, train: bool, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 *lora: torch.Tensor) -> torch.Tensor:
         T, H = x.shape
         K = ids.shape[1]
@@ -85,7 +85,8 @@ class ExpertsFunction(torch.autograd.Function):
         ids64 = ids.to(torch.int64).contiguous()
         w32 = weights.to(torch.float32).contiguous()
         out = torch.empty((T, H), dtype=torch.float32)
-        train = any(ctx.needs_input_grad)
+        # train: grad mode was on at the call and something needs a gradient (the caller's
+        # view: inside forward grad mode is off, and needs_input_grad ignores no_grad).
         specs = [_spec(t) for t in lora]
         c = layer.forward(xin.data_ptr(), xin.dtype == torch.bfloat16, T, ids64.data_ptr(), w32.data_ptr(), K,
                           out.data_ptr(), specs, train)
@@ -107,21 +108,21 @@ class ExpertsFunction(torch.autograd.Function):
                                "(a second backward through the same graph, or saved-tensor hooks that copy tensors); "
                                "run the forward again")
         T, H, K = ctx.shape
-        need_x, need_w = ctx.needs_input_grad[1], ctx.needs_input_grad[3]
+        need_x, need_w = ctx.needs_input_grad[2], ctx.needs_input_grad[4]
         g = d_out.contiguous()
         if g.dtype not in (torch.float32, torch.bfloat16):
             g = g.float()
         g = g.cpu()
         d_x = torch.empty((T, H), dtype=torch.float32) if need_x else None
         d_w = torch.empty((T, K), dtype=torch.float32) if need_w else None
-        grads = [torch.zeros(t.shape, dtype=torch.float32) if ctx.needs_input_grad[4 + i] else None
+        grads = [torch.zeros(t.shape, dtype=torch.float32) if ctx.needs_input_grad[5 + i] else None
                  for i, t in enumerate(lora)]
         gspecs = [_spec(t) if t is not None else (0, 0, 0, 0, False) for t in grads] if lora else []
         ctx.layer.backward(c, [_spec(t) for t in lora], g.data_ptr(), g.dtype == torch.bfloat16,
                            d_x.data_ptr() if d_x is not None else 0, False, d_w.data_ptr() if d_w is not None else 0,
                            gspecs)
         del handle.tandem_context
-        return (None, d_x.to(ctx.x_dtype) if d_x is not None else None, None,
+        return (None, None, d_x.to(ctx.x_dtype) if d_x is not None else None, None,
                 d_w.to(ctx.w_dtype) if d_w is not None else None, *grads)
 
 
@@ -152,11 +153,8 @@ def run_experts(layer: _C.LoraLayer, x: torch.Tensor, ids: torch.Tensor, weights
         ts = []
     if dev.type != "cpu":
         x, ids, weights = x.cpu(), ids.cpu(), weights.cpu()
-    if torch.is_grad_enabled() and (x.requires_grad or weights.requires_grad or any(t.requires_grad for t in ts)):
-        out = ExpertsFunction.apply(layer, x, ids, weights, *ts)
-    else:
-        with torch.no_grad():
-            out = ExpertsFunction.apply(layer, x, ids, weights, *ts)
+    train = torch.is_grad_enabled() and (x.requires_grad or weights.requires_grad or any(t.requires_grad for t in ts))
+    out = ExpertsFunction.apply(layer, train, x, ids, weights, *ts)
     return out if dev.type == "cpu" else out.to(dev)
 
 

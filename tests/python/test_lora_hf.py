@@ -14,13 +14,17 @@ differs: a few independent roundings of relative size <= u, with random signs, c
 through 2-3 MoE layers and back. Every gradient tensor is compared by relative L2 error
 ||g - g_ref|| / ||g_ref|| and by max |g - g_ref| / max |g_ref|:
 
-* fp32 gradients: measured <= 4.4e-3 (L2) and <= 5.2e-3 (max) over qwen3_moe and
-  deepseek_v3; bounds 1e-2 (about 5u) and 1.2e-2. A 1% change of one LoRA tensor on one
-  side (lora_B of one layer scaled by 1.01) moves its partner's gradient by 1e-2, on top
-  of the rounding, and fails the L2 bound (checked by hand when these were set).
+* fp32 gradients: measured <= 5.2e-3 (L2) and <= 6.6e-3 (max) over qwen3_moe and
+  deepseek_v3 (and PEFT's v4-style targets on fused experts); bounds 1e-2 (about 5u) and
+  1.2e-2. Scaling one expert LoRA tensor by 1.01 on one side moves its partner's gradient
+  by 1e-2 on top of the rounding and fails the L2 bound (measured 1.03e-2 to 1.12e-2); an
+  attention LoRA tensor needs 1.02 (1.85e-2). Checked by hand when the bounds were set.
+* v4 per-expert modules: every expert's LoRA is its own tensor, a sum over the ~12 tokens
+  routed to it, so less rounding averages out than over a fused [r*E] tensor: measured
+  7.0e-3 (L2) and 7.0e-3 (max); bounds 1.5e-2 both.
 * bf16 models: the reference is itself bf16 (stock PEFT on the bf16 model), rounding every
   expert product and sum to bf16, where tandem sums in fp32: measured <= 2.1e-2 (L2) and
-  <= 3.0e-2 (max); bounds 5e-2 and 6e-2.
+  <= 3.0e-2 (max); bounds 5e-2 and 6e-2 (an expert lora_B scaled by 1.05 fails them).
 * logits of a forward (adapter round trips, disabled adapter; fp32 model): measured
   <= 1.3e-3 (L2) and <= 2.1e-3 (max, relative to max |logit|); bounds 5e-3 both.
 * bf16 autocast on an fp32 model (attention, routers and LoRA matmuls in bf16) against the
@@ -61,11 +65,12 @@ CHECKPOINTING = ["none", "reentrant", "non_reentrant"]
 BATCH, SEQ = 2, 16
 
 GRAD_BOUND = {"fp32": (1e-2, 1.2e-2), "bf16": (5e-2, 6e-2)}   # (relative L2, max relative)
+V4_GRAD_BOUND = (1.5e-2, 1.5e-2)
 LOGIT_BOUND = (5e-3, 5e-3)
 AUTOCAST_VS_PLAIN = (8e-2, 1e-1)
 AUTOCAST_VS_STOCK = (5e-2, 6e-2)
 GRAD_SEED = 5      # token seed whose routing matches tandem's for the v5 gradient tests
-V4_GRAD_SEED = 6   # same for the v4 model
+V4_GRAD_SEED = 6   # same for the v4 layout and v4-style targets (seed 5 has a near-tie there)
 
 
 def tokens(seed: int) -> torch.Tensor:
@@ -217,7 +222,8 @@ def check(errs: dict[str, tuple[float, float]], bound: tuple[float, float], what
 def assert_bitwise(got: dict, want: dict, what: str) -> None:
     assert got.keys() == want.keys()
     differ = [n for n in want if not torch.equal(got[n], want[n])]
-    assert not differ, f"{what}: {len(differ)} gradients differ, e.g. {differ[0]}: {rel_errors(got[differ[0]], want[differ[0]])}"
+    assert not differ, (f"{what}: {len(differ)} gradients differ, e.g. {differ[0]}: "
+                        f"{rel_errors(got[differ[0]], want[differ[0]])}")
 
 
 def logits_of(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -264,11 +270,36 @@ def test_gradients_match_stock_peft(checkpoint, kind, dtype, checkpointing):
     got, _ = gradients(ours, ids, checkpointing)
     assert_same_routing(ra, rb)
     names = set(got)
-    assert any(".mlp.experts.lora_A." in n for n in names) and any(".mlp.experts.base_layer.lora_B." in n for n in names)
+    assert any(".mlp.experts.lora_A." in n for n in names)             # outer wrapper
+    assert any(".mlp.experts.base_layer.lora_B." in n for n in names)  # inner wrapper
     assert any("mlp.gate.weight" in n for n in names) and any("self_attn" in n for n in names)
     check(grad_errors(got, want), GRAD_BOUND[dtype], f"{kind} {dtype} {checkpointing}")
     if plain is not None:  # measured: bit-identical
         assert_bitwise(got, plain, f"{checkpointing} checkpointing vs none")
+
+
+def test_v4_style_targets_on_fused_experts_match_stock_peft(checkpoint):
+    """target_modules=["gate_proj", "up_proj", "down_proj"] on a v5 model: PEFT turns them into
+    target_parameters with rank and alpha doubled on gate_up_proj (gate and up fused), so the
+    two projections carry different ranks (tandem zero-pads down_proj's to gate_up_proj's)."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj", "q_proj"])
+    ref = get_peft_model(stock_model(checkpoint("qwen3_moe", "fp32")), cfg)
+    E = ref.config.num_experts
+    ranks = {m.parameter_name: m.lora_A["default"].weight.shape[0] // E
+             for m in ref.get_base_model().model.layers[0].mlp.modules() if type(m).__name__ == "ParamWrapper"}
+    assert ranks == {"gate_up_proj": 8, "down_proj": 4}
+    random_lora(ref, 4)
+    train_routers(ref)
+    ours = copy.deepcopy(ref)
+    tandem.offload(ours, CFG, progress=False)
+    ids = tokens(V4_GRAD_SEED)
+    ra, rb = record_routing(ref), record_routing(ours)
+    want, _ = gradients(ref, ids)
+    got, _ = gradients(ours, ids)
+    assert_same_routing(ra, rb)
+    check(grad_errors(got, want), GRAD_BOUND["fp32"], "v4-style targets on fused experts")
 
 
 # ---- 2. PEFT applied after offloading --------------------------------------------------------
@@ -360,6 +391,10 @@ def test_v4_per_expert_layout_matches_stock_peft(checkpoint):
     top_k = model.config.num_experts_per_tok
     for layer in model.model.layers:
         layer.mlp = V4Block(layer.mlp, top_k)
+    # PEFT rewrites gate_proj/up_proj/down_proj targets of a model whose config says qwen3_moe
+    # into v5's fused target_parameters (rank and alpha doubled for gate_up_proj); this model
+    # has transformers v4's per-expert modules, as under transformers v4, so say so.
+    model.config.model_type = "qwen3_moe_v4_layout"
     ids = tokens(V4_GRAD_SEED)
     same = rel_errors(logits_of(model, ids), logits_of(v5, ids))
     assert same[1] < 1e-5, f"the v4 conversion changed the model: {same}"  # measured 3.7e-7 (fp32 summation order)
@@ -376,7 +411,7 @@ def test_v4_per_expert_layout_matches_stock_peft(checkpoint):
     got, _ = gradients(ours, ids)
     assert_same_routing(ra, rb)
     assert sum(".experts." in n and "lora_" in n for n in got) == 3 * 8 * 3 * 2  # layers x experts x proj x A/B
-    check(grad_errors(got, want), GRAD_BOUND["fp32"], "v4 layout")
+    check(grad_errors(got, want), V4_GRAD_BOUND, "v4 layout")
 
 
 # ---- 4. adapter round trips ----------------------------------------------------------------
@@ -442,7 +477,7 @@ def test_bf16_autocast_on_an_fp32_model(checkpoint):
         got, logits = gradients(ours, ids)
     assert logits.dtype == torch.bfloat16  # autocast was in effect
     assert_same_routing(ra, rb)
-    assert_same_routing(r_plain[:3], rb[3:])
+    assert_same_routing(r_plain[:3], rb)
     for n, p in ours.named_parameters():
         if p.requires_grad:
             assert p.grad.dtype == p.dtype == torch.float32, n
@@ -459,6 +494,7 @@ class ContextSpy:
     def __init__(self, layer):
         self.layer = layer
         self.made: list[weakref.ref] = []
+        self.train: list[bool] = []    # the train flag of each forward
         self.used: list[int] = []
 
     def __getattr__(self, name):
@@ -467,6 +503,7 @@ class ContextSpy:
     def forward(self, *args, **kwargs):
         c = self.layer.forward(*args, **kwargs)
         self.made.append(weakref.ref(c))
+        self.train.append(kwargs["train"] if "train" in kwargs else args[-1])
         return c
 
     def backward(self, c, *args, **kwargs):
@@ -478,15 +515,20 @@ class ContextSpy:
         return [r() is not None for r in self.made]
 
 
+def spy_on_contexts(model: nn.Module) -> list[ContextSpy]:
+    spies = []
+    for te in tandem_experts(model):
+        te.lora_layer = ContextSpy(te.lora_layer)
+        spies.append(te.lora_layer)
+    return spies
+
+
 @pytest.mark.parametrize("checkpointing", CHECKPOINTING)
 def test_contexts_are_freed_and_recomputed_ones_used(checkpoint, checkpointing):
     _, ours = peft_pair(checkpoint, "qwen3_moe")
     ids = tokens(GRAD_SEED)
     plain, _ = gradients(ours, ids)
-    spies = []
-    for te in tandem_experts(ours):
-        te.lora_layer = ContextSpy(te.lora_layer)
-        spies.append(te.lora_layer)
+    spies = spy_on_contexts(ours)
     set_checkpointing(ours, checkpointing)
     ours.zero_grad(set_to_none=True)
     emb = hf_of(ours).get_input_embeddings()(ids).detach().requires_grad_(True)
@@ -504,6 +546,13 @@ def test_contexts_are_freed_and_recomputed_ones_used(checkpoint, checkpointing):
         assert not any(s.alive()), "a context outlived its backward"
     got = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
     assert_bitwise(got | {"inputs_embeds": emb.grad}, plain, f"{checkpointing}")
+
+
+def test_no_grad_forward_saves_no_training_state(checkpoint):
+    _, ours = peft_pair(checkpoint, "qwen3_moe")
+    spies = spy_on_contexts(ours)
+    logits_of(ours, tokens(1))  # under torch.no_grad()
+    assert [s.train for s in spies] == [[False]] * len(spies)
 
 
 def test_second_backward_through_the_graph_is_a_clear_error(checkpoint):
@@ -533,19 +582,17 @@ def test_merged_adapter_is_refused(checkpoint):
     model = get_peft_model(stock_model(checkpoint("qwen3_moe", "fp32")), lora_config("qwen3_moe"))
     random_lora(model, 1)
     model.merge_adapter()
-    tandem.offload(model, CFG, progress=False)
     with pytest.raises(ValueError, match="merged into the base weights"):
+        tandem.offload(model, CFG, progress=False)  # refused here or at the first forward
         logits_of(model, tokens(1))
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="bug: PEFT's merge writes into TandemLoraExperts' storage-free placeholder and fails with "
-                          "torch's 'more than one element of the written-to tensor refers to a single memory "
-                          "location', half-merged (attention merged, experts not)")
 def test_merging_an_offloaded_adapter_is_refused_clearly(checkpoint):
     _, ours = peft_pair(checkpoint, "qwen3_moe", routers=False)
-    with pytest.raises(ValueError, match="merge"):
+    with pytest.raises(ValueError, match=r"merging LoRA into the experts is not supported.*unmerge_adapter"):
         ours.merge_adapter()
+    ours.unmerge_adapter()  # undoes what merged before the experts refused (attention)
+    assert not any(getattr(m, "merged", False) for m in ours.modules())
 
 
 def test_offload_for_inference_refuses_peft_experts(checkpoint):
