@@ -38,6 +38,9 @@ def __getattr__(name: str):
     if name == "load_model":
         from .loader import load_model
         return load_model
+    if name in ("demo", "lora", "train"):
+        import importlib
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'tandem' has no attribute {name!r}")
 
 

@@ -104,9 +104,13 @@ def load_training_state(path: str | os.PathLike, model, optimizer=None, schedule
         if not f.is_file():
             raise ValueError(f"{path}: not a tandem training checkpoint (missing {f.name})")
     result = set_peft_model_state_dict(model, load_file(weights))
-    missing = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
+    extra = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
+    if extra:
+        raise ValueError(f"{weights}: adapter tensors the model does not have: {extra[:5]}")
+    missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k]
     if missing:
-        raise ValueError(f"{weights}: adapter tensors the model does not have: {missing[:5]}")
+        raise ValueError(f"{weights}: has no values for these adapter tensors of the model: {missing[:5]}"
+                         f"{f' and {len(missing) - 5} more' if len(missing) > 5 else ''} (a different LoRA config?)")
     st = torch.load(state, weights_only=False)
     if optimizer is not None:
         optimizer.load_state_dict(st["optimizer"])

@@ -132,3 +132,23 @@ def demo_data():
     from tandem.train import DEMO_DATA
 
     return DEMO_DATA
+
+
+def test_a_checkpoint_missing_some_adapters_is_refused(cache, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    import tandem
+    from tandem.train import load_training_state, save_training_state
+
+    path = demo.ensure_demo_model(progress=False)
+
+    def model(targets):
+        m = tandem.load_model(path, demo.demo_config_path(), dtype=torch.float32, train=True, progress=False)
+        return get_peft_model(m, LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+
+    small = model(["q_proj"])
+    save_training_state(tmp_path / "ck", small, torch.optim.AdamW([p for p in small.parameters() if p.requires_grad]), 1)
+    with pytest.raises(ValueError, match=r"has no values for these adapter tensors.*v_proj"):
+        load_training_state(tmp_path / "ck", model(["q_proj", "v_proj"]))
+    assert load_training_state(tmp_path / "ck", model(["q_proj"]))[0] == 1

@@ -1,0 +1,92 @@
+"""One process of the data-parallel test in test_train_hf.py (not a test module itself).
+
+    MASTER_ADDR=127.0.0.1 MASTER_PORT=... RANK=r WORLD_SIZE=w python ddp_worker.py CKPT OUT [--no-ddp]
+
+Loads CKPT with ``tandem.load_model(..., train=True)`` (1 CPU thread), applies the same PEFT
+LoRA with the same random adapters on every rank, wraps the model in
+``DistributedDataParallel`` (gloo, CPU) and runs STEPS plain SGD steps (the update is linear in
+the averaged gradient, so the parameters compare as the gradients do); each step's global
+batch is BATCH fixed sequences, of which this rank takes its contiguous 1/w share. Each rank r writes
+OUT.rank<r>: {"losses": per-step loss averaged over ranks, "initial": the trainable
+parameters before training, "params": [the trainable parameters after each step],
+"experts": class names of the modules holding a tandem LoRA layer}.
+--no-ddp trains without the wrapper (no gradient averaging): a manual check that the test
+can fail.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+BATCH, SEQ, STEPS, VOCAB = 4, 16, 2, 200
+LR = 0.5
+CONFIG = {"version": 1, "cpu": {"threads": 1}, "gpu": {"device": "none"}}
+
+
+def lora_config():
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+
+
+def random_lora(model, seed: int) -> None:
+    """Every LoRA tensor N(0, 0.05^2) from a fixed generator (the same on every rank)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    sd = {k: torch.randn(v.shape, generator=g) * 0.05 for k, v in sorted(model.state_dict().items()) if "lora_" in k}
+    assert sd
+    model.load_state_dict(sd, strict=False)
+
+
+def trainable(model) -> dict:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def main() -> None:
+    os.environ.setdefault("TANDEM_TORCH_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    from peft import get_peft_model
+    from torch.nn.parallel import DistributedDataParallel
+
+    import tandem
+
+    ckpt, out = sys.argv[1], sys.argv[2]
+    use_ddp = "--no-ddp" not in sys.argv[3:]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert BATCH % world == 0
+    torch.manual_seed(0)
+    model = tandem.load_model(ckpt, CONFIG, train=True, dtype=torch.float32, progress=False)
+    model = get_peft_model(model, lora_config())
+    random_lora(model, 11)
+    model.train()
+    initial = trainable(model)
+    wrapped = DistributedDataParallel(model) if use_ddp else model
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=LR)
+    data = torch.randint(0, VOCAB, (STEPS, BATCH, SEQ), generator=torch.Generator().manual_seed(5))
+    share = BATCH // world
+    losses, after = [], []
+    for step in range(STEPS):
+        ids = data[step, rank * share:(rank + 1) * share]
+        loss = wrapped(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+        after.append(trainable(model))
+    experts = [type(m).__name__ for m in model.modules() if hasattr(m, "lora_layer")]
+    torch.save({"losses": losses, "initial": initial, "params": after, "experts": experts}, f"{out}.rank{rank}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
