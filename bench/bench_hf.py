@@ -31,21 +31,23 @@ QWEN3_30B = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4
                  max_position_embeddings=4096, norm_topk_prob=True, tie_word_embeddings=False)
 
 
-def model_dir(name: str, layers: int) -> Path:
+def model_dir(name: str, layers: int, vocab: int | None = None) -> Path:
+    """The demo checkpoint, or a random Qwen3-30B-A3B-shaped one with `layers` layers (and a
+    smaller vocabulary when `vocab` is given), built once into tandem's cache."""
     import torch
 
     from tandem import demo
 
     if name == "demo":
         return demo.ensure_demo_model()
-    out = demo.cache_dir() / f"bench-qwen3-30b-a3b-{layers}l"
+    out = demo.cache_dir() / (f"bench-qwen3-30b-a3b-{layers}l" + (f"-v{vocab}" if vocab else ""))
     if (out / "model.safetensors.index.json").is_file() or (out / "model.safetensors").is_file():
         return out
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     print(f"building a random {name} checkpoint with {layers} layers in {out} (once)", flush=True)
     torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(num_hidden_layers=layers, **QWEN3_30B)
+    cfg = Qwen3MoeConfig(num_hidden_layers=layers, **dict(QWEN3_30B, **({"vocab_size": vocab} if vocab else {})))
     with torch.device("cpu"):
         m = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
     tmp = out.with_name(out.name + ".tmp")

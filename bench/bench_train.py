@@ -34,33 +34,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
+import bench_hf  # noqa: E402
 from bench_sft import bf16_peak, status_kib  # noqa: E402
 
-SHAPE_30B = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
-                 num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144, vocab_size=2048,
-                 max_position_embeddings=4096, norm_topk_prob=True, tie_word_embeddings=False)
-
-
 def model_dir(name: str, layers: int) -> Path:
-    from tandem import demo
-
-    if name == "demo":
-        return demo.ensure_demo_model()
-    out = demo.cache_dir() / f"bench-qwen3-30b-shape-{layers}l"
-    if (out / "config.json").is_file():
-        return out
-    import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    print(f"building {out} (once)", flush=True)
-    torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(num_hidden_layers=layers, **SHAPE_30B)
-    with torch.device("cpu"):
-        model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
-    tmp = out.with_name(out.name + ".tmp")
-    model.save_pretrained(tmp)
-    tmp.rename(out)
-    return out
+    return bench_hf.model_dir(name, layers, vocab=None if name == "demo" else 2048)
 
 
 def run_one(args) -> dict:

@@ -124,3 +124,55 @@ class DeferralReference:
             return out.to(x.dtype)
 
         return forward
+
+
+class V4Expert(nn.Module):
+    """One expert of a transformers v4 MoE block: gate_proj / up_proj / down_proj linears."""
+
+    def __init__(self, h: int, i: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class V4Block(nn.Module):
+    """transformers v4's Qwen3-MoE sparse block: a gate Linear, a ModuleList of per-expert MLPs,
+    renormalized softmax top-k and its own loop; returns (out, router_logits) like v4."""
+
+    def __init__(self, h: int = 64, i: int = 64, e: int = 8, k: int = 2):
+        super().__init__()
+        self.num_experts, self.top_k, self.norm_topk_prob = e, k, True
+        self.gate = nn.Linear(h, e, bias=False)
+        self.experts = nn.ModuleList(V4Expert(h, i) for _ in range(e))
+
+    @classmethod
+    def from_v5(cls, v5_block: nn.Module, top_k: int) -> "V4Block":
+        """The same weights as a transformers v5 block (fused gate_up_proj / down_proj)."""
+        gu, dn = v5_block.experts.gate_up_proj.data, v5_block.experts.down_proj.data
+        E, two_i, H = gu.shape
+        I = two_i // 2
+        block = cls(H, I, E, top_k).to(gu.dtype)
+        with torch.no_grad():
+            block.gate.weight.copy_(v5_block.gate.weight)
+            for e, ex in enumerate(block.experts):
+                ex.gate_proj.weight.copy_(gu[e, :I])
+                ex.up_proj.weight.copy_(gu[e, I:])
+                ex.down_proj.weight.copy_(dn[e])
+        return block
+
+    def forward(self, hidden):
+        b, s, h = hidden.shape
+        x = hidden.view(-1, h)
+        logits = self.gate(x)
+        w, idx = torch.topk(torch.softmax(logits, -1, dtype=torch.float), self.top_k, -1)
+        w = (w / w.sum(-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(x)
+        for e, ex in enumerate(self.experts):
+            tok, slot = torch.where(idx == e)
+            if len(tok):
+                out = out.index_add(0, tok, ex(x[tok]) * w[tok, slot, None])
+        return out.view(b, s, h), logits

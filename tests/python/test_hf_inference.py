@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from hf_models import (KINDS, VOCAB, DeferralReference, build, clean_tokens, expert_fp64, moe_experts,
+from hf_models import (KINDS, VOCAB, DeferralReference, V4Block, build, clean_tokens, expert_fp64, moe_experts,
                        record_routing)
 
 import tandem
@@ -229,39 +229,6 @@ def test_offload_an_existing_model(models):
     model.to(torch.bfloat16)  # the rest of the model follows .to(); the experts stay in tandem
     with torch.no_grad():
         assert model(ids).logits.dtype == torch.bfloat16
-
-
-class V4Expert(torch.nn.Module):
-    def __init__(self, h, i):
-        super().__init__()
-        self.gate_proj = torch.nn.Linear(h, i, bias=False)
-        self.up_proj = torch.nn.Linear(h, i, bias=False)
-        self.down_proj = torch.nn.Linear(i, h, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class V4Block(torch.nn.Module):
-    """transformers v4's Qwen3-MoE sparse block: a gate Linear, a ModuleList of experts, its own loop."""
-
-    def __init__(self, h=64, i=64, e=8, k=2):
-        super().__init__()
-        self.top_k, self.norm_topk_prob = k, True
-        self.gate = torch.nn.Linear(h, e, bias=False)
-        self.experts = torch.nn.ModuleList(V4Expert(h, i) for _ in range(e))
-
-    def forward(self, hidden):
-        b, s, h = hidden.shape
-        x = hidden.view(-1, h)
-        logits = self.gate(x)
-        w, idx = torch.topk(torch.softmax(logits, -1, dtype=torch.float), self.top_k, -1)
-        w = (w / w.sum(-1, keepdim=True)).to(x.dtype)
-        out = torch.zeros_like(x)
-        for t in range(x.shape[0]):
-            for k in range(self.top_k):
-                out[t] += w[t, k] * self.experts[idx[t, k]](x[t])
-        return out.view(b, s, h), logits
 
 
 class V4Model(torch.nn.Module):

@@ -50,7 +50,7 @@ import weakref
 
 import pytest
 import torch
-from hf_models import VOCAB, build, clean_tokens
+from hf_models import VOCAB, V4Block, build, clean_tokens
 from torch import nn
 
 import tandem
@@ -338,51 +338,6 @@ def strip_router_logits(module, args, out):
     return out[0] if isinstance(out, tuple) else out
 
 
-class V4Expert(nn.Module):
-    def __init__(self, h: int, i: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(h, i, bias=False)
-        self.up_proj = nn.Linear(h, i, bias=False)
-        self.down_proj = nn.Linear(i, h, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class V4Block(nn.Module):
-    """transformers v4's Qwen3MoeSparseMoeBlock, with the weights of a v5 block: a gate Linear,
-    a ModuleList of per-expert MLPs, renormalized softmax top-k and its own loop."""
-
-    def __init__(self, v5_block: nn.Module, top_k: int):
-        super().__init__()
-        gu, dn = v5_block.experts.gate_up_proj.data, v5_block.experts.down_proj.data
-        E, two_i, H = gu.shape
-        I = two_i // 2
-        self.num_experts, self.top_k, self.norm_topk_prob = E, top_k, True
-        self.gate = nn.Linear(H, E, bias=False)
-        self.experts = nn.ModuleList(V4Expert(H, I) for _ in range(E))
-        with torch.no_grad():
-            self.gate.weight.copy_(v5_block.gate.weight)
-            for e, ex in enumerate(self.experts):
-                ex.gate_proj.weight.copy_(gu[e, :I])
-                ex.up_proj.weight.copy_(gu[e, I:])
-                ex.down_proj.weight.copy_(dn[e])
-        self.register_forward_hook(strip_router_logits)
-
-    def forward(self, hidden):
-        b, s, h = hidden.shape
-        x = hidden.view(-1, h)
-        logits = self.gate(x)
-        w, idx = torch.topk(torch.softmax(logits, -1, dtype=torch.float), self.top_k, -1)
-        w = (w / w.sum(-1, keepdim=True)).to(x.dtype)
-        out = torch.zeros_like(x)
-        for e, ex in enumerate(self.experts):
-            tok, slot = torch.where(idx == e)
-            if len(tok):
-                out = out.index_add(0, tok, ex(x[tok]) * w[tok, slot, None])
-        return out.view(b, s, h), logits
-
-
 def test_v4_per_expert_layout_matches_stock_peft(checkpoint):
     from peft import LoraConfig, get_peft_model
 
@@ -390,7 +345,8 @@ def test_v4_per_expert_layout_matches_stock_peft(checkpoint):
     model = copy.deepcopy(v5)
     top_k = model.config.num_experts_per_tok
     for layer in model.model.layers:
-        layer.mlp = V4Block(layer.mlp, top_k)
+        layer.mlp = V4Block.from_v5(layer.mlp, top_k)
+        layer.mlp.register_forward_hook(strip_router_logits)
     # PEFT rewrites gate_proj/up_proj/down_proj targets of a model whose config says qwen3_moe
     # into v5's fused target_parameters (rank and alpha doubled for gate_up_proj); this model
     # has transformers v4's per-expert modules, as under transformers v4, so say so.
