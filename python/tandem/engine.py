@@ -393,8 +393,6 @@ def offload(model: nn.Module, config: ConfigLike = None, *, train: bool | None =
     path's transposed packs, "bf16" or "int8" (half the memory). Returns the engine (also
     ``tandem_engine`` on the transformers model).
     """
-    from .lora import _is_param_wrapper
-
     hf = _hf_model(model)
     if getattr(hf, "tandem_engine", None) is not None:
         raise ValueError("this model's experts are already offloaded to tandem")
