@@ -6,6 +6,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdlib>
 #include <cstring>
@@ -223,9 +224,13 @@ IsaLevel resolve_isa(std::string_view requested, std::string_view origin) {
   return level;
 }
 
-IsaLevel effective_isa() {
+IsaLevel select_isa(std::string_view requested, std::string_view origin) {
+  IsaLevel level = resolve_isa(requested, origin);
   const char* env = std::getenv("TANDEM_ISA");
-  return resolve_isa(env ? std::string_view(env) : std::string_view("auto"), "TANDEM_ISA");
+  if (env && *env) level = std::min(level, resolve_isa(env, "TANDEM_ISA"));
+  return level;
 }
+
+IsaLevel effective_isa() { return select_isa("auto", "TANDEM_ISA"); }
 
 }  // namespace tandem

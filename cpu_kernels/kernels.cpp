@@ -121,7 +121,7 @@ void QuantizedActs::prepare(const PackedWeight& w, int rows) {
 namespace {
 
 template <typename T>
-void quantize_range(QuantizedActs& qa, const T* a, int lda, int r0, int r1) {
+void quantize_range(QuantizedActs& qa, const T* a, int lda, int r0, int r1, const KernelTable* kt) {
   TANDEM_CHECK(qa.k_pad > 0, Errc::invalid_argument, "quantize_activations: call QuantizedActs::prepare first");
   TANDEM_CHECK(0 <= r0 && r0 <= r1 && r1 <= qa.m, Errc::invalid_argument, "quantize_activations: rows [", r0, ", ", r1,
                ") are outside the prepared ", qa.m);
@@ -132,18 +132,18 @@ void quantize_range(QuantizedActs& qa, const T* a, int lda, int r0, int r1) {
   const float* af = nullptr;
   if constexpr (std::is_same_v<T, bf16_t>) ab = a + static_cast<size_t>(r0) * lda;
   else af = a + static_cast<size_t>(r0) * lda;
-  kernels().quantize(ab, af, r1 - r0, qa.k, lda, qa.k_pad, qa.group, qa.q.data() + static_cast<size_t>(r0) * qa.k_pad,
+  (kt ? *kt : kernels()).quantize(ab, af, r1 - r0, qa.k, lda, qa.k_pad, qa.group, qa.q.data() + static_cast<size_t>(r0) * qa.k_pad,
                      qa.scale.data() + r0, qa.sums.data() + r0 * groups);
 }
 
 }  // namespace
 
-void quantize_activations(QuantizedActs& qa, const bf16_t* a, int lda, int r0, int r1) { quantize_range(qa, a, lda, r0, r1); }
-void quantize_activations(QuantizedActs& qa, const float* a, int lda, int r0, int r1) { quantize_range(qa, a, lda, r0, r1); }
-
-namespace {
-
-}  // namespace
+void quantize_activations(QuantizedActs& qa, const bf16_t* a, int lda, int r0, int r1, const KernelTable* kt) {
+  quantize_range(qa, a, lda, r0, r1, kt);
+}
+void quantize_activations(QuantizedActs& qa, const float* a, int lda, int r0, int r1, const KernelTable* kt) {
+  quantize_range(qa, a, lda, r0, r1, kt);
+}
 
 void gemm(const PackedWeight& w, const GemmArgs& g) {
   TANDEM_CHECK(!w.gate_up, Errc::invalid_argument, "gemm: the weight is a fused gate_up pack; use gate_up()");

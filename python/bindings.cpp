@@ -109,6 +109,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("effective_isa", [] { return std::string(isa_name(effective_isa())); },
         "The kernel level in use: the hardware's, or TANDEM_ISA (capped; ValueError above the hardware).");
   m.def("resolve_isa", [](const std::string& req) { return std::string(isa_name(resolve_isa(req, "isa"))); });
+  m.def("select_isa", [](const std::string& req) { return std::string(isa_name(select_isa(req, "cpu.isa"))); },
+        py::arg("requested") = "auto",
+        "The level kernels run for a config's cpu.isa: lowered by TANDEM_ISA, capped by the hardware (ValueError above).");
 
   // ---- config ----
   m.def("load_config_json", [](const std::filesystem::path& p) { return load_config(p).to_json(); },
@@ -174,7 +177,7 @@ PYBIND11_MODULE(_C, m) {
                           "engine: stream '", stream, "' is not one of: config, host, cuda");
              py::gil_scoped_release nogil;
              std::unique_ptr<Stream> s;
-             if (stream == "host") s = make_host_stream();
+             if (stream == "host") s = make_host_stream(c.isa());
              // torch's handle 0 is the legacy default stream (cudaStreamLegacy is handle 1).
              if (stream == "cuda") s = make_cuda_stream(cuda_device, reinterpret_cast<void*>(cuda_stream ? cuda_stream : 1));
              return std::make_unique<Engine>(c, EngineSpec{{experts, hidden, inter}, std::move(layers)}, std::move(s));
@@ -249,6 +252,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("deferred", [](Engine& e) { return e.config().gpu.deferred_experts; })
       .def_property_readonly("subpools", [](Engine& e) { return e.pool().subpools(); })
       .def_property_readonly("threads", [](Engine& e) { return e.pool().total_threads(); })
+      .def_property_readonly("isa", [](Engine& e) { return std::string(isa_name(e.isa())); },
+                             "the kernel level every CPU part of this engine runs (config cpu.isa, lowered by TANDEM_ISA)")
       .def_property_readonly("cpu_bytes", &Engine::cpu_bytes)
       .def_property_readonly("device_bytes", &Engine::device_bytes)
       .def("counts", [](Engine& e, int i) {
@@ -278,7 +283,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<PyLoraLayer>(m, "LoraLayer", "LoRA on the routed experts of one MoE layer (tandem/lora.h).")
       .def(py::init([](std::shared_ptr<Pool> pool, int experts, int hidden, int inter, const std::string& format, int group,
                        int rank, float alpha, bool rslora, const std::string& backward_format, int layer,
-                       bool zero_point) {
+                       bool zero_point, const std::string& isa) {
              SftOptions o;
              o.format.format = parse_format(format);
              o.format.group = group;
@@ -286,10 +291,12 @@ PYBIND11_MODULE(_C, m) {
              o.backward_format = parse_format(backward_format);
              o.lora = {rank, alpha, rslora};
              auto l = std::make_unique<LoraMoe>(*pool, MoeShape{experts, hidden, inter}, o, layer);
+             l->use_isa(select_isa(isa, "cpu.isa"));
              return PyLoraLayer{std::move(pool), std::move(l)};
            }), py::arg("pool"), py::arg("experts"), py::arg("hidden"), py::arg("inter"), py::arg("format") = "bf16",
            py::arg("group") = 128, py::arg("rank") = 8, py::arg("alpha") = 16.0f, py::arg("rslora") = false,
-           py::arg("backward_format") = "bf16", py::arg("layer") = 0, py::arg("zero_point") = false)
+           py::arg("backward_format") = "bf16", py::arg("layer") = 0, py::arg("zero_point") = false,
+           py::arg("isa") = "auto")
       .def("load", [](PyLoraLayer& l, const std::vector<uintptr_t>& gate, const std::vector<uintptr_t>& up,
                       const std::vector<uintptr_t>& down, const std::string& dtype, const py::object& progress) {
              const MoeShape sh = l.layer->shape();
@@ -321,6 +328,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("hidden", [](PyLoraLayer& l) { return l.layer->shape().hidden; })
       .def_property_readonly("inter", [](PyLoraLayer& l) { return l.layer->shape().inter; })
       .def_property_readonly("threads", [](PyLoraLayer& l) { return l.layer->pool().total_threads(); })
+      .def_property_readonly("isa", [](PyLoraLayer& l) { return std::string(isa_name(l.layer->isa())); })
       .def("prepare_backward", [](PyLoraLayer& l, const py::object& progress) {
              Progress p = py_progress(progress);
              py::gil_scoped_release nogil;

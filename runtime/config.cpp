@@ -255,6 +255,8 @@ int Config::gpu_index() const {
   return std::stoi(gpu.device.substr(5));
 }
 
+IsaLevel Config::isa() const { return select_isa(cpu.isa, str_cat(source, ": cpu.isa")); }
+
 Config parse_config(std::string_view yaml, std::string_view origin, const fs::path& base_dir) {
   Ctx c{std::string(origin), base_dir};
   YAML::Node root;

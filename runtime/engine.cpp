@@ -34,13 +34,13 @@ Engine::Engine(const Config& config, EngineSpec spec, std::unique_ptr<Stream> st
                    layer, " is not a MoE layer of this model");
 
   const PackOptions format = pack_options(config_.cpu);
-  const IsaLevel isa = resolve_isa(config_.cpu.isa, "cpu.isa");
+  isa_ = config_.isa();
   pool_ = std::make_unique<Pool>(pool_options(config_.cpu));
   stream_ = stream ? std::move(stream) : make_stream(config_);
   std::vector<MoeLayer*> raw;
   for (int l : spec_.layers) {
     layers_.push_back(std::make_unique<MoeLayer>(*pool_, spec_.shape, format, l));
-    layers_.back()->use_isa(isa);
+    layers_.back()->use_isa(isa_);
     raw.push_back(layers_.back().get());
   }
   HybridOptions ho;

@@ -95,7 +95,8 @@ class HostExperts : public DeviceExperts {
 
 class HostStream : public Stream {
  public:
-  HostStream() : thread_([this] { loop(); }) {}
+  explicit HostStream(IsaLevel isa) : kt_(kernel_table(isa)), thread_([this] { loop(); }) {}
+  const KernelTable& kernels() const { return kt_; }
   ~HostStream() override {
     {
       std::lock_guard<std::mutex> g(mu_);
@@ -219,6 +220,7 @@ class HostStream : public Stream {
     }
   }
 
+  const KernelTable& kt_;
   std::mutex mu_;
   std::condition_variable cv_, idle_cv_;
   std::deque<std::function<void()>> queue_;
@@ -261,7 +263,7 @@ void HostExperts::run(const void* x, XType xt, int tokens, const int32_t* hot_id
                       float* out) {
   const int H = shape_.hidden, I = shape_.inter;
   std::fill(out, out + static_cast<size_t>(tokens) * H, 0.0f);
-  const KernelTable& kt = kernels();
+  const KernelTable& kt = stream_.kernels();
   for (size_t j = 0; j < experts_.size(); ++j) {
     const int e = experts_[j];
     rows_.clear();
@@ -309,14 +311,14 @@ void HostExperts::run(const void* x, XType xt, int tokens, const int32_t* hot_id
 
 }  // namespace
 
-std::unique_ptr<Stream> make_host_stream() { return std::make_unique<HostStream>(); }
+std::unique_ptr<Stream> make_host_stream(IsaLevel isa) { return std::make_unique<HostStream>(isa); }
 
 std::unique_ptr<Stream> make_stream(const Config& config) {
   const int index = config.gpu_index();
-  if (index == -1) return make_host_stream();
+  if (index == -1) return make_host_stream(config.isa());
   if (index == -2) {
     const gpu::GpuReport r = gpu::query_gpus(false);
-    return r.cuda_built && !r.gpus.empty() ? make_cuda_stream(0) : make_host_stream();
+    return r.cuda_built && !r.gpus.empty() ? make_cuda_stream(0) : make_host_stream(config.isa());
   }
   try {
     return make_cuda_stream(index);

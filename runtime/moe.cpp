@@ -72,7 +72,7 @@ ExpertNaming ExpertNaming::detect(const Checkpoint& ckpt, int layer) {
 }
 
 MoeLayer::MoeLayer(Pool& pool, MoeShape shape, PackOptions format, int layer_index)
-    : pool_(pool), shape_(shape), format_(format), layer_(layer_index), kt_(&kernels()), scratch_(std::make_unique<Scratch>()) {
+    : pool_(pool), shape_(shape), format_(format), layer_(layer_index), kt_(&kernel_table(effective_isa())), scratch_(std::make_unique<Scratch>()) {
   TANDEM_CHECK(shape.experts >= 1 && shape.hidden >= 1 && shape.inter >= 1, Errc::invalid_argument, "moe: shape (experts ",
                shape.experts, ", hidden ", shape.hidden, ", intermediate ", shape.inter, ") must be positive");
   if (format.format == WeightFormat::int4) {
@@ -371,7 +371,7 @@ class MoeTask : public Task, public TokenGroups {
     auto& sc = *L.scratch_;
     const auto [i0, i1] = L.slice(s);
     const int len = i1 - i0;
-    quantize_activations(sc.qmid[s][i], sc.h[s].p.get() + static_cast<size_t>(offset[i]) * len, len, 0, count[i]);
+    quantize_activations(sc.qmid[s][i], sc.h[s].p.get() + static_cast<size_t>(offset[i]) * len, len, 0, count[i], L.kt_);
   }
 
   void down(int s, int item) {

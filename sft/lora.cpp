@@ -184,7 +184,7 @@ struct LoraMoe::Scratch {
 };
 
 LoraMoe::LoraMoe(Pool& pool, MoeShape shape, SftOptions options, int layer_index)
-    : pool_(pool), shape_(shape), options_(options), layer_(layer_index), kt_(&kernels()),
+    : pool_(pool), shape_(shape), options_(options), layer_(layer_index), kt_(&kernel_table(effective_isa())),
       scratch_(std::make_unique<Scratch>()) {
   TANDEM_CHECK(shape.experts >= 1 && shape.hidden >= 1 && shape.inter >= 1, Errc::invalid_argument, "lora: shape (experts ",
                shape.experts, ", hidden ", shape.hidden, ", intermediate ", shape.inter, ") must be positive");
@@ -472,7 +472,7 @@ class SftForwardTask : public SftTask {
       else
         fp32_to_bf16(in_.x_f32 + size_t(t) * H, xg + size_t(q) * H, H);
     }
-    if (quant) quantize_activations(sc.qin[i], xg, H, b.begin, b.end);
+    if (quant) quantize_activations(sc.qin[i], xg, H, b.begin, b.end, L.kt_);
     if (!st_.lora) return;
     thread_local std::vector<float> xf;
     xf.resize(size_t(m) * H);
@@ -507,7 +507,7 @@ class SftForwardTask : public SftTask {
         h[size_t(q) * l + j] = v;
         hb[size_t(q) * l + j] = fp32_to_bf16(v);
       }
-    if (quant) quantize_activations(sc.qmid[s][i], sc.h[s].get() + size_t(g.offset[i]) * l, l, b.begin, b.end);
+    if (quant) quantize_activations(sc.qmid[s][i], sc.h[s].get() + size_t(g.offset[i]) * l, l, b.begin, b.end, L.kt_);
     if (st_.lora) mm(m, r, l, 1.0f, {h.data(), l}, wt[AD].of(e).at(0, i0).T(), 0.0f, sc.pdp[s].get() + row0 * r, r);
   }
 
@@ -697,7 +697,7 @@ class SftBackwardTask : public SftTask {
           widen(gr.d_out_bf16 + size_t(t) * H, sc.dogf.get() + size_t(off + q) * H, H);
       }
     }
-    if (quant) quantize_activations(sc.qbin[i], dog, H, b.begin, b.end);
+    if (quant) quantize_activations(sc.qbin[i], dog, H, b.begin, b.end, L.kt_);
     if (!st_.lora) return;
     const int e = g.active[i];
     float* qd = sc.qd.get() + row0 * r;
@@ -749,7 +749,7 @@ class SftBackwardTask : public SftTask {
       }
       sc.dwp[s][row0 + q] = static_cast<float>(dw);
     }
-    if (quant) quantize_activations(sc.qbmid[s][i], sc.dgub[s].get() + size_t(g.offset[i]) * 2 * l, 2 * l, b.begin, b.end);
+    if (quant) quantize_activations(sc.qbmid[s][i], sc.dgub[s].get() + size_t(g.offset[i]) * 2 * l, 2 * l, b.begin, b.end, L.kt_);
     if (st_.lora) {
       float* q = sc.qgup[s].get() + row0 * 2 * r;
       mm(m, r, l, 1.0f, {dguf, 2 * l}, wt[BG].of(e).at(i0, 0), 0.0f, q, 2 * r);

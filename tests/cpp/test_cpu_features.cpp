@@ -7,23 +7,12 @@
 
 #include "tandem/cpu_features.h"
 #include "tandem/error.h"
+#include "test_util.h"
 
 namespace tandem {
 namespace {
 
-// Sets an environment variable for one scope.
-struct ScopedEnv {
-  ScopedEnv(const char* k, const char* v) : key(k) {
-    if (const char* old = std::getenv(k)) had = true, prev = old;
-    if (v) setenv(k, v, 1); else unsetenv(k);
-  }
-  ~ScopedEnv() {
-    if (had) setenv(key, prev.c_str(), 1); else unsetenv(key);
-  }
-  const char* key;
-  bool had = false;
-  std::string prev;
-};
+using test::ScopedEnv;
 
 std::set<std::string> proc_cpuinfo_flags() {
   std::ifstream in("/proc/cpuinfo");
@@ -142,6 +131,48 @@ TEST(CpuFeatures, UnknownLevelListsAllowed) {
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), Errc::invalid_argument);
     EXPECT_EQ(e.message(), "TANDEM_ISA: unknown ISA level 'avx1024'; allowed: auto, scalar, avx2, avx512, avx512_vnni, avx512_bf16, amx");
+  }
+}
+
+// The one rule every kernel choice follows: the config's level, lowered by TANDEM_ISA,
+// capped by the hardware (above it from either side is an error naming that side).
+TEST(CpuFeatures, SelectIsaIsConfigLoweredByEnvironment) {
+  const IsaLevel hw = hardware_isa();
+  for (IsaLevel c : all_isa_levels()) {
+    if (c > hw) continue;
+    {
+      ScopedEnv env("TANDEM_ISA", nullptr);
+      EXPECT_EQ(select_isa(isa_name(c)), c) << isa_name(c);
+      EXPECT_EQ(select_isa("auto"), hw);
+    }
+    for (IsaLevel e : all_isa_levels()) {
+      if (e > hw) continue;
+      ScopedEnv env("TANDEM_ISA", std::string(isa_name(e)).c_str());
+      EXPECT_EQ(select_isa(isa_name(c)), std::min(c, e)) << "cpu.isa " << isa_name(c) << ", TANDEM_ISA " << isa_name(e);
+      EXPECT_EQ(select_isa("auto"), e);
+    }
+  }
+}
+
+TEST(CpuFeatures, SelectIsaAboveHardwareNamesItsOrigin) {
+  if (hardware_isa() == IsaLevel::amx) GTEST_SKIP() << "this machine has every level";
+  const std::string above(isa_name(static_cast<IsaLevel>(static_cast<int>(hardware_isa()) + 1)));
+  {
+    ScopedEnv env("TANDEM_ISA", "scalar");  // a lower override does not excuse the config
+    try {
+      select_isa(above, "x.yaml: cpu.isa");
+      FAIL() << "no throw";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::unsupported);
+      EXPECT_EQ(e.message().rfind(str_cat("x.yaml: cpu.isa=", above, " asks for more"), 0), 0u) << e.message();
+    }
+  }
+  ScopedEnv env("TANDEM_ISA", above.c_str());
+  try {
+    select_isa("scalar", "x.yaml: cpu.isa");
+    FAIL() << "no throw";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.message().rfind(str_cat("TANDEM_ISA=", above, " asks for more"), 0), 0u) << e.message();
   }
 }
 

@@ -296,6 +296,45 @@ TEST(Engine, LoadsACheckpointAndMatchesTheReference) {
   }
 }
 
+// One rule picks the kernels of every CPU part (cpu.isa, lowered by TANDEM_ISA, capped
+// by the hardware): the engine and each of its layers report the level and run it, the
+// host stream's hot experts included (the output at each level matches the fp64 reference).
+TEST(Engine, KernelLevelFollowsConfigLoweredByTandemIsa) {
+  const uint64_t seed = test_seed();
+  std::mt19937_64 rng(seed);
+  const Weights w(rng);
+  const Batch b(rng, XType::f32, true);
+  const IsaLevel hw = hardware_isa();
+  for (IsaLevel level : all_isa_levels()) {
+    if (level > hw) continue;
+    SCOPED_TRACE(std::string("cpu.isa ") + std::string(isa_name(level)));
+    test::ScopedEnv env("TANDEM_ISA", nullptr);
+    const Config c = parse_config(str_cat("version: 1\ncpu: {format: bf16, virtual_subpools: 2, threads: 1, isa: ",
+                                          isa_name(level), "}\ngpu: {device: none, hot_experts: 2}\n"),
+                                  "engine.yaml");
+    Engine e(c, spec());
+    EXPECT_EQ(e.isa(), level);
+    for (int i = 0; i < e.moe_layers(); ++i) EXPECT_EQ(e.layer(i).isa(), level);
+    for (int i = 0; i < e.moe_layers(); ++i) e.load_layer(i, w.source(i));
+    Batch got = b;
+    e.forward(0, got.io());
+    e.synchronize();
+    expect_close(got.out, reference(w, 0, b), "MoE layer 0");
+
+    // TANDEM_ISA lowers an auto config, and a config above the hardware is refused.
+    test::ScopedEnv env2("TANDEM_ISA", std::string(isa_name(level)).c_str());
+    Engine lowered(config(), spec());
+    EXPECT_EQ(lowered.isa(), level);
+    EXPECT_EQ(lowered.layer(1).isa(), level);
+  }
+  if (hw != IsaLevel::amx) {
+    const std::string above(isa_name(static_cast<IsaLevel>(static_cast<int>(hw) + 1)));
+    const Config c = parse_config("version: 1\ncpu: {isa: " + above + "}\ngpu: {device: none}\n", "engine.yaml");
+    EXPECT_TRUE(throws_error([&] { Engine e(c, spec()); }, "engine.yaml: cpu.isa=" + above + " asks for more",
+                             Errc::unsupported));
+  }
+}
+
 TEST(Engine, HotExpertsFromTheConfig) {
   const uint64_t seed = test_seed();
   std::mt19937_64 rng(seed);

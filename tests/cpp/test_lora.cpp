@@ -169,6 +169,7 @@ struct Case {
   int skip_grad = -1;        // this gradient (Mat) not wanted
   bool mixed_layouts = false;  // strided / transposed LoRA and gradient buffers
   bool zero_down = false;    // base down = 0 (finite differences without bf16 h)
+  int isa = -1;              // the layer's kernel level (-1: its default, effective_isa())
   bool bf16_exact_x = false;  // fp32 x already on the bf16 grid
 };
 
@@ -278,6 +279,7 @@ struct TestLayer {
     o.lora.alpha = c.alpha;
     o.lora.rslora = c.rslora;
     moe = std::make_unique<LoraMoe>(*pool, MoeShape{c.experts, c.hidden, c.inter}, o, layer_index);
+    if (c.isa >= 0) moe->use_isa(static_cast<IsaLevel>(c.isa));
     moe->load([&](int e) {
       return ExpertSource{{p.g[e].data(), SourceType::f32, c.inter, c.hidden},
                           {p.u[e].data(), SourceType::f32, c.inter, c.hidden},
@@ -851,6 +853,31 @@ TEST(LoraReference, AllTokensOnOneExpert) {
     c.one_expert = true, c.one_expert_id = 5;
     c.accumulate = true, c.accumulate_x = true, c.fp32_x = true;
     check_case(c, seed + 7);
+  }
+}
+
+// The layer runs the level it is given (the training path passes the config's cpu.isa,
+// lowered by TANDEM_ISA) in every product, forward and backward; its default follows
+// TANDEM_ISA.
+TEST(LoraReference, EveryKernelLevelThisCpuHas) {
+  const uint64_t seed = test::test_seed();
+  for (IsaLevel level : all_isa_levels()) {
+    if (level > hardware_isa()) continue;
+    for (const PackOptions fmt : {PackOptions{WeightFormat::bf16}, PackOptions{WeightFormat::int8}}) {
+      Case c;
+      c.experts = 4, c.hidden = 128, c.inter = 96, c.top_k = 2, c.tokens = 24, c.rank = 8;
+      c.fmt = fmt;
+      c.isa = static_cast<int>(level);
+      SCOPED_TRACE(std::string(isa_name(level)) + " " + std::string(format_name(fmt.format)));
+      Problem p = make_problem(c, seed + 3);
+      TestLayer layer(p, 1);
+      EXPECT_EQ(layer.moe->isa(), level);
+      check_outputs(p, run(*layer.moe, p), reference(p, base_of(*layer.moe)));
+    }
+    test::ScopedEnv env("TANDEM_ISA", std::string(isa_name(level)).c_str());
+    Case c;
+    Problem p = make_problem(c, seed);
+    EXPECT_EQ(TestLayer(p, 1).moe->isa(), level);
   }
 }
 

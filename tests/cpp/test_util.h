@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -18,6 +19,20 @@
 #include "tandem/kernels.h"
 
 namespace tandem::test {
+
+// Sets (or, with v null, unsets) an environment variable for one scope.
+struct ScopedEnv {
+  ScopedEnv(const char* k, const char* v) : key(k) {
+    if (const char* old = std::getenv(k)) had = true, prev = old;
+    if (v) setenv(k, v, 1); else unsetenv(k);
+  }
+  ~ScopedEnv() {
+    if (had) setenv(key, prev.c_str(), 1); else unsetenv(key);
+  }
+  const char* key;
+  bool had = false;
+  std::string prev;
+};
 
 // A fresh directory per test, removed afterwards.
 class ScratchDir {

@@ -51,11 +51,18 @@ const CpuFeatures& cpu_features();
 IsaLevel hardware_isa();
 // Features a level needs that this machine lacks (empty when the level is supported).
 std::vector<std::string> missing_features(IsaLevel level, const CpuFeatures& f = cpu_features());
-// The level kernels should use: hardware_isa(), or TANDEM_ISA when set. Throws
-// tandem::Error (unsupported) when TANDEM_ISA asks for more than the hardware has.
-IsaLevel effective_isa();
-// Same rule for an explicit request (a config's cpu.isa): "auto" -> hardware level.
+// One explicit request ("auto" -> the hardware level) checked against the hardware:
+// tandem::Error (unsupported) above it, (invalid_argument) for an unknown name; `origin`
+// names where the request came from in the message ("cpu.isa", "TANDEM_ISA", ...).
 IsaLevel resolve_isa(std::string_view requested, std::string_view origin = "TANDEM_ISA");
+// THE rule for choosing kernels, applied wherever kernels are chosen (engine, MoE
+// layers, LoRA layers, the host stream's hot experts, Python models): the config's
+// cpu.isa (`requested`, "auto" = the hardware's level), lowered by TANDEM_ISA when that
+// is set, capped by the hardware; either one asking for more than the hardware has is an
+// error naming it (`origin` for the config's value, e.g. "configs/x.yaml: cpu.isa").
+IsaLevel select_isa(std::string_view requested = "auto", std::string_view origin = "cpu.isa");
+// select_isa("auto"): the hardware's level, or TANDEM_ISA's when set.
+IsaLevel effective_isa();
 
 // Detection from raw register values, exposed for tests of the decoding logic.
 struct CpuidRegs {

@@ -16,8 +16,9 @@
 //
 // Kernels are single-threaded over a range of output panels [panel_begin, panel_end);
 // the MoE engine splits panels across its worker threads. Which ISA variant runs is
-// chosen once per process from effective_isa() (TANDEM_ISA can lower it), or
-// explicitly for tests and benchmarks through kernel_table(level).
+// chosen by select_isa() (cpu_features.h: a config's cpu.isa, lowered by TANDEM_ISA,
+// capped by the hardware): the engine's layers hold kernel_table(level) of their own;
+// the free functions gemm() / gate_up() below use the process table kernels().
 #pragma once
 
 #include <cstddef>
@@ -160,10 +161,12 @@ struct QuantizedActs {
   void prepare(const PackedWeight& w, int rows);
   bool matches(const PackedWeight& w) const { return k == w.k && k_pad == w.k_pad && group == w.group; }
 };
-// Quantizes rows [r0, r1) of A (bf16 or fp32, row stride lda) into qa, with the fastest
-// quantizer this CPU has; disjoint row ranges may run on different threads.
-void quantize_activations(QuantizedActs& qa, const bf16_t* a, int lda, int r0, int r1);
-void quantize_activations(QuantizedActs& qa, const float* a, int lda, int r0, int r1);
+struct KernelTable;
+// Quantizes rows [r0, r1) of A (bf16 or fp32, row stride lda) into qa with kt's
+// quantizer (default: the process table, kernels()); disjoint row ranges may run on
+// different threads.
+void quantize_activations(QuantizedActs& qa, const bf16_t* a, int lda, int r0, int r1, const KernelTable* kt = nullptr);
+void quantize_activations(QuantizedActs& qa, const float* a, int lda, int r0, int r1, const KernelTable* kt = nullptr);
 
 // ---- kernels ------------------------------------------------------------------------
 // Exactly one of a (bf16) and a_f32 (fp32) is the input, or, for the integer formats,
@@ -225,7 +228,8 @@ struct KernelTable {
 // lower one (the variant's name says which code runs). Throws tandem::Error when the
 // level is above the hardware.
 const KernelTable& kernel_table(IsaLevel level);
-// The process-wide table for effective_isa(), resolved on first use.
+// The process-wide table for effective_isa(), resolved on first use (for the free
+// functions below; engines and layers hold the table of their own config's level).
 const KernelTable& kernels();
 
 // Validated entry points through kernels() (TANDEM_CHECK on every argument).

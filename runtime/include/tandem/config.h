@@ -39,6 +39,8 @@
 #include <string_view>
 #include <vector>
 
+#include "tandem/cpu_features.h"
+
 namespace tandem {
 
 struct HotExpertsConfig {
@@ -85,6 +87,9 @@ struct Config {
 
   // -1 for "none", -2 for "auto", else the CUDA device index.
   int gpu_index() const;
+  // The kernel level this config runs: select_isa(cpu.isa) (lowered by TANDEM_ISA,
+  // capped by the hardware; an error naming this file's cpu.isa above it).
+  IsaLevel isa() const;
   // The validated config as JSON (what Python sees; what `tandem doctor` prints).
   std::string to_json() const;
 };

@@ -67,6 +67,8 @@ class Engine {
   Stream& stream() { return *stream_; }
   HybridMoe& hybrid() { return *hybrid_; }
   MoeLayer& layer(int i) { return *layers_.at(i); }
+  // The kernel level every CPU part of this engine runs (Config::isa()).
+  IsaLevel isa() const { return isa_; }
   size_t cpu_bytes() const;     // packed CPU experts, all layers
   size_t device_bytes() const;  // hot experts on the device, all layers
 
@@ -75,6 +77,7 @@ class Engine {
 
   Config config_;
   EngineSpec spec_;
+  IsaLevel isa_;
   std::unique_ptr<Pool> pool_;
   std::unique_ptr<Stream> stream_;
   std::vector<std::unique_ptr<MoeLayer>> layers_;

@@ -100,8 +100,10 @@ class MoeLayer {
   // to one of them here (without masking it) is an error. Call before load().
   void exclude(const std::vector<int>& experts);
   bool excluded(int expert) const { return !excluded_.empty() && excluded_[expert]; }
-  // The kernel level this layer runs (default: effective_isa(); a config's cpu.isa).
+  // The kernel level this layer runs, every phase of it (default: effective_isa() when
+  // the layer is built; an engine passes select_isa(its config's cpu.isa)).
   void use_isa(IsaLevel level) { kt_ = &kernel_table(level); }
+  IsaLevel isa() const { return kt_->level; }
   const KernelTable& kernel_set() const { return *kt_; }
 
   // Packs every expert from `source(e)`, each subpool its own slice on its own threads.

@@ -130,7 +130,8 @@ struct StreamSpan {
   void end(Stream& s);
 };
 
-std::unique_ptr<Stream> make_host_stream();
+// The host stream; its hot experts run on the CPU kernels of level `isa`.
+std::unique_ptr<Stream> make_host_stream(IsaLevel isa = effective_isa());
 // The stream the config's gpu.device asks for: "none" -> host; "cuda:N" -> that GPU (an
 // error naming gpu.device when it is not usable); "auto" -> cuda:0 when a GPU is usable,
 // else the host stream.

@@ -136,6 +136,10 @@ class LoraMoe {
 
   const MoeShape& shape() const { return shape_; }
   const SftOptions& options() const { return options_; }
+  // The kernel level every product of this layer runs (default: effective_isa() when the
+  // layer is built; the training path passes select_isa(its config's cpu.isa)).
+  void use_isa(IsaLevel level) { kt_ = &kernel_table(level); }
+  IsaLevel isa() const { return kt_->level; }
   int layer_index() const { return layer_; }
   Pool& pool() { return pool_; }
   std::pair<int, int> slice(int subpool) const { return {slices_[subpool], slices_[subpool + 1]}; }
