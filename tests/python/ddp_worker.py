@@ -11,7 +11,10 @@ OUT.rank<r>: {"losses": per-step loss averaged over ranks, "initial": the traina
 parameters before training, "params": [the trainable parameters after each step],
 "experts": class names of the modules holding a tandem LoRA layer}.
 --no-ddp trains without the wrapper (no gradient averaging): a manual check that the test
-can fail.
+can fail. --micro N (one process) takes each step's batch as N micro-batches of BATCH/N
+sequences, sums their gradients and scales the sum by 1/N: with N = w, the exact
+arithmetic of w DDP ranks (each rank's forward and backward see the same rows as a
+micro-batch; DDP divides each gradient by w, exactly, and sums).
 """
 from __future__ import annotations
 
@@ -56,10 +59,12 @@ def main() -> None:
     import tandem
 
     ckpt, out = sys.argv[1], sys.argv[2]
-    use_ddp = "--no-ddp" not in sys.argv[3:]
+    flags = sys.argv[3:]
+    use_ddp = "--no-ddp" not in flags
+    micro = int(flags[flags.index("--micro") + 1]) if "--micro" in flags else 1
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    assert BATCH % world == 0
+    assert BATCH % world == 0 and (micro == 1 or world == 1) and BATCH % micro == 0
     torch.manual_seed(0)
     model = tandem.load_model(ckpt, CONFIG, train=True, dtype=torch.float32, progress=False)
     model = get_peft_model(model, lora_config())
@@ -70,17 +75,22 @@ def main() -> None:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=LR)
     data = torch.randint(0, VOCAB, (STEPS, BATCH, SEQ), generator=torch.Generator().manual_seed(5))
-    share = BATCH // world
+    share = BATCH // world // micro
     losses, after = [], []
     for step in range(STEPS):
-        ids = data[step, rank * share:(rank + 1) * share]
-        loss = wrapped(input_ids=ids, labels=ids).loss
-        loss.backward()
+        total = torch.zeros(())
+        for j in range(micro):
+            ids = data[step, (rank * micro + j) * share:(rank * micro + j + 1) * share]
+            loss = wrapped(input_ids=ids, labels=ids).loss
+            loss.backward()
+            total += loss.detach()
+        if micro > 1:
+            for p in params:
+                p.grad.mul_(1.0 / micro)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
+        dist.all_reduce(total)
+        losses.append(total.item() / (world * micro))
         after.append(trainable(model))
     experts = [type(m).__name__ for m in model.modules() if hasattr(m, "lora_layer")]
     torch.save({"losses": losses, "initial": initial, "params": after, "experts": experts}, f"{out}.rank{rank}")

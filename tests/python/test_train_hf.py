@@ -429,19 +429,35 @@ def run_workers(ckpt: Path, out: Path, world: int, *extra: str) -> dict:
 
 
 def test_ddp_two_processes_match_single_process(checkpoint, tmp_path):
-    """2 DDP processes (gloo) on 2 + 2 sequences train as 1 process on the 4 (ddp_worker.py)."""
+    """2 DDP processes (gloo) on 2 + 2 sequences train exactly as 1 process that takes the 4
+    as two micro-batches of 2 and averages their gradients (ddp_worker.py --micro 2): each
+    rank's forward and backward see the rows of one micro-batch, and DDP's averaging
+    (divide by 2, sum) is the same arithmetic, so parameters and losses are bit-identical.
+
+    Against 1 process on all 4 sequences in one batch no tight bound holds: torch's fp32
+    matmuls round differently for a different number of rows (1 ulp), and the BF16 experts
+    round their fp32 inputs to bf16, so a 1-ulp change that crosses a bf16 rounding
+    boundary moves that input by up to 2^-9 relative; such flips depend on the CPU (seen:
+    4e-4..8e-4 relative update error with the fp32-FMA BF16 kernels of Ice Lake / AVX2,
+    2e-6 with vdpbf16ps). That comparison stays as a sanity check against gross errors
+    (without gradient averaging the updates differ by about 100%)."""
     ddp = run_workers(checkpoint, tmp_path / "ddp.pt", 2)
+    micro = run_workers(checkpoint, tmp_path / "micro.pt", 1, "--micro", "2")[0]
     single = run_workers(checkpoint, tmp_path / "single.pt", 1)[0]
     r0, r1 = ddp[0], ddp[1]
     assert r0["experts"] == ["TandemLoraExperts"] * 3
     for n in r0["params"][-1]:  # DDP keeps the replicas identical
         assert torch.equal(r0["params"][-1][n], r1["params"][-1][n]), n
+    assert r0["losses"] == micro["losses"]
+    for s in range(len(micro["params"])):
+        for n in micro["params"][s]:
+            assert torch.equal(r0["params"][s][n], micro["params"][s][n]), (s, n)
     loss_rel = [abs(a - b) / b for a, b in zip(r0["losses"], single["losses"])]
     upd = [update_error(r0["params"][s], single["params"][s], single["initial"]) for s in range(len(single["params"]))]
-    print(f"[measure] ddp loss rel {['%.1e' % v for v in loss_rel]} update rel per step {['%.1e' % v for v in upd]}")
-    assert max(loss_rel) < 1e-5
-    assert upd[0] < 1e-5
-    assert upd[-1] < 2e-3
+    print(f"[measure] ddp vs one batch of 4: loss rel {['%.1e' % v for v in loss_rel]} "
+          f"update rel per step {['%.1e' % v for v in upd]}")
+    assert max(loss_rel) < 1e-3
+    assert max(upd) < 0.1
 
 
 # ---- 5. resume -------------------------------------------------------------------------
