@@ -38,14 +38,16 @@ def __getattr__(name: str):
     if name == "load_model":
         from .loader import load_model
         return load_model
-    if name in ("demo", "lora", "train"):
+    if name in ("demo", "lora", "train", "tracing"):
         import importlib
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'tandem' has no attribute {name!r}")
 
 
 class trace:  # noqa: N801 (a namespace, like tandem::trace)
-    """The Chrome trace recorder (TANDEM_TRACE=path.json also enables it and writes at exit)."""
+    """The Chrome trace recorder (TANDEM_TRACE=path.json also enables it and writes at exit; a
+    config's ``trace.enabled`` enables it in load_model / offload and writes ``trace.path`` at
+    exit: see ``tandem.tracing``)."""
     enable = staticmethod(_C.trace_enable)
     enabled = staticmethod(_C.trace_enabled)
     write = staticmethod(_C.trace_write)

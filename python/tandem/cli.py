@@ -1,17 +1,25 @@
 """The `tandem` command line.
 
-    tandem run [--model DIR --config FILE]  generate with a model (default: the built-in demo)
-    tandem train [--model DIR --data FILE --config FILE]
-                                             LoRA fine-tuning (default: the demo model on the bundled dataset)
+    tandem run [--model DIR] [--config FILE] [--trace OUT.json] [--record-routing STATS.json]
+                                             generate with a model (default: the config's model.path,
+                                             else the built-in demo)
+    tandem train [--model DIR] [--data FILE] [--config FILE] [--out DIR] [--resume | --overwrite]
+                 [--trace OUT.json]          LoRA fine-tuning (default: the demo model on the bundled dataset)
     tandem doctor [--config FILE] [--json]   what tandem can use here; validate a config
     tandem trace-merge TANDEM.json TORCH.json -o OUT.json
                                              put tandem's spans on a torch.profiler timeline
+
+Errors are one line on stderr, "tandem: error: ...", with exit code 2 for bad input
+(arguments, files, configs, a machine that lacks what they ask for) and 1 for other
+failures (a missing Python package, an error while running); --verbose (before or after
+the command) adds the traceback and tandem's internal source locations.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import traceback
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -45,27 +53,37 @@ def _train(args: argparse.Namespace) -> int:
     return train(args)
 
 
+VERBOSE_HELP = "on errors, print the traceback and tandem's internal source locations"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="store_true", help="print the version and exit")
+    p.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
+    # Also accepted after the command; SUPPRESS keeps a subcommand from resetting the top-level value.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP)
     sub = p.add_subparsers(dest="command")
     from tandem.run import add_arguments
 
-    r = sub.add_parser("run", help="load a model through tandem and generate (default: the built-in demo model)")
+    r = sub.add_parser("run", parents=[common],
+                       help="load a model through tandem and generate (default: the built-in demo model)")
     add_arguments(r)
     r.set_defaults(func=_run)
     from tandem.train import add_arguments as add_train_arguments
 
-    t = sub.add_parser("train", help="LoRA fine-tuning through tandem (default: the demo model on a bundled dataset)")
+    t = sub.add_parser("train", parents=[common],
+                       help="LoRA fine-tuning through tandem (default: the demo model on a bundled dataset)")
     add_train_arguments(t)
     t.set_defaults(func=_train)
-    d = sub.add_parser("doctor", help="report ISA features, NUMA nodes, memory, GPUs; validate a config")
+    d = sub.add_parser("doctor", parents=[common],
+                       help="report ISA features, NUMA nodes, memory, GPUs; validate a config")
     d.add_argument("--config", help="placement YAML file to validate against this machine")
     d.add_argument("--json", action="store_true", help="machine-readable output")
     d.add_argument("--no-gpu-kernel", action="store_true", help="skip the test kernel launch on each GPU")
     d.set_defaults(func=_doctor)
-    m = sub.add_parser("trace-merge", help="merge a tandem trace into a torch.profiler Chrome trace")
+    m = sub.add_parser("trace-merge", parents=[common], help="merge a tandem trace into a torch.profiler Chrome trace")
     m.add_argument("tandem", help="tandem trace (TANDEM_TRACE=... or tandem::trace::write)")
     m.add_argument("torch", help="torch.profiler trace (prof.export_chrome_trace)")
     m.add_argument("-o", "--output", required=True, help="merged trace to write")
@@ -83,11 +101,34 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    verbose = getattr(args, "verbose", False)
     try:
         return args.func(args)
-    except (ValueError, OSError) as e:  # tandem's input errors: say what is wrong, no traceback
-        print(f"tandem: error: {e}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        if verbose:
+            traceback.print_exc()
+        print("tandem: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 (every failure: one line; the traceback with --verbose)
+        code, text = _describe_error(args, e)
+        if verbose:
+            traceback.print_exc()
+            text = str(e).strip() if isinstance(e, (ValueError, OSError)) else f"{type(e).__name__}: {e}"
+        print(f"tandem: error: {text}", file=sys.stderr)
+        return code
+
+
+def _describe_error(args: argparse.Namespace, e: Exception) -> tuple[int, str]:
+    """(exit code, one-line message) for an exception escaping a command."""
+    from tandem.cli_checks import user_message
+
+    if isinstance(e, ImportError):  # ModuleNotFoundError included
+        what = f"the Python module {e.name!r}" if e.name else "a Python module"
+        return 1, (f"tandem {args.command} needs {what}, which cannot be imported ({user_message(e)}); "
+                   "install the project's requirements (pip install -r requirements.txt)")
+    if isinstance(e, (ValueError, OSError)):  # bad input: arguments, files, configs, this machine
+        return 2, user_message(e)
+    return 1, f"{type(e).__name__}: {user_message(e)} (--verbose shows the traceback)"
 
 
 if __name__ == "__main__":

@@ -2,7 +2,13 @@
 
     tandem run                                   # the built-in demo model (built once, cached)
     tandem run --model DIR --config FILE         # a real checkpoint and its placement
+    tandem run --config FILE                     # the checkpoint named by FILE's model.path
     tandem run --trace out.json                  # also write the Chrome trace
+    tandem run --record-routing stats.json       # routed counts per layer and expert, for
+                                                 # gpu.hot_experts.statistics in a config
+
+Every input that needs no model (config, model directory, device, output paths, prompt)
+is checked before the model is loaded.
 """
 from __future__ import annotations
 
@@ -68,8 +74,10 @@ def placement_report(engine) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="checkpoint directory (default: the built-in demo model)")
-    p.add_argument("--config", help="placement YAML (default: configs/demo.yaml for the demo, else defaults)")
+    p.add_argument("--model", help="checkpoint directory (default: the config's model.path, else the built-in "
+                                   "demo model)")
+    p.add_argument("--config", help="placement YAML (default: configs/demo.yaml for the demo model, else the "
+                                    "defaults)")
     p.add_argument("--prompt", default="The quick brown fox", help="prompt text")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--sample", action="store_true", help="sample (default: greedy)")
@@ -77,27 +85,65 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--device", help="device of the non-expert weights (default: from the config)")
-    p.add_argument("--trace", help="write a Chrome trace of the generation here")
+    p.add_argument("--trace", help="write a Chrome trace of the generation here (default: the config's "
+                                   "trace.path when its trace.enabled is true)")
+    p.add_argument("--record-routing", metavar="FILE",
+                   help="write the generation's routed counts per layer and expert here, for a config's "
+                        "gpu.hot_experts.statistics")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
+def check_arguments(args: argparse.Namespace):
+    """Everything that can be checked without the model; returns the model / config selection."""
+    import math
+
+    from .cli_checks import InputError, check_output_file, select_model_and_config
+
+    if args.max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if not args.prompt:
+        raise InputError("--prompt is empty")
+    if args.sample:
+        if not (args.temperature > 0 and math.isfinite(args.temperature)):
+            raise InputError(f"--temperature must be a positive number, got {args.temperature}")
+        if not 0 < args.top_p <= 1:
+            raise InputError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.trace:
+        check_output_file(args.trace, "--trace")
+    if args.record_routing:
+        check_output_file(args.record_routing, "--record-routing")
+    return select_model_and_config(args)
+
+
 def run(args: argparse.Namespace) -> int:
+    sel = check_arguments(args)
+    from . import tracing
+    from .cli_checks import InputError, check_device, check_output_file, describe
+
+    trace_path = args.trace or tracing.config_trace_path(sel.cfg)
+    if trace_path and not args.trace:
+        check_output_file(trace_path, f"{sel.config}: trace.path")
+
     import torch
     from transformers import AutoTokenizer
 
     import tandem
     from tandem import demo
 
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    model_dir = args.model or str(demo.ensure_demo_model(progress=not args.no_progress))
-    config = args.config or (str(demo.demo_config_path()) if not args.model else None)
+    check_device(args.device, sel, train=False)
+    model_dir = sel.model or str(demo.ensure_demo_model(progress=not args.no_progress))
+    print(describe(sel, model_dir), flush=True)
     t0 = time.perf_counter()
-    model = tandem.load_model(model_dir, config, device=args.device, progress=not args.no_progress)
+    was_tracing = tandem.trace.enabled()  # TANDEM_TRACE=path records everything
+    model = tandem.load_model(model_dir, sel.config, device=args.device, progress=not args.no_progress)
+    tracing.cancel_pending()  # this command writes its trace itself, at its end: see below
+    tandem.trace.enable(was_tracing)
     load_s = time.perf_counter() - t0
     engine = model.tandem_engine
     tok = AutoTokenizer.from_pretrained(model_dir)
     enc = tok(args.prompt, return_tensors="pt").to(model.device)
+    if enc["input_ids"].shape[1] == 0:
+        raise InputError(f"--prompt {args.prompt!r} is no tokens for this tokenizer")
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample)
     if args.sample:
         gen.update(temperature=args.temperature, top_p=args.top_p)
@@ -105,22 +151,26 @@ def run(args: argparse.Namespace) -> int:
     if tok.pad_token_id is not None:
         gen["pad_token_id"] = tok.pad_token_id
 
-    print(f"model: {model_dir} ({model.config.model_type}, {model.config.num_hidden_layers} layers, "
-          f"dtype {model.dtype}, non-expert weights on {model.device}, torch threads {torch.get_num_threads()}); "
-          f"loaded in {load_s:.1f} s")
-    if args.trace:
+    print(f"loaded: {model.config.model_type}, {model.config.num_hidden_layers} layers, "
+          f"dtype {model.dtype}, non-expert weights on {model.device}, torch threads {torch.get_num_threads()}; "
+          f"in {load_s:.1f} s")
+    if trace_path:
         tandem.trace.enable(True)
     engine.reset_counts()
     out, t = timed_generate(model, enc["input_ids"], enc.get("attention_mask"), **gen)
-    if args.trace:
-        tandem.trace.write(args.trace)
-        tandem.trace.enable(False)
+    if trace_path:
+        tandem.trace.write(str(trace_path))
+        tandem.trace.enable(was_tracing)
+    if args.record_routing:
+        engine.write_statistics(args.record_routing)
     text = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     print(f"prompt: {args.prompt!r}")
     print(f"output: {text!r}")
     print(f"prefill: {t.prompt_tokens} tokens in {t.prefill_s * 1e3:.1f} ms = {t.prefill_tps:.1f} tokens/s")
     print(f"decode:  {t.new_tokens - 1} tokens in {t.decode_s * 1e3:.1f} ms = {t.decode_tps:.1f} tokens/s")
     print(placement_report(engine))
-    if args.trace:
-        print(f"trace: {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
+    if trace_path:
+        print(f"trace: {trace_path} (open in https://ui.perfetto.dev or chrome://tracing)")
+    if args.record_routing:
+        print(f"routing statistics: {args.record_routing} (use as gpu.hot_experts.statistics, with a count)")
     return 0

@@ -3,6 +3,11 @@ training script needs (atomic training-state checkpoints, a packed text dataset)
 
     tandem train                                   # the demo model on the bundled dataset
     tandem train --model DIR --data FILE --config FILE --steps 2000 --out runs/x
+    tandem train --config FILE                     # the checkpoint named by FILE's model.path
+
+Inputs that need no model (config, model directory, data file, --out, --resume checkpoint,
+--trace path, device) are checked before the model is loaded. An --out that holds an earlier
+run is refused unless --resume (continue it) or --overwrite (replace it) is given.
 
 The model is loaded with ``tandem.load_model(..., train=True)`` (experts straight from the
 checkpoint into the CPU pools), PEFT LoRA goes on every linear layer torch holds
@@ -226,10 +231,15 @@ def plot_loss(losses: list[float], out: Path, title: str) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="checkpoint directory (default: the built-in demo model)")
+    p.add_argument("--model", help="checkpoint directory (default: the config's model.path, else the built-in "
+                                   "demo model)")
     p.add_argument("--data", help=".jsonl ({\"text\": ...} per line) or .txt file (default: the bundled demo dataset)")
-    p.add_argument("--config", help="placement YAML (default: configs/demo.yaml for the demo, else defaults)")
+    p.add_argument("--config", help="placement YAML (default: configs/demo.yaml for the demo model, else the "
+                                    "defaults)")
     p.add_argument("--out", default="tandem-train", help="output directory (default: ./tandem-train)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier run in --out (its checkpoint, adapter and loss files are deleted "
+                        "when training starts)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=8, help="sequences per step")
     p.add_argument("--seq", type=int, default=64, help="tokens per sequence")
@@ -240,7 +250,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (0: off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=100, help="steps between checkpoints (0: only at the end)")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint (same --rank / --alpha)")
+    p.add_argument("--trace", help="write a Chrome trace of the training steps here (default: the config's "
+                                   "trace.path when its trace.enabled is true)")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute layers in backward")
     p.add_argument("--device", help="device of the non-expert weights (default: from the config)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
@@ -248,7 +260,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
+def check_arguments(args: argparse.Namespace):
+    """Everything that can be checked without the model; returns (model / config selection,
+    the data's texts, the trace path or None)."""
+    from . import tracing
+    from .cli_checks import (InputError, check_output_file, check_resume, check_train_out,
+                             select_model_and_config)
+
+    for name in ("steps", "batch", "seq", "rank"):
+        if getattr(args, name) < 1:
+            raise InputError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        raise InputError(f"--lr must be a positive number, got {args.lr}")
+    sel = select_model_and_config(args)
+    texts = read_texts(Path(args.data) if args.data else DEMO_DATA)
+    out = Path(args.out)
+    check_train_out(out, args.resume, args.overwrite)
+    if args.resume:
+        check_resume(resolve_dir(out / "checkpoint"), args.rank, args.alpha)
+    if args.trace:
+        check_output_file(args.trace, "--trace")
+    trace_path = args.trace or tracing.config_trace_path(sel.cfg)
+    if trace_path and not args.trace:
+        check_output_file(trace_path, f"{sel.config}: trace.path")
+    return sel, texts, trace_path
+
+
 def train(args: argparse.Namespace) -> int:
+    sel, texts, trace_path = check_arguments(args)
+
     import resource
 
     import torch
@@ -258,25 +298,27 @@ def train(args: argparse.Namespace) -> int:
     import tandem
     from tandem import demo
 
-    for name in ("steps", "batch", "seq", "rank"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}")
-    if not (args.lr > 0 and math.isfinite(args.lr)):
-        raise ValueError(f"--lr must be a positive number, got {args.lr}")
+    from . import tracing
+    from .cli_checks import check_device, describe, existing_run
+
+    check_device(args.device, sel, train=True)
     progress = not args.no_progress
-    model_dir = args.model or str(demo.ensure_demo_model(progress=progress))
-    config = args.config or (str(demo.demo_config_path()) if not args.model else None)
+    model_dir = sel.model or str(demo.ensure_demo_model(progress=progress))
     data = Path(args.data) if args.data else DEMO_DATA
     out = Path(args.out)
+    print(describe(sel, model_dir), flush=True)
 
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    if dtype is None and not args.model:
+    if dtype is None and sel.is_demo:
         dtype = torch.float32  # the demo model is tiny: train its torch side in full precision
-    model = tandem.load_model(model_dir, config, device=args.device, dtype=dtype, train=True, progress=progress)
+    was_tracing = tandem.trace.enabled()  # TANDEM_TRACE=path records everything
+    model = tandem.load_model(model_dir, sel.config, device=args.device, dtype=dtype, train=True, progress=progress)
+    tracing.cancel_pending()  # this command writes its trace itself, at its end: see below
+    tandem.trace.enable(was_tracing)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    dataset = PackedDataset(read_texts(data), tok, args.seq, args.seed)
+    dataset = PackedDataset(texts, tok, args.seq, args.seed)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = get_peft_model(model, peft_config(model, args.rank, args.alpha))
@@ -288,15 +330,21 @@ def train(args: argparse.Namespace) -> int:
     start, losses = 0, []
     if args.resume:
         ckpt = resolve_dir(out / "checkpoint")
-        if not ckpt.exists():
-            raise ValueError(f"--resume: {out / 'checkpoint'} does not exist")
-        start, extra = load_training_state(ckpt, model, opt, sched)
+        try:
+            start, extra = load_training_state(ckpt, model, opt, sched)
+        except (RuntimeError, KeyError) as e:  # torch's size mismatches: a checkpoint of another model
+            first = str(e).strip().splitlines()
+            raise ValueError(f"--resume: {ckpt} does not fit this model and LoRA config "
+                             f"({first[0] if first else type(e).__name__}...)") from e
         losses = list(extra.get("losses", []))[:start]
+    elif args.overwrite:
+        for f in existing_run(out):
+            (shutil.rmtree if (out / f).is_dir() else os.remove)(out / f)
     load_s = time.perf_counter() - t0
     dev = next(p.device for p in params)
-    print(f"model: {model_dir} ({model.config.model_type}, {model.config.num_hidden_layers} layers), "
+    print(f"loaded: {model.config.model_type}, {model.config.num_hidden_layers} layers; "
           f"LoRA r={args.rank} alpha={args.alpha}: {trainable / 1e6:.2f} M trainable parameters; "
-          f"data: {data} ({len(dataset)} sequences of {args.seq} tokens); loaded in {load_s:.1f} s", flush=True)
+          f"data: {data} ({len(dataset)} sequences of {args.seq} tokens); in {load_s:.1f} s", flush=True)
     if start:
         print(f"resuming at step {start} from {out / 'checkpoint'}", flush=True)
 
@@ -305,6 +353,8 @@ def train(args: argparse.Namespace) -> int:
 
     from tqdm.auto import tqdm
 
+    if trace_path:
+        tandem.trace.enable(True)
     bar = tqdm(total=args.steps, initial=start, desc="training", unit="step", disable=not progress)
     t_train, tokens = time.perf_counter(), 0
     for step in range(start, args.steps):
@@ -326,6 +376,9 @@ def train(args: argparse.Namespace) -> int:
             checkpoint(step + 1)
     bar.close()
     train_s = time.perf_counter() - t_train
+    if trace_path:
+        tandem.trace.write(str(trace_path))
+        tandem.trace.enable(was_tracing)
     checkpoint(args.steps)
     save_adapter(model, out / "adapter")
     tmp = out / ".loss.csv.tmp"
@@ -340,4 +393,6 @@ def train(args: argparse.Namespace) -> int:
               f"peak memory {rss:.2f} GiB")
     print(f"adapter: {out / 'adapter'} (load with peft.PeftModel.from_pretrained)\n"
           f"checkpoint: {out / 'checkpoint'} (tandem train --resume)\nplot: {out / 'loss.png'}")
+    if trace_path:
+        print(f"trace: {trace_path} (open in https://ui.perfetto.dev or chrome://tracing)")
     return 0

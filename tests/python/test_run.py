@@ -99,3 +99,137 @@ def test_tandem_run_sampling_and_errors(cache, tmp_path):
     assert r.returncode == 2 and "tandem: error:" in r.stderr and "no config.json" in r.stderr
     r = run_cli("run", "--max-new-tokens", "0", "--no-progress")
     assert r.returncode == 2 and "--max-new-tokens" in r.stderr
+
+
+# ---- inputs checked before the model loads ---------------------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt", ""], "--prompt is empty"),
+    (["--trace", "{tmp}/no-dir/trace.json"], "--trace {tmp}/no-dir/trace.json: the directory {tmp}/no-dir does not exist"),
+    (["--record-routing", "{tmp}/no-dir/s.json"], "--record-routing {tmp}/no-dir/s.json: the directory"),
+    (["--model", "{tmp}/nowhere"], "--model: {tmp}/nowhere: no such directory"),
+    (["--config", "{tmp}/cfg/with-model-path.yaml"], "model.path of {tmp}/cfg/with-model-path.yaml: {tmp}/cfg/missing"),
+    (["--device", "cuda"], "--device cuda: torch sees no CUDA device"),
+    (["--config", "{tmp}/cfg/cuda.yaml"], "{tmp}/cfg/cuda.yaml: gpu.device is 'cuda:0' but torch sees no CUDA device"),
+])
+def test_run_checks_its_inputs_before_loading_a_model(argv, message, tmp_path, monkeypatch, capsys):
+    from tandem import cli
+
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "with-model-path.yaml").write_text("model:\n  path: missing\n")
+    (tmp_path / "cfg" / "cuda.yaml").write_text("gpu:\n  device: cuda:0\n")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a machine without a GPU
+    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "cache"))
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    assert cli.main(["run", "--no-progress", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tandem: error: " + message.format(tmp=tmp_path)) and err.count("\n") == 1, err
+    assert not (tmp_path / "cache").exists(), "checked only after the demo model was built"
+
+
+# ---- model.path and trace.* from the config, --record-routing ---------------------------
+
+def _demo_copy(tmp_path: Path) -> Path:
+    """The demo checkpoint under another name, so output names which one was loaded."""
+    import shutil
+
+    return Path(shutil.copytree(demo.ensure_demo_model(progress=False), tmp_path / "cfg" / "mymodel"))
+
+
+def test_run_uses_the_configs_model_path_and_trace_section(cache, tmp_path, monkeypatch, capsys):
+    from tandem import cli, tracing
+
+    copy = _demo_copy(tmp_path)
+    cfg = tmp_path / "cfg" / "run.yaml"  # model.path resolves against the config's directory,
+    cfg.write_text(demo.DEMO_CONFIG_YAML.replace("enabled: false", "enabled: true")  # trace.path against the cwd
+                   .replace("path: tandem_trace.json", "path: run_trace.json") + "model:\n  path: mymodel\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert cli.main(["run", "--config", str(cfg), "--max-new-tokens", "3", "--no-progress"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"model: {copy} (model.path of {cfg})", out
+    assert out[1] == f"config: {cfg}", out
+    assert out[2].startswith("loaded: qwen3_moe"), out
+    events = json.loads((work / "run_trace.json").read_text())["traceEvents"]
+    assert {"gate_up", "down"} <= {e.get("name") for e in events}
+    assert tracing.pending() == [] and not tandem.trace.enabled(), "the CLI wrote the trace itself"
+    # An explicit --model wins over model.path.
+    assert cli.main(["run", "--model", str(demo.ensure_demo_model(progress=False)), "--config", str(cfg),
+                     "--max-new-tokens", "2", "--no-progress"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == f"model: {demo.ensure_demo_model(progress=False)} (--model)"
+
+
+def test_recorded_routing_statistics_choose_the_hot_experts(cache, tmp_path, capsys):
+    from tandem import cli
+
+    stats = tmp_path / "stats.json"
+    assert cli.main(["run", "--max-new-tokens", "8", "--no-progress", "--record-routing", str(stats),
+                     "--prompt", "Mixture-of-Experts models route each token to a few experts."]) == 0
+    capsys.readouterr()
+    data = json.loads(stats.read_text())
+    E, k, L = demo.DEMO_SHAPE["num_experts"], demo.DEMO_SHAPE["num_experts_per_tok"], demo.DEMO_SHAPE["num_hidden_layers"]
+    assert data["format"] == "tandem.routing_statistics" and data["experts"] == E
+    assert sorted(map(int, data["layers"])) == list(range(L))
+    tokens = len(b"Mixture-of-Experts models route each token to a few experts.") + 8 - 1
+    assert all(sum(c) == tokens * k for c in data["layers"].values())
+
+    # The file, named relative to a config, picks each layer's most-routed experts (ties: lower id).
+    cfg = tmp_path / "hot.yaml"
+    cfg.write_text("gpu:\n  device: none\n  hot_experts:\n    count: 4\n    statistics: stats.json\n")
+    assert tandem.load_config(cfg)["gpu"]["hot_experts"]["statistics"] == str(stats)
+    path = demo.ensure_demo_model(progress=False)
+    engine = tandem.load_model(path, cfg, device="cpu", progress=False).tandem_engine
+    uniform = tandem.load_model(path, {"gpu": {"device": "none", "hot_experts": 4}}, device="cpu",
+                                progress=False).tandem_engine
+    chosen = []
+    for i in range(L):
+        c = data["layers"][str(engine.layers[i])]
+        want = sorted(sorted(range(E), key=lambda e: (-c[e], e))[:4])
+        assert engine.hot(i) == want, (i, c)
+        chosen.append(engine.hot(i))
+    assert chosen != [uniform.hot(i) for i in range(L)], "statistics chose the same experts as count alone"
+
+
+# ---- trace.* through the Python API -------------------------------------------------------
+
+def test_config_trace_in_load_model_is_written_at_exit(cache, tmp_path):
+    # load_model with trace.enabled: recording starts, trace.path (relative to the cwd) is
+    # written when the interpreter exits.
+    script = (
+        "import sys, torch, tandem\n"
+        "cfg = {'gpu': {'device': 'none'}, 'trace': {'enabled': True, 'path': 'api_trace.json'}}\n"
+        "m = tandem.load_model(sys.argv[1], cfg, device='cpu', progress=False)\n"
+        "assert tandem.trace.enabled()\n"
+        "with torch.no_grad():\n"
+        "    m(torch.tensor([[1, 2, 3, 4, 5]]))\n")
+    r = subprocess.run([sys.executable, "-c", script, str(demo.ensure_demo_model(progress=False))], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    events = json.loads((tmp_path / "api_trace.json").read_text())["traceEvents"]
+    assert {"gate_up", "down"} <= {e.get("name") for e in events}
+
+
+def test_config_trace_in_offload(tiny_qwen3_moe_dir, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from tandem import tracing
+
+    monkeypatch.chdir(tmp_path)
+    off = AutoModelForCausalLM.from_pretrained(tiny_qwen3_moe_dir).eval()
+    tandem.offload(off, {"gpu": {"device": "none"}}, progress=False)
+    assert not tandem.trace.enabled() and tracing.pending() == [], "trace.enabled defaults to false"
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_moe_dir).eval()
+    try:
+        tandem.offload(model, {"gpu": {"device": "none"}, "trace": {"enabled": True, "path": "off.json"}},
+                       progress=False)
+        assert tandem.trace.enabled()
+        assert tracing.pending() == [tmp_path / "off.json"], "relative to the working directory"
+        with torch.no_grad():
+            model(torch.tensor([[1, 2, 3]]))
+        assert tracing.write_pending() == [tmp_path / "off.json"]
+        events = json.loads((tmp_path / "off.json").read_text())["traceEvents"]
+        assert {"gate_up", "down"} <= {e.get("name") for e in events}
+    finally:
+        tracing.cancel_pending()
+        tandem.trace.enable(False)

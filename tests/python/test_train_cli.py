@@ -152,3 +152,88 @@ def test_a_checkpoint_missing_some_adapters_is_refused(cache, tmp_path):
     with pytest.raises(ValueError, match=r"has no values for these adapter tensors.*v_proj"):
         load_training_state(tmp_path / "ck", model(["q_proj", "v_proj"]))
     assert load_training_state(tmp_path / "ck", model(["q_proj"]))[0] == 1
+
+
+# ---- inputs checked before the model loads ---------------------------------------------
+
+def _fake_checkpoint(d, rank: int, alpha: float):
+    d.mkdir(parents=True)
+    (d / "adapter_config.json").write_text(json.dumps({"r": rank, "lora_alpha": alpha}))
+    (d / "adapter_model.safetensors").write_bytes(b"")
+    (d / "training_state.pt").write_bytes(b"")
+
+
+@pytest.mark.parametrize("case", ["existing-run", "resume-and-overwrite", "resume-rank", "resume-incomplete",
+                                  "trace-dir", "config-model-path", "device", "data"])
+def test_train_checks_its_inputs_before_loading_a_model(case, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    argv = ["train", "--steps", "2", "--out", str(out), *SHORT]
+    if case == "existing-run":
+        out.mkdir()
+        (out / "loss.csv").write_text("step,loss\n1,5.0\n")
+        message = f"--out {out} already holds a run (loss.csv); pass --overwrite to replace it or --resume"
+    elif case == "resume-and-overwrite":
+        argv += ["--resume", "--overwrite"]
+        message = "--resume and --overwrite exclude each other"
+    elif case == "resume-rank":
+        _fake_checkpoint(out / "checkpoint", 4, 8)
+        argv += ["--resume"]  # the default --rank 8 --alpha 16
+        message = f"--resume: {out / 'checkpoint'} was trained with --rank 4 --alpha 8; this run asks for --rank 8"
+    elif case == "resume-incomplete":
+        (out / "checkpoint").mkdir(parents=True)
+        argv += ["--resume"]
+        message = f"--resume: {out / 'checkpoint'} is not a tandem training checkpoint (missing adapter_config.json"
+    elif case == "trace-dir":
+        argv += ["--trace", str(tmp_path / "no-dir" / "t.json")]
+        message = f"--trace {tmp_path / 'no-dir' / 't.json'}: the directory {tmp_path / 'no-dir'} does not exist"
+    elif case == "config-model-path":
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text("model:\n  path: /nonexistent/model\n")
+        argv += ["--config", str(cfg)]
+        message = f"model.path of {cfg}: /nonexistent/model: no such directory"
+    elif case == "device":
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        argv += ["--device", "cuda:0"]
+        message = "--device cuda:0: torch sees no CUDA device"
+    else:
+        (tmp_path / "d.txt").write_text("\n\n  \n")
+        argv += ["--data", str(tmp_path / "d.txt")]
+        message = f"{tmp_path / 'd.txt'}: no texts"
+    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "cache"))
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tandem: error: " + message) and err.count("\n") == 1, err
+    assert not (tmp_path / "cache").exists(), "checked only after the demo model was built"
+
+
+# ---- model.path and trace.* from the config, --trace, --overwrite -----------------------
+
+def test_train_uses_the_configs_model_path_and_trace_then_overwrite(cache, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    copy = shutil.copytree(demo.ensure_demo_model(progress=False), tmp_path / "mymodel")
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text(demo.DEMO_CONFIG_YAML.replace("enabled: false", "enabled: true")
+                   .replace("path: tandem_trace.json", "path: train_trace.json") + "model:\n  path: mymodel\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    out = tmp_path / "out"
+    assert cli.main(["train", "--config", str(cfg), "--steps", "2", "--out", str(out), *SHORT]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"model: {copy} (model.path of {cfg})", lines
+    assert lines[1] == f"config: {cfg}", lines
+    assert lines[2].startswith("loaded: qwen3_moe"), lines
+    events = json.loads((work / "train_trace.json").read_text())["traceEvents"]
+    names = {e.get("name") for e in events}
+    assert {"sft_gate_up", "sft_down", "sft_bw_dh"} <= names, sorted(n for n in names if n)  # forward and backward
+    assert len(losses(out)) == 2
+
+    # Again into the same --out: refused without --overwrite (above); with it, the old run is
+    # replaced, and --trace FILE (the flag wins over the config's trace.path) is written.
+    trace = tmp_path / "flag_trace.json"
+    assert cli.main(["train", "--config", str(cfg), "--steps", "1", "--out", str(out), "--overwrite",
+                     "--trace", str(trace), *SHORT]) == 0
+    assert len(losses(out)) == 1
+    assert torch.load(out / "checkpoint" / "training_state.pt", weights_only=False)["step"] == 1
+    assert json.loads(trace.read_text())["traceEvents"]
