@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -121,11 +122,286 @@ def _v4_projections(expert: nn.Module) -> tuple[nn.Linear, nn.Linear, nn.Linear]
                      "or w1/w3/w2 linear layers")
 
 
+# ---- what an experts module computes ---------------------------------------------------
+# tandem's kernels (CPU packs, GPU hot experts, LoRA path) compute, per token t,
+#   out[t] = sum_k w[t, k] * down_e(silu(gate_e x_t) * up_e x_t),  e = ids[t, k]
+# with no biases, no clamp, no other activation. An experts module is accepted only when
+# its structure says so (class, act_fn, gating, tensors) and, once per distinct kind of
+# module, its own forward agrees with that formula on a small test input.
+
+_PROBE_EXPERTS = 2        # experts of a fused module the numeric check copies (fp32, CPU)
+# token norms, in units of rms(gate pre-activation) = 1: a clamp or softcap at any limit
+# up to ~400 (gpt-oss and DeepSeek-V4 clamp at 7 and 10) changes the largest tokens' output
+_PROBE_SCALES = (0.25, 1.0, 4.0, 16.0, 64.0, 256.0)
+_PROBE_TOLERANCE = 1e-3   # max |forward - reference| / max |reference| per token (fp32 vs fp64: ~1e-6)
+
+
+def _silu_types() -> tuple[type, ...]:
+    types: tuple[type, ...] = (nn.SiLU,)
+    try:
+        from transformers.activations import SiLUActivation
+        types += (SiLUActivation,)
+    except ImportError:  # pragma: no cover
+        pass
+    return types
+
+
+def _is_silu(act: Any) -> bool:
+    if act is nn.functional.silu:
+        return True
+    return type(act) in _silu_types() and "forward" not in vars(act)
+
+
+def _act_name(act: Any) -> str:
+    return getattr(act, "__name__", None) or type(act).__name__
+
+
+def _own_forward(module: nn.Module) -> Callable | None:
+    """The function a module's forward runs, as an unbound function of the module (so it can
+    run on a copy); None when its instance forward was replaced by something else."""
+    f = module.__dict__.get("forward")
+    if f is None:
+        return type(module).forward
+    if hasattr(module, "_hf_hook") and "_old_forward" in module.__dict__:  # accelerate's hook wraps the own forward
+        f = module.__dict__["_old_forward"]
+    if getattr(f, "__self__", None) is module and hasattr(f, "__func__"):
+        return f.__func__
+    return None
+
+
+def _check_gating(module: nn.Module, name: str, where: str) -> None:
+    """Class-level checks shared by fused and per-expert modules: activation and gating."""
+    act = getattr(module, "act_fn", None)
+    if act is not None and not _is_silu(act):
+        raise ValueError(f"{name} ({where}): its activation act_fn is {_act_name(act)}; tandem's kernels compute "
+                         "silu(gate) * up (only SiLU experts are supported)")
+    if "_apply_gate" in vars(module):
+        raise ValueError(f"{name} ({where}): its _apply_gate is replaced on the instance; tandem's kernels compute "
+                         "silu(gate) * up (custom gating such as a clamped or softcapped SwiGLU is not supported)")
+    gate_fn = getattr(type(module), "_apply_gate", None)
+    if gate_fn is not None:
+        try:
+            from transformers.integrations.moe import _default_apply_gate
+        except ImportError:  # pragma: no cover
+            _default_apply_gate = None
+        if gate_fn is not _default_apply_gate:
+            owner = next(c for c in type(module).__mro__ if "_apply_gate" in vars(c))
+            raise ValueError(f"{name} ({where}): it gates with its own {owner.__name__}._apply_gate (e.g. a clamped or "
+                             "softcapped SwiGLU), not silu(gate) * up; tandem's kernels compute silu(gate) * up only")
+
+
+def check_experts_structure(experts: nn.Module, where: str) -> None:
+    """Refuses (ValueError naming the class) an experts module whose structure is not the
+    kernels' silu(gate) * up without biases: another act_fn, its own gating, extra tensors
+    (biases, norms), no gate, transposed/interleaved layouts. Works on meta modules."""
+    if isinstance(experts, nn.ModuleList):
+        if len(experts) == 0:
+            raise ValueError(f"{where}: the experts ModuleList is empty")
+        kinds = {type(ex) for ex in experts}
+        if len(kinds) != 1:
+            raise ValueError(f"{where}: the experts are of different classes {sorted(k.__name__ for k in kinds)}")
+        for ex in experts:
+            name = type(ex).__name__
+            _check_gating(ex, name, where)
+            for proj in _v4_projections(ex):
+                if proj.bias is not None:
+                    raise ValueError(f"{name} ({where}): its projections have biases; tandem's kernels compute "
+                                     "bias-free silu(gate) * up experts")
+        return
+    name = type(experts).__name__
+    _check_gating(experts, name, where)
+    if getattr(experts, "has_gate", True) is False:
+        raise ValueError(f"{name} ({where}): experts without a gate projection are not supported (silu(gate) * up)")
+    if getattr(experts, "has_post_expert_norm", False):
+        raise ValueError(f"{name} ({where}): experts with a norm after each expert are not supported")
+    extra = [n for n, _ in experts.named_parameters() if n not in ("gate_up_proj", "down_proj")]
+    extra += [n for n, _ in experts.named_buffers()]
+    if extra:
+        raise ValueError(f"{name} ({where}): it has tensors tandem's kernels do not use ({', '.join(extra)}); only "
+                         "gate_up_proj and down_proj of bias-free silu(gate) * up experts are supported")
+    expert_shape(experts)  # layout: fused, concatenated, not transposed, matching shapes
+
+
+def _probe_tensor(t: torch.Tensor, rows: int | None, gen: torch.Generator) -> torch.Tensor:
+    """An fp32 CPU copy of t[:rows] (only those rows are copied), or random values of that
+    shape for a meta tensor (std 1/sqrt(fan-in))."""
+    if t.is_meta:
+        shape = (rows, *t.shape[1:]) if rows is not None else tuple(t.shape)
+        return torch.randn(shape, generator=gen) / (shape[-1] ** 0.5)
+    src = t.detach()[:rows] if rows is not None else t.detach()
+    return src.to(device="cpu", dtype=torch.float32, copy=True)
+
+
+def _probe_inputs(wg: torch.Tensor, n: int, k: int, gen: torch.Generator):
+    """Tokens spanning small to very large gate pre-activations (a clamp at any usual limit
+    shows), ids routing each token to k of the first n experts, positive weights."""
+    H = wg.shape[-1]
+    T = len(_PROBE_SCALES)
+    x = torch.randn(T, H, generator=gen, dtype=torch.float64)
+    x = x / x.norm(dim=1, keepdim=True)
+    rms = torch.einsum("th,...ih->...ti", x, wg.double()).pow(2).mean().sqrt().clamp_min(1e-30)
+    x = x * torch.tensor(_PROBE_SCALES, dtype=torch.float64)[:, None] / rms
+    ids = torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=gen, dtype=torch.float64) * 0.8 + 0.2
+    return x, ids, w
+
+
+def _reference(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor, ids: torch.Tensor,
+               w: torch.Tensor) -> torch.Tensor:
+    """sum_k w[t, k] * wd_e (silu(wg_e x_t) * wu_e x_t) in fp64; wg/wu [n, I, H], wd [n, H, I]."""
+    g = torch.einsum("th,eih->tei", x, wg.double())
+    u = torch.einsum("th,eih->tei", x, wu.double())
+    y = torch.einsum("tei,ehi->teh", nn.functional.silu(g) * u, wd.double())  # [T, n, H]
+    return (y[torch.arange(x.shape[0])[:, None], ids] * w[..., None]).sum(1)
+
+
+def _compare(name: str, where: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    got = got.double()
+    if got.shape != want.shape:
+        raise ValueError(f"{name} ({where}): its forward returned shape {tuple(got.shape)} on a test input, "
+                         f"expected {tuple(want.shape)}")
+    scale = want.abs().amax(1).clamp_min(1e-30)
+    rel = ((got - want).abs().amax(1) / scale)
+    err = float(rel.max()) if torch.isfinite(rel).all() else float("inf")
+    if not err <= _PROBE_TOLERANCE:
+        raise ValueError(f"{name} ({where}): its forward differs from silu(gate) * up experts (max rel diff "
+                         f"{err:.2g} on a test input of {got.shape[0]} tokens): tandem's kernels compute "
+                         "out = sum_k w_k * down(silu(gate x) * up x) only; clamped or softcapped SwiGLU, other "
+                         "activations and biases are not supported")
+
+
+def _run_probe(fn: Callable, module: nn.Module, name: str, where: str, *args) -> torch.Tensor:
+    try:
+        with torch.no_grad():
+            out = fn(module, *args)
+    except Exception as e:  # noqa: BLE001 (any failure means: cannot verify)
+        raise ValueError(f"{name} ({where}): tandem could not run its forward on a test input to check that it "
+                         f"computes silu(gate) * up experts ({type(e).__name__}: {e})") from e
+    if isinstance(out, tuple):  # some experts modules return (out, extra)
+        out = out[0]
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"{name} ({where}): its forward returned {type(out).__name__} on a test input, not a tensor")
+    return out
+
+
+def check_experts_numerics(experts: nn.Module, where: str) -> None:
+    """Runs the experts module's own forward once, in fp32 on a copy of the first
+    _PROBE_EXPERTS experts' weights (random weights for a meta module), on a few tokens of
+    very different norms, and refuses it when it differs from the kernels' formula.
+
+    Only those experts are copied (a shallow copy of the module whose parameters are the fp32
+    slices; the module itself and its other experts are not touched); the copy runs transformers'
+    eager path (``config._experts_implementation = "eager"``), the class's own code."""
+    import copy
+
+    gen = torch.Generator().manual_seed(0x7A4D)
+    if isinstance(experts, nn.ModuleList):
+        ex = experts[0]
+        name = type(ex).__name__
+        fn = _own_forward(ex)
+        if fn is None:
+            raise ValueError(f"{name} ({where}): its forward was replaced on the instance "
+                             f"({ex.__dict__.get('forward')!r}); tandem cannot check that it computes silu(gate) * up")
+        names = next(n for n in (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+                     if all(hasattr(ex, a) for a in n))
+        probe = copy.copy(ex)
+        probe._modules = dict(ex._modules)
+        probe._parameters, probe._buffers = dict(ex._parameters), dict(ex._buffers)
+        mats = []
+        for attr, lin in zip(names, _v4_projections(ex)):
+            m = nn.Linear(lin.in_features, lin.out_features, bias=False)
+            m.weight = nn.Parameter(_probe_tensor(lin.weight, None, gen), requires_grad=False)
+            probe._modules[attr] = m
+            mats.append(m.weight[None])
+        x, ids, w = _probe_inputs(mats[0], 1, 1, gen)
+        out = _run_probe(fn, probe, name, where, x.float())
+        _compare(name, where, out, _reference(x, *mats, torch.zeros_like(ids), torch.ones_like(w)))
+        return
+    name = type(experts).__name__
+    fn = _own_forward(experts)
+    if fn is None:
+        raise ValueError(f"{name} ({where}): its forward was replaced on the instance "
+                         f"({experts.__dict__.get('forward')!r}); tandem cannot check that it computes silu(gate) * up")
+    E, H, I = expert_shape(experts)
+    n = min(E, _PROBE_EXPERTS)
+    gu = _probe_tensor(experts.gate_up_proj, n, gen)
+    dn = _probe_tensor(experts.down_proj, n, gen)
+    probe = copy.copy(experts)
+    probe._modules, probe._buffers = dict(experts._modules), dict(experts._buffers)
+    probe._parameters = {"gate_up_proj": nn.Parameter(gu, requires_grad=False),
+                         "down_proj": nn.Parameter(dn, requires_grad=False)}
+    cfg = getattr(experts, "config", None)
+    if cfg is not None and hasattr(cfg, "_experts_implementation"):
+        probe.config = copy.copy(cfg)
+        probe.config._experts_implementation = "eager"
+    x, ids, w = _probe_inputs(gu[:, :I], n, n, gen)
+    out = _run_probe(fn, probe, name, where, x.float(), ids, w.float())
+    _compare(name, where, out, _reference(x, gu[:, :I], gu[:, I:], dn, ids, w))
+
+
+def _experts_kind(experts: nn.Module) -> tuple:
+    """What decides an experts module's computation, for checking each kind once: class, own
+    forward, activation and gating, and the module's plain scalar settings (a clamp limit
+    differing between layers makes a different kind)."""
+    mod = experts[0] if isinstance(experts, nn.ModuleList) and len(experts) else experts
+    scalars = tuple(sorted((k, v) for k, v in vars(mod).items()
+                           if not k.startswith("_") and isinstance(v, (bool, int, float, str))))
+    act = getattr(mod, "act_fn", None)
+    return (type(experts), type(mod), _own_forward(mod), type(act), mod.__dict__.get("_apply_gate"), scalars)
+
+
+def check_experts(experts: nn.Module, where: str, checked: set | None = None) -> None:
+    """check_experts_structure, then check_experts_numerics once per kind of module
+    (``checked`` collects the kinds already verified, across the layers of one model)."""
+    check_experts_structure(experts, where)
+    kind = _experts_kind(experts)
+    if checked is not None and kind in checked:
+        return
+    check_experts_numerics(experts, where)
+    if checked is not None:
+        checked.add(kind)
+
+
 def _model_device(model: nn.Module) -> torch.device:
     for p in model.parameters():
         if p.device.type != "meta":
             return p.device
     return torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class CudaBinding:
+    """Where a CUDA engine enqueues: device index and the cudaStream_t handle (torch's
+    ``Stream.cuda_stream``; 0 is the legacy default stream) current when it was built. The
+    C++ stream wraps that one handle for the engine's life."""
+    device: int
+    stream: int
+
+
+# CUDA engines made by make_engine -> their binding (the _C.Engine does not expose it).
+_CUDA_BINDINGS: "weakref.WeakKeyDictionary[_C.Engine, CudaBinding]" = weakref.WeakKeyDictionary()
+
+
+def _stream_name(handle: int) -> str:
+    return "the default stream (0x0)" if handle == 0 else f"stream {handle:#x}"
+
+
+def check_cuda_call(where: str, binding: CudaBinding, device: torch.device, current_stream: int) -> None:
+    """Refuses a call whose hidden states are on another device than the engine's, or made
+    while torch's current stream (``current_stream``, a cudaStream_t handle) is not the one
+    the engine enqueues on: tandem's copies and kernels would run unordered with torch's
+    work (reading inputs not yet written, writing outputs torch already reads)."""
+    if device.index != binding.device:
+        raise ValueError(f"{where}: hidden_states is on {device} but this model's tandem engine runs on "
+                         f"cuda:{binding.device}; keep the model and its inputs on cuda:{binding.device} "
+                         "(tandem's engine cannot move to another device)")
+    if current_stream != binding.stream:
+        raise ValueError(f"{where}: torch's current stream on cuda:{binding.device} is {_stream_name(current_stream)}, "
+                         f"but this model's tandem engine enqueues on {_stream_name(binding.stream)} (the stream that "
+                         "was current when the model was loaded / offloaded), so its work would not be ordered with "
+                         "torch's. Call the model on that stream, or load / offload it under the stream you call it "
+                         "on (with torch.cuda.stream(s): ...; for CUDA graphs capture on that same stream: "
+                         "torch.cuda.graph(g, stream=s))")
 
 
 def make_engine(config: ConfigLike, shape: tuple[int, int, int], layers: list[int],
@@ -149,8 +425,10 @@ def make_engine(config: ConfigLike, shape: tuple[int, int, int], layers: list[in
         if gpu not in ("auto", f"cuda:{index}", str(index)):
             raise ValueError(f"config gpu.device is {gpu!r} but the model is on {device}; move the model "
                              "or change gpu.device")
-        return _C.Engine(stream="cuda", cuda_device=index, cuda_stream=torch.cuda.current_stream(index).cuda_stream,
-                         **kw)
+        handle = torch.cuda.current_stream(index).cuda_stream
+        engine = _C.Engine(stream="cuda", cuda_device=index, cuda_stream=handle, **kw)
+        _CUDA_BINDINGS[engine] = CudaBinding(index, handle)
+        return engine
     if device.type != "cpu":
         raise ValueError(f"tandem runs models on cpu or cuda devices, not {device}")
     if gpu not in ("auto", "none"):
@@ -215,13 +493,18 @@ class TandemExperts(nn.Module):
         self.num_experts = engine.experts
         self.hidden_dim = engine.hidden
         self.intermediate_dim = engine.inter
+        self._cuda_binding = _CUDA_BINDINGS.get(engine) if engine.is_cuda else None
+        if engine.is_cuda and self._cuda_binding is None:
+            raise ValueError(f"model layer {layer}: this CUDA engine was not made by tandem.engine.make_engine, so "
+                             "tandem cannot tell which stream it enqueues on; build it with make_engine (it enqueues "
+                             "on torch's current stream)")
 
     def extra_repr(self) -> str:
         e = self.engine
         hot = len(e.hot(self.index))
         return (f"layer={self.layer}, experts={self.num_experts}, hidden={self.hidden_dim}, "
                 f"intermediate={self.intermediate_dim}, format={e.format}, hot={hot} on {e.stream}, "
-                f"cpu={self.num_experts - hot}")
+                f"cpu={self.num_experts - hot}, isa={e.isa}")
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -238,6 +521,7 @@ class TandemExperts(nn.Module):
         if self.engine.is_cuda:
             if dev.type != "cuda":
                 raise ValueError(f"{where}: the engine runs on {self.engine.stream} but hidden_states is on {dev}")
+            check_cuda_call(where, self._cuda_binding, dev, torch.cuda.current_stream(dev).cuda_stream)
         elif dev.type != "cpu":  # host stream with a GPU model (gpu.device: none): round trip through the CPU
             out = self.forward(x.cpu(), top_k_index.cpu(), top_k_weights.cpu())
             return out.to(dev)
@@ -246,8 +530,26 @@ class TandemExperts(nn.Module):
         ids = top_k_index.to(torch.int64).contiguous()
         w = top_k_weights.to(torch.float32).contiguous()
         out = torch.empty((T, self.hidden_dim), dtype=torch.float32, device=dev)
-        self.engine.forward(self.index, xin.data_ptr(), xin.dtype == torch.bfloat16, T, ids.data_ptr(), w.data_ptr(),
-                            ids.shape[1], out.data_ptr(), synchronize=not self.engine.is_cuda)
+        args = (self.index, xin.data_ptr(), xin.dtype == torch.bfloat16, T, ids.data_ptr(), w.data_ptr(), ids.shape[1],
+                out.data_ptr())
+        if self.engine.is_cuda:
+            # Inputs, temporaries and out were allocated on torch's current stream, which is the
+            # engine's (checked above): the caching allocator reuses their blocks only for work
+            # enqueued later on that stream, so after tandem's reads and writes. The device guard
+            # restores torch's current device, which the C++ stream sets to the engine's.
+            with torch.cuda.device(dev):
+                self.engine.forward(*args, synchronize=False)
+        else:
+            try:  # host stream: enqueue, then wait until the stream ran it (x, ids, w, out are read/written there)
+                self.engine.forward(*args, synchronize=True)
+            except BaseException:
+                # It may have failed after enqueueing part of the layer: let that work finish
+                # before the temporaries it reads are freed.
+                try:
+                    self.engine.synchronize()
+                except Exception:  # noqa: BLE001 (the first error is the one reported)
+                    pass
+                raise
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
@@ -295,7 +597,8 @@ class TandemLoraExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer}, experts={self.num_experts}, hidden={self.hidden_dim}, "
-                f"intermediate={self.intermediate_dim}, train=True, cpu threads={self.lora_layer.threads}")
+                f"intermediate={self.intermediate_dim}, train=True, cpu threads={self.lora_layer.threads}, "
+                f"isa={self.lora_layer.isa}")
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 lora=None) -> torch.Tensor:
@@ -409,6 +712,9 @@ def offload(model: nn.Module, config: ConfigLike = None, *, train: bool | None =
     elif not train and peft_experts:
         raise ValueError("the experts carry PEFT LoRA adapters, which the inference engine cannot apply; "
                          "offload with train=True (the default for PEFT models)")
+    checked: set = set()  # what the experts compute: structure per layer, forward once per kind
+    for (e, _), b in zip(inner, blocks):
+        check_experts(e, f"model layer {b.layer}", checked)
     shapes = {expert_shape(e) for e, _ in inner}
     if len(shapes) != 1:
         raise ValueError(f"MoE layers have different expert shapes {sorted(shapes)}; tandem needs one")
@@ -455,6 +761,9 @@ def offload(model: nn.Module, config: ConfigLike = None, *, train: bool | None =
     if bar:
         bar(None)
     share_cpu_with_torch(engine, device)
+    from .tracing import apply_config
+
+    apply_config(config_json(config))  # trace.enabled: record from now on, write trace.path at exit
     hf.tandem_engine = engine
     return engine
 
@@ -469,6 +778,11 @@ class LoraEngine:
     @property
     def threads(self) -> int:
         return self.pool.threads
+
+    @property
+    def isa(self) -> str:
+        """The kernel level the layers run (config cpu.isa, lowered by TANDEM_ISA)."""
+        return self.layers[0].isa
 
     def prepare_backward(self) -> None:
         """Builds every layer's backward packs now (otherwise each layer's first backward does)."""
@@ -492,7 +806,8 @@ def make_lora_layers(config: ConfigLike, shape: tuple[int, int, int], layers: li
     cpu = cfg["cpu"]
     E, H, I = shape
     return LoraEngine(pool, [_C.LoraLayer(pool, E, H, I, format=cpu["format"], group=cpu["group_size"],
-                                          zero_point=cpu["zero_point"], backward_format=backward_format, layer=L)
+                                          zero_point=cpu["zero_point"], backward_format=backward_format, layer=L,
+                                          isa=cpu["isa"])
                              for L in layers])
 
 

@@ -18,13 +18,14 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from . import _C
-from .engine import SUPPORTED_MODEL_TYPES, ConfigLike, TandemExperts, config_json, find_moe_blocks, make_engine
+from .engine import (SUPPORTED_MODEL_TYPES, ConfigLike, TandemExperts, check_experts, config_json, find_moe_blocks,
+                     make_engine)
 
 # Model parameter name -> checkpoint name, where transformers v5 renamed a module.
 _RENAMES = {
@@ -131,6 +132,11 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     blocks = find_moe_blocks(model)
+    # What the experts classes compute: their structure, and their own forward run on
+    # random weights (the meta model has none; the checkpoint's go straight to C++).
+    checked: set = set()
+    for b in blocks:
+        check_experts(b.experts, f"model layer {b.layer}", checked)
     E, H, I = (getattr(blocks[0].experts, a) for a in ("num_experts", "hidden_dim", "intermediate_dim"))
     layers = [b.layer for b in blocks]
 
@@ -161,6 +167,7 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
     used: set[str] = set()
     params = dict(model.named_parameters())
+    keep_fp32 = _keep_in_fp32(model, dtype)
     named = list(params.items()) + [(n, b) for n, b in model.named_buffers() if n not in _non_persistent(model)]
     try:
         from tqdm.auto import tqdm
@@ -178,7 +185,8 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
         if tuple(value.shape) != tuple(t.shape):
             raise ValueError(f"{path}: tensor {key!r} has shape {list(value.shape)}, the model needs {list(t.shape)}")
         used.update((key, key + "_scale_inv"))
-        target = t.dtype if not t.dtype.is_floating_point else (dtype if name in params else t.dtype)
+        # transformers' rule: the meta model's dtype (built under `dtype`), fp32 where kept.
+        target = torch.float32 if t.dtype.is_floating_point and keep_fp32(name) else t.dtype
         _set_tensor(model, name, value.to(device=device, dtype=target), name in params)
     extra = [k for k in ckpt.names() if k not in used and k not in expert_keys and not _ignored(k, hf_config)]
     if extra:
@@ -194,9 +202,29 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
     from .engine import share_cpu_with_torch
 
     share_cpu_with_torch(engine, device)
+    from .tracing import apply_config
+
+    apply_config(cfg_json)  # trace.enabled: record from now on, write trace.path at exit
     model.tandem_engine = engine
     model.tandem_checkpoint = str(path)
     return model.eval()
+
+
+def _keep_in_fp32(model: nn.Module, dtype: torch.dtype) -> Callable[[str], bool]:
+    """Whether a tensor stays fp32 under `dtype`, by the rule transformers' from_pretrained
+    applies (``PreTrainedModel._get_dtype_plan``): ``_keep_in_fp32_modules_strict`` for fp16
+    and bf16 (DeepSeek-V3's ``e_score_correction_bias``: rounded to bf16 it flips routing),
+    ``_keep_in_fp32_modules`` for fp16 only; each entry is a glob (``*`` any text) searched
+    anywhere in the tensor's name. post_init gathers both lists from the submodels."""
+    names: set[str] = set()
+    if dtype == torch.float16:
+        names |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    if dtype in (torch.float16, torch.bfloat16):
+        names |= set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    if not names:
+        return lambda name: False
+    pattern = re.compile("|".join(f"(?:{n.replace('*', '.*')})" for n in sorted(names)))
+    return lambda name: pattern.search(name) is not None
 
 
 def _non_persistent(model: nn.Module) -> set[str]:

@@ -1,0 +1,415 @@
+"""Nothing silently wrong at the transformers boundary (issue 16).
+
+- load_model keeps the tensors transformers keeps in fp32 (``_keep_in_fp32_modules_strict``
+  for bf16/fp16, ``_keep_in_fp32_modules`` for fp16): every non-expert tensor has the dtype
+  and value ``from_pretrained`` gives it.
+- offload / load_model accept an experts module only when it computes the kernels'
+  silu(gate) * up experts: structure checks, and its own forward run once on a test input.
+- The inference experts module refuses a CUDA call on another device or stream than the
+  engine's, and keeps the temporaries it hands tandem alive until tandem ran.
+"""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from hf_models import KINDS, V4Block, V4Expert, build, hf_config, moe_experts
+from torch import nn
+
+import tandem
+from tandem import engine as tengine
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def cfg(**gpu) -> dict:
+    return {"version": 1, "cpu": {"format": "bf16", "virtual_subpools": 2}, "gpu": {"device": "none", **gpu}}
+
+
+@pytest.fixture(scope="module")
+def fp32_dirs(tmp_path_factory):
+    """kind -> an fp32 checkpoint directory (so loading in bf16 / fp16 really rounds)."""
+    cache = {}
+
+    def get(kind: str):
+        if kind not in cache:
+            out = tmp_path_factory.mktemp(f"truth-{kind}")
+            build(kind, 3, torch.float32, out)
+            cache[kind] = out
+        return cache[kind]
+
+    return get
+
+
+def fresh(kind: str, dtype: torch.dtype = torch.float32, seed: int = 5) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(hf_config(kind)).to(dtype).eval()
+
+
+# ---- 5. non-expert tensors: dtype and value as from_pretrained --------------------------
+
+def non_expert_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    out = dict(model.named_parameters())
+    out.update(model.named_buffers())  # persistent and not (rotary inv_freq)
+    return {k: v for k, v in out.items() if ".mlp.experts." not in k}
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_non_expert_tensor_matches_from_pretrained(fp32_dirs, kind, dtype):
+    from transformers import AutoModelForCausalLM
+
+    path = fp32_dirs(kind)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    model = tandem.load_model(path, cfg(), dtype=DTYPES[dtype], progress=False)
+    want, got = non_expert_tensors(ref), non_expert_tensors(model)
+    assert sorted(got) == sorted(want)
+    bad = [f"{k}: {got[k].dtype} vs transformers' {want[k].dtype}" for k in want if got[k].dtype != want[k].dtype]
+    assert not bad, "dtypes differ: " + "; ".join(bad)
+    bad = [k for k in want if not torch.equal(got[k], want[k])]
+    assert not bad, f"values differ: {bad}"
+    if kind == "deepseek_v3":  # the tensor this is about: fp32 at every dtype (strict list)
+        bias = got["model.layers.1.mlp.gate.e_score_correction_bias"]
+        assert bias.dtype == torch.float32
+        assert torch.equal(bias, ref.model.layers[1].mlp.gate.e_score_correction_bias)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_keep_in_fp32_rule_is_transformers_rule(dtype):
+    """Both lists (gpt-oss has _keep_in_fp32_modules, DeepSeek-V3 _keep_in_fp32_modules_strict),
+    every tensor name, every dtype: the same answer as transformers' dtype plan."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+    from transformers.core_model_loading import build_glob_alternation
+
+    from tandem.loader import _keep_in_fp32
+
+    with torch.device("meta"):
+        gpt = GptOssForCausalLM(GptOssConfig(vocab_size=100, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                             num_local_experts=4, num_experts_per_tok=2,
+                                             layer_types=["full_attention"] * 2))
+        ds = fresh_meta("deepseek_v3")
+    assert gpt._keep_in_fp32_modules and ds._keep_in_fp32_modules_strict
+    kept = 0
+    for model in (gpt, ds):
+        plan = model._get_dtype_plan(DTYPES[dtype])
+        theirs = build_glob_alternation(list(plan))[0] if plan else None
+        mine = _keep_in_fp32(model, DTYPES[dtype])
+        names = list(model.state_dict())
+        want = [n for n in names if theirs is not None and theirs.search(n)]
+        assert [n for n in names if mine(n)] == want
+        kept += len(want)
+    if dtype != "fp32":
+        assert kept, "the rule must keep something here, else this test cannot fail"
+
+
+def fresh_meta(kind: str) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(hf_config(kind))
+
+
+# ---- 6. experts that do not compute silu(gate) * up are refused -------------------------
+
+def clamped_forward(self, hidden_states, top_k_index, top_k_weights):
+    """A clamped SwiGLU (limit 7, as gpt-oss): the kind of variant the kernels do not compute."""
+    out = torch.zeros_like(hidden_states)
+    for t in range(hidden_states.shape[0]):
+        for k in range(top_k_index.shape[1]):
+            e = int(top_k_index[t, k])
+            gate, up = nn.functional.linear(hidden_states[t], self.gate_up_proj[e]).chunk(2, dim=-1)
+            h = self.act_fn(gate.clamp(max=7.0)) * up.clamp(-7.0, 7.0)
+            out[t] += top_k_weights[t, k] * nn.functional.linear(h, self.down_proj[e])
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_stock_experts_pass_and_offload(kind):
+    model = fresh(kind, torch.bfloat16)
+    for i, ex in enumerate(moe_experts(model)):
+        tengine.check_experts(ex, f"layer {i}")
+    tandem.offload(model, cfg(), progress=False)
+    assert all(isinstance(ex, tandem.TandemExperts) for ex in moe_experts(model))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_act_fn_other_than_silu_is_refused(kind):
+    from transformers.activations import ACT2FN
+
+    model = fresh(kind)
+    moe_experts(model)[-1].act_fn = ACT2FN["gelu"]
+    name = type(moe_experts(model)[0]).__name__
+    with pytest.raises(ValueError, match=rf"{name} \(model layer 2\): its activation act_fn is GELUActivation"):
+        tandem.offload(model, cfg(), progress=False)
+    assert getattr(model, "tandem_engine", None) is None
+
+
+def test_clamped_forward_in_a_subclass_is_refused_by_the_numeric_check():
+    model = fresh("qwen3_moe")
+    base = type(moe_experts(model)[0])
+    clamped = type("ClampedExperts", (base,), {"forward": clamped_forward})
+    for ex in moe_experts(model):
+        ex.__class__ = clamped  # structure unchanged: act_fn silu, same tensors; only forward differs
+    with pytest.raises(ValueError, match=r"ClampedExperts \(model layer 0\): its forward differs from silu\(gate\) "
+                                         r"\* up experts \(max rel diff"):
+        tandem.offload(model, cfg(), progress=False)
+
+
+def test_clamped_forward_patched_on_one_instance_is_refused():
+    """The numeric check runs once per kind of module: a forward patched on one layer's
+    instance is another kind, checked on its own."""
+    model = fresh("mixtral")
+    ex = moe_experts(model)[2]
+    ex.forward = types.MethodType(clamped_forward, ex)
+    with pytest.raises(ValueError, match=r"MixtralExperts \(model layer 2\): its forward differs"):
+        tandem.offload(model, cfg(), progress=False)
+
+
+def test_unknown_instance_forward_is_refused():
+    model = fresh("qwen3_moe")
+    ex = moe_experts(model)[1]
+    ex.forward = lambda x, i, w: torch.zeros_like(x)
+    with pytest.raises(ValueError, match=r"Qwen3MoeExperts \(model layer 1\): its forward was replaced"):
+        tandem.offload(model, cfg(), progress=False)
+
+
+def test_own_gating_is_refused():
+    model = fresh("deepseek_v3")
+    base = type(moe_experts(model)[0])
+
+    def _apply_gate(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate.clamp(max=7.0)) * up.clamp(-7.0, 7.0)
+
+    sub = type("SoftcapExperts", (base,), {"_apply_gate": _apply_gate})
+    for ex in moe_experts(model):
+        ex.__class__ = sub
+    with pytest.raises(ValueError, match=r"SoftcapExperts \(model layer 1\): it gates with its own "
+                                         r"SoftcapExperts._apply_gate"):
+        tandem.offload(model, cfg(), progress=False)
+
+
+def test_extra_tensors_are_refused():
+    model = fresh("qwen3_moe")
+    ex = moe_experts(model)[0]
+    ex.down_proj_bias = nn.Parameter(torch.zeros(ex.num_experts, ex.hidden_dim))
+    with pytest.raises(ValueError, match=r"Qwen3MoeExperts \(model layer 0\): it has tensors tandem's kernels do not "
+                                         r"use \(down_proj_bias\)"):
+        tandem.offload(model, cfg(), progress=False)
+
+
+def test_gpt_oss_clamped_swiglu_is_refused():
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(GptOssConfig(vocab_size=100, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                           num_local_experts=4, num_experts_per_tok=2,
+                                           layer_types=["full_attention"] * 2))
+    with pytest.raises(ValueError, match=r"GptOssExperts \(model layer 0\): it gates with its own "
+                                         r"GptOssExperts._apply_gate \(e.g. a clamped"):
+        tandem.offload(model, cfg(), progress=False)
+
+
+def test_deepseek_v4_clamped_swiglu_is_refused_and_the_numeric_check_sees_the_clamp():
+    """DeepSeek-V4's experts have the stock layout and act_fn silu but clamp at swiglu_limit
+    (10): the class check refuses them, and the numeric check alone would too."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Config, DeepseekV4Experts
+
+    torch.manual_seed(0)
+    ex = DeepseekV4Experts(DeepseekV4Config(hidden_size=64, intermediate_size=32, n_routed_experts=4))
+    with torch.no_grad():
+        ex.gate_up_proj.normal_(0, 0.1)
+        ex.down_proj.normal_(0, 0.1)
+    with pytest.raises(ValueError, match=r"DeepseekV4Experts \(layer 0\): it gates with its own"):
+        tengine.check_experts(ex, "layer 0")
+    with pytest.raises(ValueError, match=r"DeepseekV4Experts \(layer 0\): its forward differs"):
+        tengine.check_experts_numerics(ex, "layer 0")
+
+
+class GeluV4Expert(V4Expert):
+    def forward(self, x):
+        return self.down_proj(nn.functional.gelu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class V4Model(nn.Module):
+    def __init__(self, expert: type = V4Expert, bias: bool = False):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList(nn.Module() for _ in range(2))
+        for layer in self.model.layers:
+            layer.mlp = V4Block()
+            layer.mlp.experts = nn.ModuleList(expert(64, 64) for _ in range(8))
+            if bias:
+                for ex in layer.mlp.experts:
+                    ex.up_proj.bias = nn.Parameter(torch.zeros(64))
+
+
+def test_v4_per_expert_modules():
+    torch.manual_seed(0)
+    tandem.offload(V4Model(), cfg(), progress=False)  # stock: accepted
+    with pytest.raises(ValueError, match=r"GeluV4Expert \(model layer 0\): its forward differs"):
+        tandem.offload(V4Model(GeluV4Expert), cfg(), progress=False)
+    with pytest.raises(ValueError, match=r"V4Expert \(model layer 0\): its projections have biases"):
+        tandem.offload(V4Model(bias=True), cfg(), progress=False)
+    from transformers.activations import ACT2FN
+
+    m = V4Model()
+    m.model.layers[1].mlp.experts[3].act_fn = ACT2FN["relu"]
+    with pytest.raises(ValueError, match=r"V4Expert \(model layer 1\): its activation act_fn is ReLU"):
+        tandem.offload(m, cfg(), progress=False)
+
+
+def test_load_model_checks_the_experts_class(fp32_dirs, monkeypatch):
+    """load_model has no expert weights in torch: the class and act_fn checks apply, and the
+    class's own forward runs on random weights."""
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as q
+
+    path = fp32_dirs("qwen3_moe")
+    monkeypatch.setattr(q.Qwen3MoeExperts, "forward", clamped_forward)
+    with pytest.raises(ValueError, match=r"Qwen3MoeExperts \(model layer 0\): its forward differs"):
+        tandem.load_model(path, cfg(), progress=False)
+    monkeypatch.undo()
+    from transformers.activations import GELUActivation
+
+    init = q.Qwen3MoeExperts.__init__
+
+    def gelu_init(self, config):  # hidden_act says silu, the class's act_fn is not
+        init(self, config)
+        self.act_fn = GELUActivation()
+
+    monkeypatch.setattr(q.Qwen3MoeExperts, "__init__", gelu_init)
+    with pytest.raises(ValueError, match=r"Qwen3MoeExperts \(model layer 0\): its activation act_fn is GELU"):
+        tandem.load_model(path, cfg(), progress=False)
+
+
+def test_the_numeric_check_is_cheap(monkeypatch):
+    """Once per kind of module (not per layer), on copies of _PROBE_EXPERTS experts only."""
+    model = fresh("deepseek_v3")  # 2 MoE layers of 16 experts
+    runs, copied = [], []
+    real_numerics, real_probe = tengine.check_experts_numerics, tengine._probe_tensor
+    monkeypatch.setattr(tengine, "check_experts_numerics", lambda ex, where: (runs.append(where),
+                                                                              real_numerics(ex, where)))
+    monkeypatch.setattr(tengine, "_probe_tensor", lambda t, rows, gen: copied.append(real_probe(t, rows, gen)) or
+                        copied[-1])
+    tandem.offload(model, cfg(), progress=False)
+    assert runs == ["model layer 1"]
+    assert [c.shape[0] for c in copied] == [tengine._PROBE_EXPERTS] * 2
+
+
+# ---- 8. device, stream and temporaries ---------------------------------------------------
+
+def test_cuda_call_on_another_device_or_stream_is_refused():
+    """The check TandemExperts.forward makes on every CUDA call (no GPU needed for the logic)."""
+    b = tengine.CudaBinding(device=0, stream=0)
+    tengine.check_cuda_call("w", b, torch.device("cuda", 0), 0)
+    with pytest.raises(ValueError, match=r"hidden_states is on cuda:1 but this model's tandem engine runs on cuda:0"):
+        tengine.check_cuda_call("w", b, torch.device("cuda", 1), 0)
+    with pytest.raises(ValueError, match=r"current stream on cuda:0 is stream 0x5d0, but this model's tandem engine "
+                                         r"enqueues on the default stream \(0x0\).*torch.cuda.stream"):
+        tengine.check_cuda_call("w", b, torch.device("cuda", 0), 0x5D0)
+    with pytest.raises(ValueError, match=r"is the default stream \(0x0\), but .* enqueues on stream 0xabc"):
+        tengine.check_cuda_call("w", tengine.CudaBinding(0, 0xABC), torch.device("cuda", 0), 0)
+
+
+class FakeEngine:
+    """Stands in for _C.Engine: records calls; forward fails as a partly enqueued layer might."""
+
+    def __init__(self, is_cuda: bool = False, fail: bool = False):
+        self.is_cuda, self.fail, self.calls = is_cuda, fail, []
+        self.experts, self.hidden, self.inter = 4, 8, 8
+
+    def forward(self, *args, synchronize):
+        self.calls.append(("forward", synchronize))
+        if self.fail:
+            raise ValueError("enqueue failed half way")
+
+    def synchronize(self):
+        self.calls.append(("synchronize",))
+
+
+def test_cuda_engine_not_from_make_engine_is_refused():
+    with pytest.raises(ValueError, match="not made by tandem.engine.make_engine"):
+        tandem.TandemExperts(FakeEngine(is_cuda=True), 0, 3)
+
+
+def test_host_path_waits_for_the_stream_even_when_forward_fails():
+    """The host stream reads x / ids / weights and writes out on its own thread: the call
+    waits for it (synchronize=True), and when enqueueing fails half way it still waits before
+    the temporaries made in forward (contiguous copies, int64 ids, fp32 weights) are freed."""
+    x, ids, w = torch.randn(3, 8).t().contiguous().t(), torch.zeros(3, 2, dtype=torch.int32), torch.rand(3, 2)
+    ok = FakeEngine()
+    tandem.TandemExperts(ok, 0, 3)(x, ids, w)
+    assert ok.calls == [("forward", True)]
+    bad = FakeEngine(fail=True)
+    with pytest.raises(ValueError, match="half way"):
+        tandem.TandemExperts(bad, 0, 3)(x, ids, w)
+    assert bad.calls == [("forward", True), ("synchronize",)]
+
+
+def test_host_path_is_done_when_forward_returns(fp32_dirs):
+    """With deferred experts (still running on the pool after a call returns), a call's
+    inputs and temporaries can be overwritten and freed at once: the stream copied them into
+    its own slots before the call returned."""
+    path = fp32_dirs("qwen3_moe")
+    ref = tandem.load_model(path, cfg(), progress=False)
+    model = tandem.load_model(path, cfg(deferred_experts=1), progress=False)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(6, 64, generator=g) for _ in range(3)]
+    ids = [torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(6)]).to(torch.int32) for _ in range(3)]
+    ws = [torch.rand(6, 3, generator=g) for _ in range(3)]
+    with torch.no_grad():
+        got = []
+        for ex, x, i, w in zip(moe_experts(model), xs, ids, ws):
+            xx, ii, ww = x.clone(), i.clone(), w.clone()
+            got.append(ex(xx, ii, ww).clone())
+            xx.fill_(float("nan")), ii.fill_(7), ww.fill_(float("nan"))
+            del xx, ii, ww
+        # reference: each layer in full, then layer i's deferred part moves into layer i + 1
+        full = [ex(x, i, w) for ex, x, i, w in zip(moe_experts(ref), xs, ids, ws)]
+    total_got, total_want = sum(o.double() for o in got), sum(o.double() for o in full)
+    assert torch.isfinite(total_got).all()
+    assert torch.allclose(total_got, total_want, rtol=1e-4, atol=1e-4 * total_want.abs().max().item())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_stream_and_device_checked_on_every_call(fp32_dirs):
+    path = fp32_dirs("qwen3_moe")
+    model = tandem.load_model(path, {"version": 1, "gpu": {"device": "auto"}}, progress=False)
+    ex = moe_experts(model)[0]
+    x = torch.randn(4, 64, device="cuda")
+    ids, w = torch.randint(0, 8, (4, 3), device="cuda"), torch.rand(4, 3, device="cuda")
+    with torch.no_grad():
+        ex(x, ids, w)  # the stream it was built on
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side), pytest.raises(ValueError, match="current stream on cuda:0 is stream"):
+            ex(x, ids, w)
+        if torch.cuda.device_count() > 1:
+            with pytest.raises(ValueError, match="hidden_states is on cuda:1"):
+                ex(x.to("cuda:1"), ids.to("cuda:1"), w.to("cuda:1"))
+    # built under a side stream: calls on that stream work, on the default one are refused
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        m2 = tandem.load_model(path, {"version": 1, "gpu": {"device": "auto"}}, progress=False)
+        with torch.no_grad():
+            a = moe_experts(m2)[0](x, ids, w)
+    side.synchronize()
+    with torch.no_grad():
+        assert torch.allclose(a, ex(x, ids, w))
+        with pytest.raises(ValueError, match="enqueues on stream"):
+            moe_experts(m2)[0](x, ids, w)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_cuda_call_leaves_torchs_current_device_alone(fp32_dirs):
+    path = fp32_dirs("qwen3_moe")
+    model = tandem.load_model(path, {"version": 1, "gpu": {"device": "cuda:1"}}, progress=False)
+    x = torch.randn(4, 64, device="cuda:1")
+    ids, w = torch.randint(0, 8, (4, 3), device="cuda:1"), torch.rand(4, 3, device="cuda:1")
+    torch.cuda.set_device(0)
+    with torch.no_grad():
+        moe_experts(model)[0](x, ids, w)
+    assert torch.cuda.current_device() == 0
