@@ -133,8 +133,8 @@ const std::vector<int>& HybridMoe::hot(int layer) const {
   return hot_ids_[layer];
 }
 
-HybridMoe::Batch& HybridMoe::batch(int tokens, int top_k, XType xt) {
-  const std::tuple<int, int, int> key{tokens, top_k, static_cast<int>(xt)};
+HybridMoe::Batch& HybridMoe::batch(int tokens, int top_k, XType xt, bool defer) {
+  const std::tuple<int, int, int, bool> key{tokens, top_k, static_cast<int>(xt), defer};
   if (auto it = batches_.find(key); it != batches_.end()) return *it->second;
   evict_batches();
   auto& b = batches_[key];
@@ -160,11 +160,11 @@ HybridMoe::Batch& HybridMoe::batch(int tokens, int top_k, XType xt) {
     s.ids3 = static_cast<int32_t*>(pinned(3 * T * K * sizeof(int32_t)));
     s.w = static_cast<float*>(pinned(T * K * sizeof(float)));
     s.out = static_cast<float*>(pinned(T * H * sizeof(float)));
-    s.dout = opt_.deferred ? static_cast<float*>(pinned(T * H * sizeof(float))) : nullptr;
+    s.dout = defer ? static_cast<float*>(pinned(T * H * sizeof(float))) : nullptr;
   }
   b->ids3_dev = static_cast<int32_t*>(device(3 * T * K * sizeof(int32_t)));
   b->back_dev = static_cast<float*>(device(T * H * sizeof(float)));
-  b->dback_dev = opt_.deferred ? static_cast<float*>(device(T * H * sizeof(float))) : nullptr;
+  b->dback_dev = defer ? static_cast<float*>(device(T * H * sizeof(float))) : nullptr;
   for (int l = 0; l < layers(); ++l) {
     auto j = std::make_unique<Job>();
     j->self = this;
@@ -172,8 +172,8 @@ HybridMoe::Batch& HybridMoe::batch(int tokens, int top_k, XType xt) {
     j->tokens = tokens;
     j->top_k = top_k;
     j->slot = &b->slots[l % opt_.pinned_slots];
-    j->defers = opt_.deferred > 0 && l + 1 < layers();
-    j->prev = opt_.deferred > 0 && l > 0 ? b->jobs[l - 1].get() : nullptr;
+    j->defers = defer && l + 1 < layers();
+    j->prev = defer && l > 0 ? b->jobs[l - 1].get() : nullptr;
     MoeInput in;
     (xt == XType::bf16 ? reinterpret_cast<const void*&>(in.x) : reinterpret_cast<const void*&>(in.x_f32)) = j->slot->x;
     in.tokens = tokens;
@@ -238,7 +238,7 @@ void HybridMoe::evict_batches() {
   // ones a captured graph may replay and the one a step with deferral is in the middle of.
   // Freeing needs the stream and the pool idle; this runs only when a shape is new.
   if (static_cast<int>(batches_.size()) < kMaxBatchShapes || stream_.capturing()) return;
-  std::vector<std::pair<uint64_t, std::tuple<int, int, int>>> lru;
+  std::vector<std::pair<uint64_t, std::tuple<int, int, int, bool>>> lru;
   for (const auto& [k, b] : batches_)
     if (!b->captured && b.get() != last_batch_) lru.push_back({b->last_use, k});
   if (lru.empty()) return;
@@ -251,8 +251,8 @@ void HybridMoe::evict_batches() {
 
 void HybridMoe::enqueue(int layer, const LayerIO& io) {
   check_layer(layer);
-  TANDEM_CHECK(io.tokens >= 1 && io.tokens <= opt_.max_tokens, Errc::invalid_argument, "hybrid: layer ", layer,
-               ": tokens = ", io.tokens, " is outside [1, buffers.max_tokens = ", opt_.max_tokens, "]");
+  TANDEM_CHECK(io.tokens >= 1, Errc::invalid_argument, "hybrid: layer ", layer, ": tokens = ", io.tokens,
+               " must be positive");
   TANDEM_CHECK(io.top_k >= 1 && io.top_k <= kRouterMaxTopK, Errc::invalid_argument, "hybrid: layer ", layer,
                ": top_k = ", io.top_k, " is outside [1, ", kRouterMaxTopK, "]");
   TANDEM_CHECK(io.x && io.ids && io.weights && io.out, Errc::invalid_argument, "hybrid: layer ", layer, ": ",
@@ -261,8 +261,36 @@ void HybridMoe::enqueue(int layer, const LayerIO& io) {
                ": unknown x dtype ", static_cast<int>(io.x_type));
   for (const MoeLayer* l : cpu_)
     TANDEM_CHECK(l->loaded(), Errc::invalid_argument, "hybrid: model layer ", l->layer_index(), " has no CPU weights");
-  Batch& b = batch(io.tokens, io.top_k, io.x_type);
-  if (opt_.deferred > 0 && layer > 0) {
+  if (io.tokens <= opt_.max_tokens) {
+    enqueue_batch(layer, io, opt_.deferred > 0);
+    return;
+  }
+  // A batch larger than the buffers: consecutive chunks of max_tokens rows, each a batch
+  // of its own through the same path, so every token gets what one call would give it.
+  // Chunks defer nothing: layer L's deferred output would have to outlive the next
+  // chunks of layer L, so every CPU expert runs in its own layer (the exact MoE).
+  TANDEM_CHECK(opt_.deferred == 0 || layer == 0 || last_batch_ == nullptr || last_layer_ != layer - 1 ||
+                   !last_batch_->jobs[layer - 1]->defers,
+               Errc::invalid_argument, "hybrid: layer ", layer, ": ", io.tokens, " tokens after layer ", layer - 1,
+               " of ", last_batch_ ? last_batch_->tokens : 0,
+               " (whose deferred experts this layer would drop); with deferred experts each step enqueues layers 0, 1, "
+               "2, ... in order with one batch shape");
+  const size_t H = shape_.hidden, K = io.top_k;
+  for (int t0 = 0; t0 < io.tokens; t0 += opt_.max_tokens) {
+    LayerIO c = io;
+    c.tokens = std::min(opt_.max_tokens, io.tokens - t0);
+    c.x = static_cast<const char*>(io.x) + t0 * H * xtype_size(io.x_type);
+    c.ids = static_cast<const char*>(io.ids) + t0 * K * (io.ids_i64 ? sizeof(int64_t) : sizeof(int32_t));
+    c.weights = io.weights + t0 * K;
+    c.out = io.out + t0 * H;
+    enqueue_batch(layer, c, false);
+  }
+  last_batch_ = nullptr;  // a deferring layer cannot follow (checked there)
+}
+
+void HybridMoe::enqueue_batch(int layer, const LayerIO& io, bool defer) {
+  Batch& b = batch(io.tokens, io.top_k, io.x_type, defer);
+  if (defer && layer > 0) {
     TANDEM_CHECK(last_layer_ == layer - 1 && last_batch_ == &b, Errc::invalid_argument, "hybrid: layer ", layer,
                  " enqueued after ", last_layer_ < 0 ? std::string("no layer") : str_cat("layer ", last_layer_),
                  last_batch_ && last_batch_ != &b ? " of another batch shape" : "",

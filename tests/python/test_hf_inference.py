@@ -87,6 +87,28 @@ def test_logits_match_transformers(models, kind, dtype, seed):
     assert err <= LOGIT_BOUND[dtype]
 
 
+@pytest.mark.parametrize("deferred", [0, 1])
+def test_prompt_longer_than_max_tokens_runs_in_chunks(models, deferred):
+    """80 tokens through buffers.max_tokens = 16: the experts run in chunks of 16 and the
+    logits match transformers as one call does (chunks defer nothing, so with
+    gpu.deferred_experts the long batch is the exact MoE)."""
+    path, ref = models("qwen3_moe", "fp32")
+    model = tandem.load_model(path, dict(cfg(), buffers={"max_tokens": 16}, gpu={"device": "none",
+                                                                                  "deferred_experts": deferred}),
+                              progress=False)
+    ids = tokens(3)
+    assert ids.numel() > 16
+    ra, rb = record_routing(ref), record_routing(model)
+    with torch.no_grad():
+        a, b = ref(ids).logits, model(ids).logits
+    clean = clean_tokens(ra, rb, *ids.shape)
+    assert clean.float().mean() >= 0.25
+    assert max_rel(b, a, clean) <= LOGIT_BOUND["fp32"]
+    e = model.tandem_engine
+    assert sum(e.counts(0)["deferred"]) == 0  # chunks defer nothing
+    assert e.counts(0)["tokens"] == ids.numel()
+
+
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("kind", KINDS)
@@ -377,3 +399,43 @@ def test_accelerate_prepare_leaves_the_experts_in_place(models):
     with torch.no_grad():
         a, b = ref(ids).logits, prepared(ids).logits
     assert max_rel(b, a, clean_tokens(ra, rb, *ids.shape)) <= LOGIT_BOUND["fp32"]
+
+
+ISA_LEVELS = ["scalar", "avx2", "avx512", "avx512_vnni", "avx512_bf16", "amx"]
+
+
+def levels_here() -> list[str]:
+    return ISA_LEVELS[:ISA_LEVELS.index(tandem.hardware_isa()) + 1]
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_model_runs_the_kernel_level_it_is_given(models, monkeypatch, train):
+    """One rule for every kernel choice: config cpu.isa, lowered by TANDEM_ISA, capped by the
+    hardware. A model (inference engine or training layers) forced to each level this CPU
+    has reports it and computes within the BF16 bound at it; TANDEM_ISA lowers an auto
+    config; a level above the hardware is refused naming cpu.isa."""
+    path, ref = models("qwen3_moe", "fp32")
+    ids = tokens(4, 1, 24)
+    ra = record_routing(ref)
+    with torch.no_grad():
+        want = ref(ids).logits
+    monkeypatch.delenv("TANDEM_ISA", raising=False)
+    for level in levels_here():
+        model = tandem.load_model(path, dict(cfg(), cpu={"isa": level, "virtual_subpools": 2}), train=train,
+                                  progress=False)
+        assert model.tandem_engine.isa == level
+        assert f"isa={level}" in repr(model.model.layers[0].mlp.experts)
+        rb = record_routing(model)
+        with torch.no_grad():
+            got = model(ids).logits
+        clean = clean_tokens(ra, rb, *ids.shape)
+        assert clean.float().mean() >= 0.25, level
+        assert max_rel(got, want, clean) <= LOGIT_BOUND["fp32"], level
+    monkeypatch.setenv("TANDEM_ISA", levels_here()[-2] if len(levels_here()) > 1 else "scalar")
+    model = tandem.load_model(path, cfg(), train=train, progress=False)
+    assert model.tandem_engine.isa == os.environ["TANDEM_ISA"]
+    if tandem.hardware_isa() != "amx":
+        above = ISA_LEVELS[ISA_LEVELS.index(tandem.hardware_isa()) + 1]
+        monkeypatch.delenv("TANDEM_ISA")
+        with pytest.raises(ValueError, match=f"cpu.isa={above} asks for more than this CPU provides"):
+            tandem.load_model(path, dict(cfg(), cpu={"isa": above}), train=train, progress=False)

@@ -34,7 +34,7 @@ namespace tandem {
 
 struct HybridOptions {
   int pinned_slots = 2;    // 1 .. 4; at least 2 with deferral
-  int max_tokens = 4096;   // the largest batch enqueue accepts
+  int max_tokens = 4096;   // rows the buffers hold; larger batches run in chunks of this many
   int deferred = 0;        // per token, this many of its lowest-weighted CPU experts are deferred
 };
 
@@ -77,8 +77,11 @@ class HybridMoe {
 
   // Enqueues layer `layer` on the stream (see the header comment); returns at once. With
   // deferral, layers of one step must be enqueued in order 0, 1, 2, ... with the same
-  // batch shape (layer 0 starts a step). Errors here name the problem; errors found
-  // while the stream runs (an id out of range) are rethrown by stream().synchronize().
+  // batch shape (layer 0 starts a step). A batch of more than max_tokens tokens runs as
+  // consecutive chunks of max_tokens rows (each token's result is what one call gives it);
+  // chunks defer nothing (every CPU expert runs in its own layer). Errors here name the
+  // problem; errors found while the stream runs (an id out of range) are rethrown by
+  // stream().synchronize().
   void enqueue(int layer, const LayerIO& io);
 
   int layers() const { return static_cast<int>(cpu_.size()); }
@@ -101,7 +104,8 @@ class HybridMoe {
   struct Slot;
   struct Job;
   struct Batch;
-  Batch& batch(int tokens, int top_k, XType xt);
+  Batch& batch(int tokens, int top_k, XType xt, bool defer);
+  void enqueue_batch(int layer, const LayerIO& io, bool defer);
   void evict_batches();
   void check_layer(int layer) const;
   static void submit_fn(void* job);
@@ -114,7 +118,7 @@ class HybridMoe {
   std::vector<std::unique_ptr<DeviceExperts>> hot_;
   std::vector<std::vector<int>> hot_ids_;
   std::vector<uint8_t*> hot_mask_dev_;  // [experts] per layer, device memory
-  std::map<std::tuple<int, int, int>, std::unique_ptr<Batch>> batches_;
+  std::map<std::tuple<int, int, int, bool>, std::unique_ptr<Batch>> batches_;  // tokens, top_k, x type, defers
   std::unique_ptr<std::atomic<uint64_t>[]> counts_;  // [layer][3][experts] then tokens per layer
   int last_layer_ = -1;
   Batch* last_batch_ = nullptr;
