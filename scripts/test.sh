@@ -33,4 +33,14 @@ OMP_NUM_THREADS=1 TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/tandem_tests --g
 echo "== Python tests (pytest) =="
 .venv/bin/python -m pytest -q -ra tests/python "$@"
 
+# Most desktops run the AVX2 kernels: whatever this machine has, run the C++ suite and the
+# Python inference tests again with the kernel level lowered to avx2 (TANDEM_ISA).
+if .venv/bin/python -c 'import sys, tandem; sys.exit(tandem.hardware_isa() == "scalar")'; then
+  echo "== C++ suite and Python inference tests at TANDEM_ISA=avx2 =="
+  TANDEM_ISA=avx2 build/tests/tandem_tests --gtest_brief=1
+  TANDEM_ISA=avx2 .venv/bin/python -m pytest -q -ra tests/python/test_hf_inference.py tests/python/test_truth_hf.py
+else
+  echo "== no AVX2 on this CPU: the TANDEM_ISA=avx2 pass is skipped =="
+fi
+
 echo "== all tests passed in $(( $(date +%s) - start )) s =="
