@@ -63,12 +63,15 @@ int main(int argc, char** argv) {
   ReadBandwidth bw(static_cast<size_t>(gib * (1ull << 30)), threads);
   DnnlMatmul peer(1024);
   peer.run();  // warm-up: primitive creation, page faults
-  std::vector<double> r_bw, r_fma, r_bf16, r_vnni, r_dnnl;
+  std::vector<double> r_bw, r_fma, r_fma_ymm, r_bf16, r_vnni, r_madd, r_madd_ymm, r_dnnl;
   for (int r = 0; r < reps; ++r) {  // interleaved, so drift hits every figure alike
     r_bw.push_back(bw.measure(2));
     r_fma.push_back(peak_fma_f32(threads));
+    r_fma_ymm.push_back(peak_fma_f32_ymm(threads));
     r_bf16.push_back(peak_dpbf16(threads));
     r_vnni.push_back(peak_dpbusd(threads));
+    r_madd.push_back(peak_maddubs(threads));
+    r_madd_ymm.push_back(peak_maddubs_ymm(threads));
     r_dnnl.push_back(peer.run());
   }
   auto row = [](const char* name, const char* unit, std::vector<double> v) {
@@ -78,8 +81,11 @@ int main(int argc, char** argv) {
   };
   row("read bandwidth", "GB/s", r_bw);
   row("peak vfmadd231ps zmm (fp32)", "GFLOP/s", r_fma);
+  row("peak vfmadd231ps ymm (fp32)", "GFLOP/s", r_fma_ymm);
   row("peak vdpbf16ps zmm (bf16)", "GFLOP/s", r_bf16);
   row("peak vpdpbusd zmm (int8)", "GOP/s", r_vnni);
+  row("peak vpmaddubsw+vpmaddwd zmm (int8)", "GOP/s", r_madd);
+  row("peak vpmaddubsw+vpmaddwd ymm (int8)", "GOP/s", r_madd_ymm);
   row("peer: oneDNN bf16 matmul 1024^3", "GFLOP/s", r_dnnl);
   if (median(r_bf16) > 0)
     std::printf("oneDNN bf16 matmul / vdpbf16ps peak: %.0f%%\n", 100.0 * median(r_dnnl) / median(r_bf16));

@@ -7,7 +7,9 @@
 // streams its weights from DRAM. Both sides use all cores (ours: panels split over
 // OpenMP threads; oneDNN: its own OpenMP). Ceilings and kernels are measured
 // interleaved (A B A B) and ratios are medians of the per-repetition pairs. The
-// compute ceiling is the vdpbf16ps peak for BF16 and the vpdpbusd peak for INT8/INT4;
+// compute ceiling is the peak of the instruction the kernel variant picked for m
+// really runs (bench/peak.h: vdpbf16ps for "avx512_bf16", fp32 vfmadd231ps for the
+// BF16 "avx512" / "avx2" variants, vpdpbusd for "avx512_vnni", ...; "n/a" for AMX);
 // the peer is oneDNN's bf16 matmul for BF16 and INT4 (oneDNN 2.6 has no int4) and its
 // int8 matmul (u8 activations, s8 weights, per-channel scales) for INT8, which is given
 // pre-quantized activations (ours quantizes inside the timed call).
@@ -166,14 +168,18 @@ int main(int argc, char** argv) {
     else { std::fprintf(stderr, "unknown option %s\n", argv[i]); return 2; }
   }
   const int threads = default_threads();
-  const bool is_int = opt.format != WeightFormat::bf16;
   const FormatKernels& fk = kernels().of(opt.format);
   std::printf("machine: %s; format: %s%s; kernels: %s (m < %d), %s; threads: %d; %d repetitions, medians\n",
               machine_line().c_str(), std::string(format_name(opt.format)).c_str(),
               opt.format == WeightFormat::int4 ? (" group " + std::to_string(opt.group) + (opt.symmetric ? " sym" : " asym")).c_str() : "",
               fk.small.name, fk.large_from_m, fk.large.name, threads, reps);
-  std::printf("compute ceiling: %s; peer: oneDNN %s matmul\n", is_int ? "vpdpbusd" : "vdpbf16ps",
-              opt.format == WeightFormat::int8 ? "int8" : "bf16");
+  const PeakChoice peak_small = peak_for_variant(fk.small.name, opt.format),
+                   peak_large = peak_for_variant(fk.large.name, opt.format);
+  if (peak_small.name == peak_large.name)
+    std::printf("compute ceiling: %s", peak_small.name.c_str());
+  else
+    std::printf("compute ceiling: %s (m < %d), %s", peak_small.name.c_str(), fk.large_from_m, peak_large.name.c_str());
+  std::printf("; peer: oneDNN %s matmul\n", opt.format == WeightFormat::int8 ? "int8" : "bf16");
   ReadBandwidth bw(size_t(1) << 30, threads);
   std::printf("%-12s %5s | %9s %8s %8s | %7s %7s | %9s %8s | %6s\n", "shape", "m", "us/expert", "GB/s", "GFLOP/s",
               "%bw", "%peak", "oneDNN us", "GFLOP/s", "vs 1DNN");
@@ -191,19 +197,20 @@ int main(int argc, char** argv) {
       std::optional<OneDnn::Prims> prims;
       if (peer) prims = peer->make(m);
       std::vector<double> t_ours, t_dnnl, r_bw, r_peak;
+      const PeakChoice& pc = m >= fk.large_from_m ? peak_large : peak_small;
       int e0 = 0, d0 = 0;
       for (int r = 0; r < reps; ++r) {
         const double ceil_bw = bw.measure(1);
         const double t = time_per_call([&] { ours.step(e0, m, a.data(), h.data(), out.data(), rw.data()); e0 += 8; }) / 8;
-        const double ceil_peak = is_int ? peak_dpbusd(threads) : peak_dpbf16(threads);
+        const double ceil_peak = measure_peak(pc.insn, threads);  // 0: none measured
         t_ours.push_back(t);
         r_bw.push_back(bytes / t / 1e9 / ceil_bw);
-        r_peak.push_back(ceil_peak > 0 ? flops / t / 1e9 / ceil_peak : 0);
+        if (ceil_peak > 0) r_peak.push_back(flops / t / 1e9 / ceil_peak);
         if (peer) t_dnnl.push_back(time_per_call([&] { peer->step(*prims, d0); d0 += 8; }) / 8);
       }
       const double t = median(t_ours);
-      std::printf("%-12s %5d | %9.1f %8.1f %8.1f | %6.0f%% %6.0f%%", s.name, m, t * 1e6, bytes / t / 1e9, flops / t / 1e9,
-                  100 * median(r_bw), 100 * median(r_peak));
+      std::printf("%-12s %5d | %9.1f %8.1f %8.1f | %7s %7s", s.name, m, t * 1e6, bytes / t / 1e9, flops / t / 1e9,
+                  percent_of(median(r_bw), 1).c_str(), r_peak.empty() ? "n/a" : percent_of(median(r_peak), 1).c_str());
       if (peer) {
         const double td = median(t_dnnl);
         std::printf(" | %9.1f %8.1f | %5.2fx", td * 1e6, flops / td / 1e9, td / t);

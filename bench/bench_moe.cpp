@@ -6,12 +6,15 @@
 // measured interleaved (A B A B, medians of the pairs), and, for decode, the ratio to
 // the bare kernels: the same 8 experts' gate_up + down called directly with OpenMP
 // threads splitting the panels (bench_kernels' harness), i.e. what scheduling costs.
+// The compute peak is that of the instruction the layer's kernel variant runs for the
+// batch's average rows per expert (bench/peak.h); "n/a" where none is measured (AMX).
 //
 //   build/bench/bench_moe [--shape qwen3-235b|deepseek-v3|all] [--format bf16|int8|int4]
 //                         [--tokens 1,4,16,64,256,1024] [--reps R] [--budget-gb G]
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <random>
@@ -71,7 +74,6 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--budget-gb")) budget_gb = std::atof(next());
     else { std::fprintf(stderr, "unknown option %s\n", argv[i]); return 2; }
   }
-  const bool is_int = opt.format != WeightFormat::bf16;
   Pool pool(pool_options(Config::Cpu{}));
   const int threads = pool.total_threads();
   std::printf("machine: %s; format: %s; engine: %d subpool(s), %d threads; %d repetitions, medians\n",
@@ -113,6 +115,10 @@ int main(int argc, char** argv) {
     }
     const int E = std::max(s.top_k, std::min(s.experts, int(budget_gb * 1e9 / per_expert)));
     MoeLayer layer(pool, {E, s.hidden, s.inter}, opt);
+    const FormatKernels& fk = layer.kernel_set().of(opt.format);
+    std::printf("# kernels: %s (m < %d), %s; compute ceiling: %s / %s\n", fk.small.name, fk.large_from_m, fk.large.name,
+                peak_for_variant(fk.small.name, opt.format).name.c_str(),
+                peak_for_variant(fk.large.name, opt.format).name.c_str());
     const double rss0 = proc_status_bytes("VmRSS");
     reset_peak_rss();
     const auto t_load = Clock::now();
@@ -154,18 +160,21 @@ int main(int argc, char** argv) {
       };
       auto timed = [](auto f) { return time_per_call(f, 0.3); };
       std::vector<double> ts, rb, rp;
+      const int rows_per_expert = static_cast<int>(std::lround(double(T) * s.top_k / std::max(1.0, distinct)));
+      const PeakChoice pc = peak_for_variant(fk.pick(rows_per_expert).name, opt.format);
       for (int rep = 0; rep < reps; ++rep) {
         const double c_bw = bw.measure(1);
         const double t = timed(forward);
-        const double c_peak = is_int ? peak_dpbusd(threads) : peak_dpbf16(threads);
+        const double c_peak = measure_peak(pc.insn, threads);  // 0: none measured
         ts.push_back(t);
         rb.push_back(distinct * per_expert / t / 1e9 / c_bw);
-        rp.push_back(2.0 * 3 * s.hidden * s.inter * T * s.top_k / t / 1e9 / c_peak);
+        if (c_peak > 0) rp.push_back(2.0 * 3 * s.hidden * s.inter * T * s.top_k / t / 1e9 / c_peak);
       }
       const double t = median(ts);
       const double gbs = distinct * per_expert / t / 1e9;
-      std::printf("%-12s %6d %5.0f | %10.1f %8.1f %8.1f | %5.0f%% %5.0f%%", s.name, T, distinct, t * 1e6, gbs,
-                  2.0 * 3 * s.hidden * s.inter * T * s.top_k / t / 1e9, 100 * median(rb), 100 * median(rp));
+      std::printf("%-12s %6d %5.0f | %10.1f %8.1f %8.1f | %6s %6s", s.name, T, distinct, t * 1e6, gbs,
+                  2.0 * 3 * s.hidden * s.inter * T * s.top_k / t / 1e9, percent_of(median(rb), 1).c_str(),
+                  rp.empty() ? "n/a" : percent_of(median(rp), 1).c_str());
       if (T == 1 && pool.subpools() == 1) {
         // The bare kernels on the same packs: 8 experts, panels split over OpenMP threads.
         QuantizedActs q_in, q_mid;

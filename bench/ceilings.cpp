@@ -24,6 +24,10 @@ uint64_t read_slice_avx512(const void* p, size_t bytes);
 double fma_f32_loop(long iters);
 double dpbf16_loop(long iters);
 double dpbusd_loop(long iters);
+double maddubs_zmm_loop(long iters);
+// In ceilings_avx2.cpp.
+double fma_f32_ymm_loop(long iters);
+double maddubs_ymm_loop(long iters);
 
 namespace {
 
@@ -98,6 +102,35 @@ double peak_dpbf16(int threads) {
 double peak_dpbusd(int threads) {
   if (!cpu_features().avx512_vnni) return 0;
   return peak(threads, 128.0 * 16, [](long n) { dpbusd_loop(n); });
+}
+
+double peak_fma_f32_ymm(int threads) {
+  const CpuFeatures& f = cpu_features();
+  if (!(f.avx2 && f.fma && f.os_avx)) return 0;
+  return peak(threads, 16.0 * 10, [](long n) { fma_f32_ymm_loop(n); });
+}
+
+double peak_maddubs(int threads) {
+  if (!cpu_features().avx512bw || !cpu_features().os_avx512) return 0;
+  return peak(threads, 128.0 * 8, [](long n) { maddubs_zmm_loop(n); });
+}
+
+double peak_maddubs_ymm(int threads) {
+  if (!cpu_features().avx2 || !cpu_features().os_avx) return 0;
+  return peak(threads, 64.0 * 8, [](long n) { maddubs_ymm_loop(n); });
+}
+
+double measure_peak(PeakInsn insn, int threads) {
+  switch (insn) {
+    case PeakInsn::none: return 0;
+    case PeakInsn::fma_f32_ymm: return peak_fma_f32_ymm(threads);
+    case PeakInsn::fma_f32_zmm: return peak_fma_f32(threads);
+    case PeakInsn::dpbf16_zmm: return peak_dpbf16(threads);
+    case PeakInsn::maddubs_ymm: return peak_maddubs_ymm(threads);
+    case PeakInsn::maddubs_zmm: return peak_maddubs(threads);
+    case PeakInsn::dpbusd_zmm: return peak_dpbusd(threads);
+  }
+  return 0;
 }
 
 double median(std::vector<double> v) {

@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "peak.h"
+
 namespace tandem::bench {
 
 // Sustained read bandwidth in GB/s (1e9 bytes/s): `threads` threads stream their
@@ -32,8 +34,14 @@ class ReadBandwidth {
 // accumulators that latency does not bound it. Returns GFLOP/s (GOP/s for int8),
 // counting a multiply-add as 2 operations, or 0 when the CPU lacks the instruction.
 double peak_fma_f32(int threads);     // vfmadd231ps zmm: 32 FLOP/instruction
+double peak_fma_f32_ymm(int threads); // vfmadd231ps ymm: 16 FLOP/instruction
 double peak_dpbf16(int threads);      // vdpbf16ps zmm: 64 FLOP/instruction
 double peak_dpbusd(int threads);      // vpdpbusd zmm: 128 OP/instruction
+double peak_maddubs(int threads);     // vpmaddubsw + vpmaddwd + vpaddd zmm: 128 OP/sequence
+double peak_maddubs_ymm(int threads); // the same on ymm: 64 OP/sequence
+// The peak of `insn` (bench/peak.h: the one a kernel variant runs); 0 for
+// PeakInsn::none or an instruction this CPU lacks.
+double measure_peak(PeakInsn insn, int threads);
 
 double median(std::vector<double> v);
 int default_threads();  // physical cores usable by this process

@@ -72,4 +72,30 @@ double dpbusd_loop(long iters) {
   TANDEM_PEAK_BODY(__m512i, _mm512_setzero_si512(), "vpdpbusd");
 }
 
+// 8 independent (vpmaddubsw, vpmaddwd by ones, vpaddd) sequences per iteration: the
+// pre-VNNI u8 x s8 dot product of the AVX-512 integer kernels (64 multiply-adds each).
+double maddubs_zmm_loop(long iters) {
+  const __m512i x = _mm512_set1_epi8(3), y = _mm512_set1_epi8(-2), one = _mm512_set1_epi16(1);
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  __m512i t0, t1, t2, t3;
+  for (long i = 0; i < iters; ++i) {
+#define TANDEM_SEQ4(b0, b1, b2, b3)                                                                  \
+  __asm__ volatile("vpmaddubsw %[y], %[x], %[t0]\n\tvpmaddubsw %[y], %[x], %[t1]\n\t"             \
+                   "vpmaddubsw %[y], %[x], %[t2]\n\tvpmaddubsw %[y], %[x], %[t3]\n\t"             \
+                   "vpmaddwd %[one], %[t0], %[t0]\n\tvpmaddwd %[one], %[t1], %[t1]\n\t"           \
+                   "vpmaddwd %[one], %[t2], %[t2]\n\tvpmaddwd %[one], %[t3], %[t3]\n\t"           \
+                   "vpaddd %[t0], %[a0], %[a0]\n\tvpaddd %[t1], %[a1], %[a1]\n\t"                 \
+                   "vpaddd %[t2], %[a2], %[a2]\n\tvpaddd %[t3], %[a3], %[a3]\n\t"                 \
+                   : [a0] "+v"(b0), [a1] "+v"(b1), [a2] "+v"(b2), [a3] "+v"(b3), [t0] "=&v"(t0),  \
+                     [t1] "=&v"(t1), [t2] "=&v"(t2), [t3] "=&v"(t3)                               \
+                   : [x] "v"(x), [y] "v"(y), [one] "v"(one))
+    TANDEM_SEQ4(a0, a1, a2, a3);
+    TANDEM_SEQ4(a4, a5, a6, a7);
+#undef TANDEM_SEQ4
+  }
+  const __m512i s = _mm512_add_epi32(_mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3)),
+                                     _mm512_add_epi32(_mm512_add_epi32(a4, a5), _mm512_add_epi32(a6, a7)));
+  return static_cast<double>(_mm512_reduce_add_epi32(s));
+}
+
 }  // namespace tandem::bench

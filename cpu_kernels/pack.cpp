@@ -173,8 +173,8 @@ void check_options(const PackOptions& o, int k) {
     TANDEM_CHECK(k <= 65536, Errc::invalid_argument, "pack: k = ", k, " is above int8's limit of 65536");
 }
 
-// Layout for a format; data allocated for `stored` panels.
-PackedWeight layout(const PackOptions& o, int n, int k, int stored_per_panel) {
+// Layout for a format (shape, padding, strides; no data).
+PackedWeight layout(const PackOptions& o, int n, int k) {
   PackedWeight p;
   p.format = o.format;
   p.n = n;
@@ -200,6 +200,12 @@ PackedWeight layout(const PackOptions& o, int n, int k, int stored_per_panel) {
       p.panel_stride = p.group_stride * (k / o.group);
       break;
   }
+  return p;
+}
+
+// Layout for a format, data allocated for `stored_per_panel` stored panels per panel.
+PackedWeight layout(const PackOptions& o, int n, int k, int stored_per_panel) {
+  PackedWeight p = layout(o, n, k);
   p.data = AlignedBuffer::allocate(p.panel_stride * p.panels * stored_per_panel);
   return p;
 }
@@ -327,6 +333,13 @@ void pack_panels_checked(PackedWeight& p, const WeightView* (&views)[N], const c
 }
 
 }  // namespace
+
+size_t packed_bytes(const PackOptions& opt, int n, int k, bool gate_up) {
+  TANDEM_CHECK(n > 0 && k > 0, Errc::invalid_argument, "packed_bytes: shape [", n, " x ", k, "] must be positive");
+  check_options(opt, k);
+  const PackedWeight p = layout(opt, n, k);
+  return p.panel_stride * p.panels * (gate_up ? 2 : 1);
+}
 
 PackedWeight pack(const WeightView& w, const PackOptions& opt) {
   check_view("weight", w);

@@ -2,6 +2,7 @@
 
 #include <dnnl.h>
 
+#include <algorithm>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -11,6 +12,8 @@
 #include "tandem/cpu_features.h"
 #include "tandem/error.h"
 #include "tandem/gpu_info.h"
+#include "tandem/memory_plan.h"
+#include "tandem/pool.h"
 #include "tandem/topology.h"
 
 namespace tandem {
@@ -34,6 +37,17 @@ std::string gib(uint64_t bytes) {
   std::ostringstream os;
   os.precision(1);
   os << std::fixed << static_cast<double>(bytes) / (1ull << 30) << " GiB";
+  return os.str();
+}
+
+// GiB from 0.1 GiB up, MiB or KiB below (a tiny model's figures stay readable).
+std::string human(uint64_t bytes) {
+  std::ostringstream os;
+  os.precision(1);
+  os << std::fixed;
+  if (bytes >= (1ull << 30) / 10) os << static_cast<double>(bytes) / (1ull << 30) << " GiB";
+  else if (bytes >= (1ull << 20) / 10) os << static_cast<double>(bytes) / (1ull << 20) << " MiB";
+  else os << static_cast<double>(bytes) / 1024 << " KiB";
   return os.str();
 }
 
@@ -116,6 +130,113 @@ std::vector<std::string> config_fit(const Config& c, const J& gpu) {
   return problems;
 }
 
+// The subpools the engine's pool would have (pool_options), or its count from the config
+// alone when the config does not fit the topology (that problem is reported already).
+int subpools_for(const Config& c) {
+  try {
+    return static_cast<int>(pool_options(c.cpu).subpools.size());
+  } catch (const Error&) {
+    int nodes = static_cast<int>(c.cpu.numa_nodes.size());
+    if (nodes == 0)
+      for (const auto& n : topology().nodes) nodes += n.cores.empty() ? 0 : 1;
+    return std::max(1, nodes) * std::max(1, c.cpu.virtual_subpools);
+  }
+}
+
+J parts_json(const std::vector<MemoryPart>& parts) {
+  J a = J::array();
+  for (const auto& p : parts) a.push_back({{"what", p.what}, {"bytes", p.bytes}, {"detail", p.detail}});
+  return a;
+}
+
+std::string parts_text(const std::vector<MemoryPart>& parts) {
+  std::string s;
+  for (const auto& p : parts)
+    if (p.bytes) s += str_cat(s.empty() ? "" : " + ", p.what, " ", human(p.bytes));
+  return s;
+}
+
+// Whether the config's model fits this machine's RAM and GPU memory: the estimate
+// (memory_plan.h) against MemAvailable and the GPU's free memory. Appends a
+// "does not fit" problem per memory that is short; "checked": false (never "fits")
+// when no model is known.
+J memory_check(const Config& c, const J& gpu, const J& topo, std::vector<std::string>& problems) {
+  J m;
+  m["checked"] = false;
+  if (c.model.path.empty()) {
+    m["reason"] = "no model.path: the estimate needs the model's config.json (set model.path to the checkpoint directory)";
+    return m;
+  }
+  if (!std::filesystem::exists(c.model.path)) {
+    m["reason"] = "model.path does not exist";
+    return m;
+  }
+  ModelInfo info;
+  try {
+    info = read_model_info(c.model.path);
+  } catch (const Error& e) {
+    m["reason"] = e.message();
+    return m;
+  }
+  const int idx = c.gpu_index();
+  const size_t ngpu = gpu["devices"].size();
+  const bool on_gpu = idx >= 0 || (idx == -2 && ngpu > 0);
+  const int dev = idx >= 0 ? idx : 0;
+  MemoryPlan plan;
+  try {
+    plan = plan_memory(c, info, subpools_for(c), on_gpu);
+  } catch (const Error& e) {
+    problems.push_back(e.message());
+    m["reason"] = e.message();
+    return m;
+  }
+  m["checked"] = true;
+  m["model"] = {{"config_json", info.config_json.string()}, {"model_type", info.model_type}, {"layers", info.layers},
+                {"moe_layers", info.moe_layers.size()}, {"experts", info.shape.experts}, {"hidden", info.shape.hidden},
+                {"intermediate", info.shape.inter}, {"top_k", info.top_k}, {"dtype", info.dtype},
+                {"non_expert_bytes", info.non_expert_bytes}, {"non_expert_exact", info.non_expert_exact},
+                {"non_expert_source", info.non_expert_source}};
+  m["subpools"] = plan.subpools;
+  m["stream"] = on_gpu ? str_cat("cuda:", dev) : std::string("host");
+  m["cpu_expert_bytes"] = plan.cpu_expert_bytes;
+  m["hot_expert_bytes"] = plan.hot_expert_bytes;
+  m["hot_experts"] = plan.hot_experts;
+  uint64_t ram_have = topo["memory_available_bytes"].get<uint64_t>();
+  if (ram_have == 0) ram_have = topo["memory_total_bytes"].get<uint64_t>();
+  bool fits = true;
+  const uint64_t ram_need = plan.ram_bytes();
+  m["ram"] = {{"needed_bytes", ram_need}, {"available_bytes", ram_have}, {"parts", parts_json(plan.ram)}};
+  if (ram_need > ram_have) {
+    fits = false;
+    problems.push_back(str_cat("does not fit: needs ", human(ram_need), " of RAM for ", parts_text(plan.ram),
+                               ", this machine has ", human(ram_have), " available (short by ",
+                               human(ram_need - ram_have), ")"));
+  }
+  if (on_gpu) {
+    const uint64_t need = plan.gpu_bytes();
+    J g = {{"device", dev}, {"needed_bytes", need}, {"parts", parts_json(plan.gpu)}};
+    if (static_cast<size_t>(dev) < ngpu) {
+      const J& d = gpu["devices"][dev];
+      const uint64_t free = d["memory_free_bytes"].get<uint64_t>(), total = d["memory_total_bytes"].get<uint64_t>();
+      g["available_bytes"] = free;
+      g["total_bytes"] = total;
+      if (need > free) {
+        fits = false;
+        problems.push_back(str_cat("does not fit: needs ", human(need), " on cuda:", dev, " for ", parts_text(plan.gpu),
+                                   ", the GPU has ", human(free), " free of ", human(total), " (short by ",
+                                   human(need - free), ")"));
+      }
+    } else {
+      g["available_bytes"] = nullptr;  // the missing device is reported as a problem already
+    }
+    m["gpu"] = g;
+  }
+  m["fits"] = fits;
+  m["not_counted"] = "KV cache and activations, the CUDA context, allocator slack, per-layer CPU scratch, "
+                     "further batch shapes' buffers";
+  return m;
+}
+
 // NCCL_VERSION_CODE: major*10000 + minor*100 + patch since 2.9.
 std::string nccl_str(int v) {
   if (v == 0) return "not linked";
@@ -177,8 +298,36 @@ std::string render_text(const J& j) {
     if (!c["valid"].get<bool>()) {
       os << "INVALID\n  " << c["error"].get<std::string>() << "\n";
     } else {
-      os << (c["problems"].empty() ? "valid, fits this machine\n" : "valid, but cannot run here:\n");
+      const J& mem = c["memory"];
+      const bool checked = mem["checked"].get<bool>();
+      if (!c["problems"].empty()) os << "valid, but cannot run here:\n";
+      else if (checked) os << "valid, fits this machine\n";
+      else os << "valid; memory not checked\n";
       for (const auto& p : c["problems"]) os << "  - " << p.get<std::string>() << "\n";
+      if (!checked) {
+        os << "  memory not checked: " << mem["reason"].get<std::string>() << "\n";
+      } else {
+        const J& md = mem["model"];
+        os << "  model: " << md["model_type"].get<std::string>() << ", " << md["moe_layers"].get<int>() << " of "
+           << md["layers"].get<int>() << " layers MoE x " << md["experts"].get<int>() << " experts (hidden "
+           << md["hidden"].get<int>() << ", expert intermediate " << md["intermediate"].get<int>() << ", top-"
+           << md["top_k"].get<int>() << "), " << md["dtype"].get<std::string>() << "\n";
+        auto show = [&](const std::string& where, const J& m, const std::string& have) {
+          os << "  " << where << ": needs " << human(m["needed_bytes"].get<uint64_t>()) << ", " << have << "\n";
+          for (const auto& p : m["parts"])
+            os << "    " << p["what"].get<std::string>() << " " << human(p["bytes"].get<uint64_t>()) << " ("
+               << p["detail"].get<std::string>() << ")\n";
+        };
+        show("RAM", mem["ram"], "has " + human(mem["ram"]["available_bytes"].get<uint64_t>()) + " available");
+        if (mem.contains("gpu")) {
+          const J& g = mem["gpu"];
+          show(mem["stream"].get<std::string>(), g,
+               g["available_bytes"].is_null() ? std::string("device not available")
+                                              : "has " + human(g["available_bytes"].get<uint64_t>()) + " free of " +
+                                                    human(g["total_bytes"].get<uint64_t>()));
+        }
+        os << "  not counted: " << mem["not_counted"].get<std::string>() << "\n";
+      }
     }
   }
   os << "\n" << (j["ok"].get<bool>() ? "OK" : "PROBLEMS FOUND") << "\n";
@@ -208,7 +357,9 @@ DoctorReport run_doctor(const std::string& config_path, bool gpu_kernel_check) {
       Config cfg = load_config(config_path);
       c["valid"] = true;
       c["value"] = J::parse(cfg.to_json());
-      c["problems"] = config_fit(cfg, j["gpu"]);
+      std::vector<std::string> problems = config_fit(cfg, j["gpu"]);
+      c["memory"] = memory_check(cfg, j["gpu"], j["topology"], problems);
+      c["problems"] = problems;
       ok = ok && c["problems"].empty();
     } catch (const Error& e) {
       c["valid"] = false;

@@ -41,7 +41,8 @@ def test_doctor_json_matches_the_machine():
 def test_doctor_text_and_demo_config():
     r = run("doctor", "--config", str(REPO / "configs" / "demo.yaml"), "--no-gpu-kernel")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "valid, fits this machine" in r.stdout
+    # demo.yaml names no model: its memory cannot be sized, so the doctor never says "fits".
+    assert "valid; memory not checked" in r.stdout and "fits" not in r.stdout
     assert r.stdout.rstrip().endswith("OK")
 
 

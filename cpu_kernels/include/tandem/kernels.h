@@ -121,6 +121,10 @@ struct PackedWeight {
 PackedWeight pack(const WeightView& w, const PackOptions& opt = {});
 // Gate and up of one expert in one weight: panels alternate gate, up, gate, up, ...
 PackedWeight pack_gate_up(const WeightView& gate, const WeightView& up, const PackOptions& opt = {});
+// Bytes pack(W [n x k], opt) (gate_up = false) or pack_gate_up(gate, up [n x k], opt)
+// (gate_up = true) will hold, from the shape alone (memory planning: tandem doctor).
+// Throws tandem::Error for shapes pack() refuses.
+size_t packed_bytes(const PackOptions& opt, int n, int k, bool gate_up = false);
 // Shorthands for BF16 packs of row-major bf16 / fp32 weights (leading dimension ld).
 PackedWeight pack_bf16(const bf16_t* w, int n, int k, int ld);
 PackedWeight pack_bf16_from_fp32(const float* w, int n, int k, int ld);

@@ -14,6 +14,10 @@ struct DoctorReport {
 };
 
 // config_path empty: no config check. gpu_kernel_check: launch a test kernel per GPU.
+// With a config, its fit is checked: ISA level, NUMA nodes, GPU index, paths, and, when it
+// names a model (model.path), memory (tandem/memory_plan.h; JSON "config.memory"): RAM and
+// GPU memory needed against what this machine has, "does not fit" being a problem. Without
+// a model the report says memory was not checked (never "fits").
 DoctorReport run_doctor(const std::string& config_path = {}, bool gpu_kernel_check = true);
 
 // "0.1.0"

@@ -1,0 +1,275 @@
+#include "tandem/memory_plan.h"
+
+#include <algorithm>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <set>
+
+#include "tandem/error.h"
+#include "tandem/kernels.h"
+#include "tandem/safetensors.h"
+
+namespace tandem {
+namespace fs = std::filesystem;
+
+namespace {
+
+using J = nlohmann::json;
+
+// The sizes HybridMoe and the CUDA stream allocate (runtime/hybrid.cpp, gpu/cuda_stream.cpp).
+constexpr uint64_t kCublasWorkspace = 32ull << 20;
+
+int64_t get_int(const J& j, const fs::path& file, const char* key, int64_t fallback = -1) {
+  const auto it = j.find(key);
+  if (it == j.end() || it->is_null()) {
+    TANDEM_CHECK(fallback >= 0, Errc::bad_format, file.string(), ": no '", key, "' (needed to size the model)");
+    return fallback;
+  }
+  TANDEM_CHECK(it->is_number_integer() && it->get<int64_t>() >= 0, Errc::bad_format, file.string(), ": '", key,
+               "' is ", it->dump(), ", expected a non-negative integer");
+  return it->get<int64_t>();
+}
+
+// The first of `keys` present (non-null) in j, else -1.
+int64_t first_int(const J& j, const fs::path& file, std::initializer_list<const char*> keys) {
+  for (const char* k : keys)
+    if (j.contains(k) && !j[k].is_null()) return get_int(j, file, k);
+  return -1;
+}
+
+// A checkpoint tensor holding a routed expert's weights (per-expert or fused layouts).
+bool is_expert_tensor(const std::string& name) {
+  static const std::regex re(R"(\.experts\.(\d+\.|gate_up_proj|down_proj))");
+  return std::regex_search(name, re);
+}
+
+bool is_float(Dtype d) {
+  switch (d) {
+    case Dtype::F16: case Dtype::BF16: case Dtype::F32: case Dtype::F64: case Dtype::F8_E4M3: case Dtype::F8_E5M2:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// Non-expert weights from config.json alone (no safetensors found): the usual decoder
+// parameter count in elements, per the transformers modeling code of the supported types.
+uint64_t non_expert_elements(const J& j, const fs::path& f, const ModelInfo& m) {
+  const uint64_t H = m.shape.hidden, E = m.shape.experts, L = m.layers;
+  const uint64_t V = get_int(j, f, "vocab_size");
+  const bool tied = j.value("tie_word_embeddings", false);
+  uint64_t n = V * H * (tied ? 1 : 2) + H;  // embeddings, lm_head, final norm
+  const uint64_t heads = get_int(j, f, "num_attention_heads");
+  uint64_t attn = 0;
+  if (j.contains("kv_lora_rank") && !j["kv_lora_rank"].is_null()) {  // DeepSeek MLA
+    const uint64_t q_lora = first_int(j, f, {"q_lora_rank"}) > 0 ? get_int(j, f, "q_lora_rank") : 0;
+    const uint64_t kv_lora = get_int(j, f, "kv_lora_rank"), rope = get_int(j, f, "qk_rope_head_dim"),
+                   nope = get_int(j, f, "qk_nope_head_dim"), v = get_int(j, f, "v_head_dim");
+    attn += q_lora ? H * q_lora + q_lora + q_lora * heads * (nope + rope) : H * heads * (nope + rope);
+    attn += H * (kv_lora + rope) + kv_lora + kv_lora * heads * (nope + v) + heads * v * H;
+  } else {
+    const uint64_t kv = get_int(j, f, "num_key_value_heads", heads);
+    const uint64_t hd = get_int(j, f, "head_dim", heads ? H / heads : 0);
+    attn += H * heads * hd + 2 * H * kv * hd + heads * hd * H;
+    if (j.value("attention_bias", false)) attn += heads * hd + 2 * kv * hd;
+    if (m.model_type == "qwen3_moe") attn += 2 * hd;  // q_norm, k_norm
+  }
+  n += L * (attn + 2 * H);  // + input / post-attention norms
+  const std::set<int> moe(m.moe_layers.begin(), m.moe_layers.end());
+  const uint64_t dense_inter = std::max<int64_t>(0, first_int(j, f, {"intermediate_size"}));
+  const uint64_t shared = std::max<int64_t>(0, first_int(j, f, {"n_shared_experts"})) * m.shape.inter +
+                          std::max<int64_t>(0, first_int(j, f, {"shared_expert_intermediate_size"}));
+  for (uint64_t l = 0; l < L; ++l) {
+    if (moe.count(static_cast<int>(l))) {
+      n += E * H + 3 * H * shared;                                   // router, shared experts
+      if (m.model_type == "deepseek_v3") n += E;                     // e_score_correction_bias
+      if (first_int(j, f, {"shared_expert_intermediate_size"}) > 0) n += H;  // shared_expert_gate
+    } else {
+      n += 3 * H * dense_inter;
+    }
+  }
+  return n;
+}
+
+}  // namespace
+
+ModelInfo read_model_info(const fs::path& model_path) {
+  ModelInfo m;
+  const fs::path dir = fs::is_directory(model_path) ? model_path : model_path.parent_path();
+  m.config_json = dir / "config.json";
+  std::ifstream in(m.config_json);
+  TANDEM_CHECK(in.good(), Errc::io, m.config_json.string(), ": cannot open (a Hugging Face checkpoint directory has one)");
+  J j;
+  try {
+    j = J::parse(in);
+  } catch (const J::exception& e) {
+    TANDEM_FAIL(Errc::bad_format, m.config_json.string(), ": not valid JSON: ", e.what());
+  }
+  TANDEM_CHECK(j.is_object(), Errc::bad_format, m.config_json.string(), ": expected a JSON object");
+  const fs::path& f = m.config_json;
+  if (j.contains("text_config") && j["text_config"].is_object()) j = j["text_config"];  // multimodal wrappers
+  m.model_type = j.value("model_type", std::string());
+  m.layers = static_cast<int>(get_int(j, f, "num_hidden_layers"));
+  m.shape.hidden = static_cast<int>(get_int(j, f, "hidden_size"));
+  const int64_t experts = first_int(j, f, {"num_experts", "n_routed_experts", "num_local_experts"});
+  TANDEM_CHECK(experts > 0, Errc::bad_format, f.string(),
+               ": no routed experts (none of num_experts, n_routed_experts, num_local_experts is positive)");
+  m.shape.experts = static_cast<int>(experts);
+  // Mixtral's experts use intermediate_size; the others name the expert width moe_intermediate_size.
+  int64_t inter = first_int(j, f, {"moe_intermediate_size"});
+  if (inter <= 0) inter = get_int(j, f, "intermediate_size");
+  m.shape.inter = static_cast<int>(inter);
+  m.top_k = static_cast<int>(get_int(j, f, "num_experts_per_tok"));
+  TANDEM_CHECK(m.shape.hidden > 0 && m.shape.inter > 0 && m.top_k > 0, Errc::bad_format, f.string(),
+               ": hidden_size, the expert intermediate size and num_experts_per_tok must be positive");
+  // Which layers route (the transformers modeling code): Qwen MoE skips mlp_only_layers and
+  // uses decoder_sparse_step; DeepSeek's first first_k_dense_replace layers are dense.
+  const int64_t first_dense = std::max<int64_t>(0, first_int(j, f, {"first_k_dense_replace"}));
+  const int64_t step = std::max<int64_t>(1, first_int(j, f, {"decoder_sparse_step"}));
+  std::set<int> mlp_only;
+  if (j.contains("mlp_only_layers") && j["mlp_only_layers"].is_array())
+    for (const auto& v : j["mlp_only_layers"])
+      if (v.is_number_integer()) mlp_only.insert(v.get<int>());
+  for (int l = 0; l < m.layers; ++l)
+    if (l >= first_dense && !mlp_only.count(l) && (l + 1) % step == 0) m.moe_layers.push_back(l);
+  TANDEM_CHECK(!m.moe_layers.empty(), Errc::bad_format, f.string(), ": no layer has routed experts");
+
+  std::string dtype = j.value("dtype", std::string());
+  if (dtype.empty()) dtype = j.value("torch_dtype", std::string());
+  if (dtype.empty()) dtype = "float32";
+  m.dtype = dtype;
+  m.dtype_bytes = (dtype == "bfloat16" || dtype == "float16" || dtype == "half") ? 2 : dtype == "float64" ? 8 : 4;
+
+  // Non-expert weights: the checkpoint's own tensors when it has safetensors files.
+  bool have_files = false;
+  if (fs::is_directory(model_path)) {
+    for (const auto& e : fs::directory_iterator(model_path))
+      have_files = have_files || e.path().extension() == ".safetensors";
+    have_files = have_files || fs::exists(model_path / "model.safetensors.index.json");
+  } else {
+    have_files = fs::exists(model_path);
+  }
+  if (have_files) {
+    const Checkpoint ckpt = Checkpoint::open(model_path);
+    uint64_t bytes = 0;
+    int counted = 0;
+    static const std::regex layer_re(R"(^model\.layers\.(\d+)\.)");
+    for (const std::string& name : ckpt.names()) {
+      if (is_expert_tensor(name)) continue;
+      std::smatch mm;
+      if (std::regex_search(name, mm, layer_re) && std::stoi(mm[1]) >= m.layers) continue;  // e.g. DeepSeek MTP
+      if (name.size() > 10 && name.ends_with("_scale_inv") && ckpt.contains(name.substr(0, name.size() - 10)))
+        continue;  // FP8 block scales: the weight is dequantized to the model dtype
+      if (name.ends_with("rotary_emb.inv_freq")) continue;
+      const TensorInfo& t = ckpt.info(name);
+      bytes += is_float(t.dtype) ? t.numel() * m.dtype_bytes : t.nbytes();
+      ++counted;
+    }
+    m.non_expert_bytes = bytes;
+    m.non_expert_exact = true;
+    m.non_expert_source = str_cat("safetensors headers: ", counted, " tensor(s) as ", dtype);
+  } else {
+    m.non_expert_bytes = non_expert_elements(j, f, m) * m.dtype_bytes;
+    m.non_expert_source = str_cat("estimated from config.json shapes (no safetensors files), as ", dtype);
+  }
+  return m;
+}
+
+uint64_t moe_layer_cpu_bytes(const MoeShape& shape, const PackOptions& format, int subpools, int cpu_experts) {
+  TANDEM_CHECK(subpools >= 1, Errc::invalid_argument, "moe_layer_cpu_bytes: subpools = ", subpools);
+  if (cpu_experts <= 0) return 0;
+  const std::vector<int> slices = intermediate_slices(shape.inter, subpools, format);
+  uint64_t per_expert = 0;
+  for (int s = 0; s < subpools; ++s) {
+    const int width = slices[s + 1] - slices[s];
+    if (width == 0) continue;  // MoeLayer::load packs nothing for an empty slice
+    per_expert += packed_bytes(format, width, shape.hidden, true) + packed_bytes(format, shape.hidden, width);
+  }
+  return per_expert * static_cast<uint64_t>(cpu_experts);
+}
+
+int hot_expert_count(const HotExpertsConfig& hot, int layer, int experts) {
+  using P = HotExpertsConfig::Policy;
+  switch (hot.policy) {
+    case P::none: return 0;
+    case P::uniform:
+    case P::statistics: return std::min(hot.count, experts);
+    case P::explicit_lists: {
+      const auto it = hot.layers.find(layer);
+      return it == hot.layers.end() ? 0 : static_cast<int>(it->second.size());
+    }
+  }
+  return 0;
+}
+
+uint64_t MemoryPlan::ram_bytes() const {
+  uint64_t b = 0;
+  for (const auto& p : ram) b += p.bytes;
+  return b;
+}
+
+uint64_t MemoryPlan::gpu_bytes() const {
+  uint64_t b = 0;
+  for (const auto& p : gpu) b += p.bytes;
+  return b;
+}
+
+MemoryPlan plan_memory(const Config& config, const ModelInfo& model, int subpools, bool on_gpu) {
+  MemoryPlan p;
+  p.on_gpu = on_gpu;
+  p.subpools = subpools;
+  PackOptions fmt;
+  fmt.format = parse_format(config.cpu.format);
+  fmt.group = config.cpu.group_size;
+  fmt.symmetric = !config.cpu.zero_point;
+  const MoeShape& sh = model.shape;
+  if (fmt.format == WeightFormat::int4)
+    TANDEM_CHECK(sh.hidden % fmt.group == 0 && sh.inter % fmt.group == 0, Errc::invalid_argument,
+                 "cpu.group_size: ", fmt.group, " does not divide the model's hidden size ", sh.hidden,
+                 " and expert intermediate size ", sh.inter, " (int4 needs whole groups)");
+  const uint64_t H = sh.hidden, I = sh.inter, E = sh.experts, L = model.moe_layers.size();
+  const uint64_t T = config.buffers.max_tokens, K = model.top_k;
+  const bool deferred = config.gpu.deferred_experts > 0;
+
+  // Routed experts: the pools' packs of every non-hot expert; the hot ones on the device.
+  uint64_t hot_bytes = 0, hot_scratch = 0, slot_maps = 0;
+  for (int layer : model.moe_layers) {
+    const int nh = hot_expert_count(config.gpu.hot_experts, layer, sh.experts);
+    p.hot_experts += nh;
+    p.cpu_expert_bytes += moe_layer_cpu_bytes(sh, fmt, subpools, sh.experts - nh);
+    if (nh == 0) continue;
+    if (on_gpu) {  // CudaExperts: bf16 [nh*2I x H] + [H x nh*I]; scratch per token count
+      hot_bytes += uint64_t(nh) * 3 * I * H * 2;
+      slot_maps += E * 4;
+      hot_scratch += T * H * 2 + T * nh * 4 + T * nh * 2 * I * 4 + T * nh * I * 2;
+    } else {  // HostExperts: BF16 packs of whole experts
+      hot_bytes += uint64_t(nh) * (packed_bytes({WeightFormat::bf16}, sh.inter, sh.hidden, true) +
+                                   packed_bytes({WeightFormat::bf16}, sh.hidden, sh.inter));
+    }
+  }
+  p.hot_expert_bytes = hot_bytes;
+
+  // HybridMoe's buffers for one batch of max_tokens tokens.
+  const uint64_t xs = model.dtype == "bfloat16" ? 2 : 4;  // the layer input: bf16 as is, any other dtype as fp32
+  const uint64_t per_slot = T * H * xs + 3 * T * K * 4 + T * K * 4 + T * H * 4 + (deferred ? T * H * 4 : 0);
+  const uint64_t pinned = uint64_t(config.buffers.pinned_slots) * per_slot;
+  const uint64_t dev_buffers = 3 * T * K * 4 + T * H * 4 + (deferred ? T * H * 4 : 0) + L * E;
+
+  auto& dev = on_gpu ? p.gpu : p.ram;
+  p.ram.push_back({"cpu experts", p.cpu_expert_bytes,
+                   str_cat(L, " MoE layers x ", sh.experts, " experts (", p.hot_experts, " hot in all) as ",
+                           config.cpu.format, " on ", subpools, " subpool(s)")});
+  if (p.hot_experts > 0)
+    dev.push_back({"hot experts", hot_bytes,
+                   str_cat(p.hot_experts, " experts as bf16", on_gpu ? "" : " packs on the host stream")});
+  p.ram.push_back({"pinned buffers", pinned,
+                   str_cat(config.buffers.pinned_slots, " slot(s) x ", T, " tokens (buffers.max_tokens)")});
+  dev.push_back({"scheduler buffers", dev_buffers + slot_maps + (on_gpu ? kCublasWorkspace : 0),
+                 str_cat("ids, outputs and masks for ", T, " tokens", on_gpu ? ", cuBLAS workspace" : "")});
+  if (hot_scratch) dev.push_back({"hot expert scratch", hot_scratch, str_cat("per layer with hot experts, for ", T, " tokens")});
+  dev.push_back({"non-expert weights", model.non_expert_bytes, model.non_expert_source});
+  return p;
+}
+
+}  // namespace tandem

@@ -1,0 +1,80 @@
+"""`tandem doctor --config F` sizes the model before saying it fits (issue 16, item 7).
+
+The estimate is checked against what the real loader builds: the engine's packed bytes
+(CPU experts, per format and subpool split, padding included), its hot experts, and the
+non-expert weights torch holds; a config.json claiming a model no machine holds reports
+"does not fit" with the shortfall; without a model, memory is "not checked", never "fits".
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import tandem
+
+
+def doctor(config, *extra):
+    r = subprocess.run([sys.executable, "-m", "tandem", "doctor", "--config", str(config), "--no-gpu-kernel", *extra],
+                       capture_output=True, text=True, env=dict(os.environ), timeout=120)
+    return r
+
+
+@pytest.mark.parametrize("cpu", [
+    "{format: bf16, virtual_subpools: 2, threads: 1}",
+    "{format: int8, virtual_subpools: 3, threads: 1}",
+])
+def test_estimate_equals_what_load_model_packs(tiny_qwen3_moe_dir, tmp_path, cpu):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model:\n  path: {tiny_qwen3_moe_dir}\ncpu: {cpu}\ngpu: {{device: none, hot_experts: 2}}\n")
+    r = doctor(cfg, "--json")
+    mem = json.loads(r.stdout)["config"]["memory"]
+    assert mem["checked"], mem
+
+    model = tandem.load_model(tiny_qwen3_moe_dir, str(cfg), progress=False)
+    engine = model.tandem_engine
+    torch_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(f"estimate: cpu experts {mem['cpu_expert_bytes']} (engine {engine.cpu_bytes}), hot {mem['hot_expert_bytes']} "
+          f"(engine {engine.device_bytes}), non-expert {mem['model']['non_expert_bytes']} (torch {torch_bytes})")
+    assert mem["cpu_expert_bytes"] == engine.cpu_bytes
+    assert mem["hot_expert_bytes"] == engine.device_bytes
+    assert mem["model"]["non_expert_exact"] is True
+    assert mem["model"]["non_expert_bytes"] == torch_bytes
+    assert mem["model"]["moe_layers"] == engine.moe_layers
+    ram = {p["what"]: p["bytes"] for p in mem["ram"]["parts"]}
+    assert ram["cpu experts"] == engine.cpu_bytes and ram["hot experts"] == engine.device_bytes
+    assert mem["ram"]["needed_bytes"] == sum(ram.values())
+    assert r.returncode == (0 if mem["fits"] else 1), r.stdout
+
+
+def test_config_json_claiming_a_huge_model_does_not_fit(tmp_path):
+    model = tmp_path / "huge"
+    model.mkdir()
+    # Qwen3-235B-A22B's shapes with 50x its layers (4700): far beyond any machine's RAM. No
+    # safetensors: the experts come from config.json alone, the rest is estimated.
+    (model / "config.json").write_text(json.dumps(dict(
+        model_type="qwen3_moe", num_hidden_layers=4700, hidden_size=4096, moe_intermediate_size=1536,
+        intermediate_size=12288, num_experts=128, num_experts_per_tok=8, vocab_size=151936, num_attention_heads=64,
+        num_key_value_heads=4, head_dim=128, torch_dtype="bfloat16")))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model:\n  path: huge\ngpu:\n  device: none\n")
+    r = doctor(cfg)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "valid, but cannot run here" in r.stdout
+    line = next(l for l in r.stdout.splitlines() if "does not fit" in l)
+    assert "of RAM for cpu experts" in line and "this machine has" in line and "(short by" in line, line
+    data = json.loads(doctor(cfg, "--json").stdout)["config"]["memory"]
+    assert data["fits"] is False and data["model"]["non_expert_exact"] is False
+    assert data["cpu_expert_bytes"] == 4700 * 128 * 3 * 4096 * 1536 * 2
+    assert data["ram"]["needed_bytes"] > data["ram"]["available_bytes"]
+
+
+def test_without_a_model_memory_is_not_checked(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("cpu:\n  format: int8\ngpu:\n  device: none\n")
+    r = doctor(cfg)
+    assert r.returncode == 0, r.stdout
+    assert "memory not checked: no model.path" in r.stdout
+    assert "fits" not in r.stdout
