@@ -144,7 +144,8 @@ int default_threads() { return std::max(1, topology().cores); }
 
 std::string machine_line() {
   return str_cat(cpu_features().brand, ", ", topology().cores, " cores, ", topology().nodes.size(),
-                 " NUMA node(s), kernel level ", isa_name(hardware_isa()));
+                 " NUMA node(s), hardware kernel level ", isa_name(hardware_isa()), ", in effect ",
+                 isa_name(effective_isa()));
 }
 
 std::vector<int> parse_int_list(const char* s) {
