@@ -7,7 +7,8 @@ the gradient through the routing weights is checked too.
 
 What differs, and the bounds that follow. tandem keeps the frozen expert base in BF16 and
 rounds the experts' input x and intermediate h (and, in backward, dOut before dOut Wd) to
-bf16 (unit roundoff u = 2^-9 = 1.95e-3); its sums run in fp32 and the LoRA math in fp32.
+bf16 (relative error <= u = 2^-8 = 3.9e-3, about 2^-9 on average); its sums run in fp32
+and the LoRA math in fp32.
 For fp32 models the reference's expert weights are rounded to bf16 values before either
 side is made, so both hold the same weights and only tandem's activation rounding
 differs: a few independent roundings of relative size <= u, with random signs, carried
@@ -15,7 +16,7 @@ through 2-3 MoE layers and back. Every gradient tensor is compared by relative L
 ||g - g_ref|| / ||g_ref|| and by max |g - g_ref| / max |g_ref|:
 
 * fp32 gradients: measured <= 5.2e-3 (L2) and <= 6.6e-3 (max) over qwen3_moe and
-  deepseek_v3 (and PEFT's v4-style targets on fused experts); bounds 1e-2 (about 5u) and
+  deepseek_v3 (and PEFT's v4-style targets on fused experts); bounds 1e-2 (about 2.5u) and
   1.2e-2. Scaling one expert LoRA tensor by 1.01 on one side moves its partner's gradient
   by 1e-2 on top of the rounding and fails the L2 bound (measured 1.03e-2 to 1.12e-2); an
   attention LoRA tensor needs 1.02 (1.85e-2). Checked by hand when the bounds were set.
@@ -37,10 +38,16 @@ through 2-3 MoE layers and back. Every gradient tensor is compared by relative L
   same adapter values), with one or two virtual subpools.
 
 Routing: a near-tie in a router can pick a different expert under any rounding
-difference, and a token routed differently has an O(1) different gradient. Gradient
+difference, and a token routed differently has an O(1) different gradient. fp32 gradient
 tests use fixed token seeds whose routing matches on both sides, and assert that first
-(so a change in the models shows as that assertion, not as a gradient error). Logit
-comparisons skip tokens whose causal past was routed differently (hf_models.clean_tokens).
+(so a change in the models shows as that assertion, not as a gradient error): tandem's
+rounding is the only difference there, and it does not depend on the CPU. With bf16
+activations (bf16 models, autocast) the routers' inputs (and Qwen3's logits) carry bf16
+rounding that depends on how the CPU's kernels accumulate, and the data has scores 2 bf16
+ulps apart: which expert such a token gets is the CPU's draw, so those tests replay one
+run's expert choices in the others (replay_choices; the routing weights stay each model's
+own). Logit comparisons skip tokens whose causal past was routed differently
+(hf_models.clean_tokens).
 """
 from __future__ import annotations
 
@@ -166,6 +173,46 @@ def record_routing(model: nn.Module, top_k: int | None = None) -> list[torch.Ten
     return rec
 
 
+def moe_routers(model: nn.Module) -> list[nn.Module]:
+    """The v5 routers (mlp.gate returning (logits, weights, ids)) of the MoE layers."""
+    return [layer.mlp.gate for layer in hf_of(model).model.layers
+            if hasattr(layer.mlp, "gate") and not hasattr(layer.mlp, "gate_proj")]
+
+
+def record_choices(model: nn.Module) -> tuple[dict[int, torch.Tensor], list]:
+    """({MoE layer: the top-k expert ids of its router's last call, in the router's order},
+    the hook handles)."""
+    rec: dict[int, torch.Tensor] = {}
+    hooks = [r.register_forward_hook(lambda mod, args, out, i=i: rec.__setitem__(i, out[2].detach().clone()))
+             for i, r in enumerate(moe_routers(model))]
+    return rec, hooks
+
+
+def replay_choices(model: nn.Module, choices: dict[int, torch.Tensor]) -> list:
+    """Makes the router of every MoE layer of `model` pick the experts recorded for that layer
+    (record_choices of another run), on every call (forwards and checkpointing's
+    recomputes). The routing weights stay the router's own arithmetic on this model's
+    logits for those experts (Qwen3: softmax in fp32, renormalized, in the logits' dtype;
+    DeepSeek-V3: sigmoid scores, renormalized, times routed_scaling_factor), so the router
+    still gets its gradient. Returns the hook handles."""
+    def hook(mod, args, out, i):
+        logits, _, idx = out
+        want = choices[i]
+        assert want.shape == idx.shape
+        if hasattr(mod, "e_score_correction_bias"):  # DeepSeek-V3
+            w = logits.sigmoid().gather(1, want)
+            if mod.norm_topk_prob:
+                w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+            return logits, w * mod.routed_scaling_factor, want
+        w = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, want)
+        if mod.norm_topk_prob:
+            w = w / w.sum(-1, keepdim=True)
+        return logits, w.to(logits.dtype), want
+
+    return [r.register_forward_hook(lambda mod, args, out, i=i: hook(mod, args, out, i))
+            for i, r in enumerate(moe_routers(model))]
+
+
 def assert_same_routing(ra: list[torch.Tensor], rb: list[torch.Tensor]) -> None:
     assert len(ra) == len(rb) > 0
     differ = sum((a != b).any(-1).sum().item() for a, b in zip(ra, rb))
@@ -261,14 +308,28 @@ def peft_pair(checkpoint, kind: str, dtype: str = "fp32", config=CFG, routers: b
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("kind", list(ATTENTION))
 def test_gradients_match_stock_peft(checkpoint, kind, dtype, checkpointing):
-    """LoRA A/B of gate_up and down (every MoE layer), attention LoRA, routers, input embeddings."""
+    """LoRA A/B of gate_up and down (every MoE layer), attention LoRA, routers, input embeddings.
+
+    bf16 models: every activation is bf16, and the two sides' expert outputs differ by about
+    one bf16 rounding, which moves the next layers' router logits by about that much (Qwen3:
+    bf16 logits, 2^-7 relative apart); a token whose k-th and (k+1)-th scores are that close
+    (qwen3_moe here: 2 ulps) keeps or loses its experts depending on how this CPU's kernels
+    round. So for bf16 tandem replays the stock run's expert choices (its routing weights
+    stay its own): the bound is about the arithmetic. fp32 models: tandem's rounding is the
+    only difference and does not depend on the CPU, so its own routing is asserted equal."""
     ref, ours = peft_pair(checkpoint, kind, dtype)
     ids = tokens(GRAD_SEED)
-    plain = gradients(ours, ids)[0] if checkpointing != "none" else None
     ra, rb = record_routing(ref), record_routing(ours)
+    choices, hooks = record_choices(ref)
     want, _ = gradients(ref, ids, checkpointing)
+    for h in hooks:
+        h.remove()
+    if dtype == "bf16":
+        replay_choices(ours, choices)
+    plain = gradients(ours, ids)[0] if checkpointing != "none" else None
     got, _ = gradients(ours, ids, checkpointing)
-    assert_same_routing(ra, rb)
+    if dtype != "bf16":
+        assert_same_routing(ra, rb[-len(ra):])
     names = set(got)
     assert any(".mlp.experts.lora_A." in n for n in names)             # outer wrapper
     assert any(".mlp.experts.base_layer.lora_B." in n for n in names)  # inner wrapper
@@ -423,17 +484,27 @@ def test_adapter_saved_by_stock_peft_runs_in_tandem(checkpoint, tmp_path, how):
 # ---- 5. autocast ---------------------------------------------------------------------------
 
 def test_bf16_autocast_on_an_fp32_model(checkpoint):
+    """Gradients under bf16 autocast, against the same model without it and against stock PEFT
+    under it. Under autocast the routers' logits are bf16: here a token's 3rd and 4th logits
+    (layers 1 and 2) are 2 bf16 ulps apart while the runs' logits differ by up to 1.5 ulps
+    (stock vs tandem) and 3 ulps (autocast vs not), so whether such a token keeps its experts
+    depends on how this CPU's kernels round. Both autocast runs therefore replay the plain
+    run's expert choices (their routing weights stay their own): the bounds are about the
+    arithmetic, not about which side of a near-tie a CPU lands on."""
     stock, ours = peft_pair(checkpoint, "qwen3_moe")
     ids = tokens(GRAD_SEED)
-    r_plain = record_routing(ours)
+    choices, hooks = record_choices(ours)
     plain, _ = gradients(ours, ids)
-    ra, rb = record_routing(stock), record_routing(ours)
+    for h in hooks:
+        h.remove()
+    assert sorted(choices) == [0, 1, 2]
+    hooks = replay_choices(stock, choices) + replay_choices(ours, choices)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want, _ = gradients(stock, ids)
         got, logits = gradients(ours, ids)
+    for h in hooks:
+        h.remove()
     assert logits.dtype == torch.bfloat16  # autocast was in effect
-    assert_same_routing(ra, rb)
-    assert_same_routing(r_plain[:3], rb)
     for n, p in ours.named_parameters():
         if p.requires_grad:
             assert p.grad.dtype == p.dtype == torch.float32, n
