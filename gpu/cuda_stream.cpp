@@ -174,12 +174,6 @@ class CudaStream : public Stream {
     TANDEM_CHECK(fn != nullptr, Errc::invalid_argument, "stream: host(nullptr)");
     TANDEM_CUDA_OK(cudaLaunchHostFunc(stream_, fn, arg));
   }
-  void route(const float* logits, int tokens, const float* bias, const RouterSpec& spec, int32_t* ids,
-             float* weights) override {
-    validate_router(spec);
-    use();
-    TANDEM_LAUNCH_OK("route", gpu::launch_route(logits, tokens, bias, spec, ids, weights, stream_));
-  }
   void split(const void* ids, bool ids_i64, const float* weights, int tokens, const uint8_t* hot_mask,
              const SplitSpec& spec, int32_t* out3) override {
     validate_split(spec);

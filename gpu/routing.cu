@@ -1,5 +1,5 @@
-// Routing and the hot / cold / deferred split on the GPU: one thread per token running
-// the same per-token code as the host (tandem/routing.h), so both pick the same experts.
+// The hot / cold / deferred split on the GPU: one thread per token running the same
+// per-token code as the host (tandem/routing.h), so both place every slot the same way.
 #include <cuda_runtime.h>
 
 #include "tandem/gpu_ops.h"
@@ -8,14 +8,6 @@ namespace tandem::gpu {
 namespace {
 
 constexpr int kBlock = 128;
-
-__global__ void route_kernel(const float* logits, int tokens, const float* bias, RouterSpec spec, int32_t* ids,
-                             float* weights) {
-  const int t = blockIdx.x * blockDim.x + threadIdx.x;
-  if (t >= tokens) return;
-  route_token(logits + static_cast<size_t>(t) * spec.experts, bias, spec, ids + static_cast<size_t>(t) * spec.top_k,
-              weights + static_cast<size_t>(t) * spec.top_k);
-}
 
 template <typename Id>
 __global__ void split_kernel(const Id* ids, const float* weights, int tokens, const uint8_t* hot_mask, SplitSpec spec,
@@ -29,14 +21,6 @@ __global__ void split_kernel(const Id* ids, const float* weights, int tokens, co
 int blocks(int n) { return (n + kBlock - 1) / kBlock; }
 
 }  // namespace
-
-int launch_route(const float* logits, int tokens, const float* bias, const RouterSpec& spec, int32_t* ids,
-                 float* weights, void* stream) {
-  if (tokens <= 0) return 0;
-  route_kernel<<<blocks(tokens), kBlock, 0, static_cast<cudaStream_t>(stream)>>>(logits, tokens, bias, spec, ids,
-                                                                                  weights);
-  return static_cast<int>(cudaGetLastError());
-}
 
 int launch_split(const void* ids, bool ids_i64, const float* weights, int tokens, const uint8_t* hot_mask,
                  const SplitSpec& spec, int32_t* out3, void* stream) {

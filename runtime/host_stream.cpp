@@ -135,17 +135,6 @@ class HostStream : public Stream {
     TANDEM_CHECK(fn != nullptr, Errc::invalid_argument, "stream: host(nullptr)");
     enqueue([fn, arg] { fn(arg); });
   }
-  void route(const float* logits, int tokens, const float* bias, const RouterSpec& spec, int32_t* ids,
-             float* weights) override {
-    validate_router(spec);
-    enqueue([=, this] {
-      try {
-        tandem::route(logits, tokens, bias, spec, ids, weights);
-      } catch (...) {
-        set_error(std::current_exception());
-      }
-    });
-  }
   void split(const void* ids, bool ids_i64, const float* weights, int tokens, const uint8_t* hot_mask,
              const SplitSpec& spec, int32_t* out3) override {
     validate_split(spec);

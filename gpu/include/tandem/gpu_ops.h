@@ -11,9 +11,7 @@
 
 namespace tandem::gpu {
 
-// routing.cu: one thread per token, the same route_token / split_token as the host.
-int launch_route(const float* logits, int tokens, const float* bias, const RouterSpec& spec, int32_t* ids,
-                 float* weights, void* stream);
+// routing.cu: one thread per token, the same split_token as the host.
 int launch_split(const void* ids, bool ids_i64, const float* weights, int tokens, const uint8_t* hot_mask,
                  const SplitSpec& spec, int32_t* out3, void* stream);
 

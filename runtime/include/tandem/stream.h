@@ -88,9 +88,6 @@ class Stream {
   virtual void zero(void* dst, size_t bytes) = 0;
   virtual void add(float* out, const float* src, size_t n) = 0;  // out[i] += src[i]
   virtual void host(HostFn fn, void* arg) = 0;
-  // Routing of tokens x experts fp32 logits (bias: [experts] or null); spec validated here.
-  virtual void route(const float* logits, int tokens, const float* bias, const RouterSpec& spec, int32_t* ids,
-                     float* weights) = 0;
   // The split of routing results; out3 = [hot | cold | deferred], each tokens x top_k.
   // ids are int32, or int64 with ids_i64 (torch.topk's indices).
   virtual void split(const void* ids, bool ids_i64, const float* weights, int tokens, const uint8_t* hot_mask,
