@@ -19,51 +19,15 @@
 #include <string>
 #include <vector>
 
+#include "tandem/experts.h"
 #include "tandem/kernels.h"
 #include "tandem/pool.h"
-#include "tandem/safetensors.h"
 
 namespace tandem {
-
-struct MoeShape {
-  int experts = 0, hidden = 0, inter = 0;
-};
-
-// One expert's three projections as they sit in memory (nn.Linear layout):
-// gate, up [inter x hidden], down [hidden x inter].
-struct ExpertSource {
-  WeightView gate, up, down;
-};
 
 // How a layer splits the intermediate dimension over `subpools` subpools: slice s is
 // [slices[s], slices[s + 1]), in whole units (a 64-row panel, or an int4 group if larger).
 std::vector<int> intermediate_slices(int inter, int subpools, const PackOptions& format);
-
-// Errors name the projection of expert `expert` whose shape is not the layer's.
-void check_expert_source(const ExpertSource& src, const MoeShape& shape, int expert);
-
-// progress(done, total): called on the loading thread, at least every 100 ms and at the end.
-using Progress = std::function<void(int done, int total)>;
-
-// How a checkpoint names a layer's experts. {L} is the layer, {E} the expert; a weight
-// stored as FP8 may have a "<name>_scale_inv" block-scale tensor next to it.
-struct ExpertNaming {
-  std::string gate, up, down;
-  static ExpertNaming qwen3();    // model.layers.{L}.mlp.experts.{E}.{gate,up,down}_proj.weight (also DeepSeek)
-  static ExpertNaming mixtral();  // model.layers.{L}.block_sparse_moe.experts.{E}.{w1,w3,w2}.weight
-  // The first scheme whose expert-0 gate key for `layer` exists in the checkpoint.
-  static ExpertNaming detect(const Checkpoint& ckpt, int layer);
-  // The tensor name of a projection ("gate", "up" or "down" pattern) of one expert.
-  static std::string name(const std::string& pattern, int layer, int expert);
-};
-
-// Views of one expert's tensors in a checkpoint (read in place), checked against `shape`:
-// errors name the missing key, or the shape / dtype that does not fit.
-ExpertSource checkpoint_expert(const Checkpoint& ckpt, int layer, int expert, const ExpertNaming& naming,
-                               const MoeShape& shape);
-// Gives back the pages of one expert's source tensors (after packing): the mapped file
-// stays valid, its pages leave this process's resident set.
-void release_checkpoint_expert(const Checkpoint& ckpt, int layer, int expert, const ExpertNaming& naming);
 
 struct MoeInput {
   const bf16_t* x = nullptr;     // [tokens x hidden], or

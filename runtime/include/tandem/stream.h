@@ -28,7 +28,7 @@
 #include <vector>
 
 #include "tandem/config.h"
-#include "tandem/moe.h"
+#include "tandem/experts.h"
 #include "tandem/routing.h"
 #include "tandem/trace.h"
 
