@@ -166,7 +166,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("expert_key", &ExpertNaming::name, py::arg("pattern"), py::arg("layer"), py::arg("expert"));
 
   // ---- engine ----
-  // Tensors cross as (data pointer, ...) from tandem/engine.py, which checks dtype,
+  // Tensors cross as (data pointer, ...) from tandem/modules.py, which checks dtype,
   // shape, device and contiguity with errors naming the argument.
   py::class_<Engine>(m, "Engine", "The routed experts of a model's MoE layers (tandem/engine.h).")
       .def(py::init([](const std::string& config_path, const std::string& config_text, int experts, int hidden,

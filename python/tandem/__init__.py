@@ -32,9 +32,12 @@ __all__ = ["Checkpoint", "DoctorReport", "Engine", "TandemExperts", "cpu_feature
 
 def __getattr__(name: str):
     # torch / transformers load only when the model integration is used.
-    if name in ("offload", "TandemExperts"):
-        from . import engine
-        return getattr(engine, name)
+    if name == "offload":
+        from .engine import offload
+        return offload
+    if name == "TandemExperts":
+        from .modules import TandemExperts
+        return TandemExperts
     if name == "load_model":
         from .loader import load_model
         return load_model

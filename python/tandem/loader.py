@@ -24,8 +24,13 @@ import torch
 from torch import nn
 
 from . import _C
-from .engine import (SUPPORTED_MODEL_TYPES, ConfigLike, TandemExperts, check_experts, config_json, find_moe_blocks,
-                     make_engine)
+from .config import ConfigLike, config_json
+from .discovery import SUPPORTED_MODEL_TYPES, find_moe_blocks
+from .engine import make_engine, make_lora_layers, share_cpu_with_torch
+from .experts_check import check_experts
+from .modules import TandemExperts, TandemLoraExperts
+from .peft_glue import route_peft_wrappers
+from .progress import progress_bar
 
 # Model parameter name -> checkpoint name, where transformers v5 renamed a module.
 _RENAMES = {
@@ -142,16 +147,14 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
 
     # Routed experts: the C++ loader, straight from the mapped files.
     naming = _C.expert_naming(ckpt, layers[0])
-    from .engine import TandemLoraExperts, _progress_bar, _route_peft_wrappers, make_lora_layers
-
-    bar = _progress_bar(progress, E * len(layers), "loading experts")
+    bar = progress_bar(progress, E * len(layers), "loading experts")
     if train:
         engine = make_lora_layers(config, (E, H, I), layers, backward_format)
         for i, (b, layer) in enumerate(zip(blocks, engine.layers)):
             layer.load_checkpoint(ckpt, b.layer, naming,
                                   progress=(lambda d, t, base=i * E: bar(base + d)) if bar else None)
             b.block.experts = TandemLoraExperts(layer, b.layer, True, dtype, device)
-            b.block.register_forward_pre_hook(_route_peft_wrappers)
+            b.block.register_forward_pre_hook(route_peft_wrappers)
     else:
         engine = make_engine(config, (E, H, I), layers, device)
         engine.load_checkpoint(ckpt, naming, progress=(lambda d, t: bar(d)) if bar else None)
@@ -199,8 +202,6 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
     meta = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.device.type == "meta"]
     if meta:
         raise ValueError(f"{path}: these tensors were not loaded: {', '.join(meta[:5])}")
-    from .engine import share_cpu_with_torch
-
     share_cpu_with_torch(engine, device)
     from .tracing import apply_config
 

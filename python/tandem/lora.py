@@ -160,7 +160,7 @@ def run_experts(layer: _C.LoraLayer, x: torch.Tensor, ids: torch.Tensor, weights
 
 # ---- PEFT ----------------------------------------------------------------------------
 
-def _is_param_wrapper(m: nn.Module) -> bool:
+def is_param_wrapper(m: nn.Module) -> bool:
     return type(m).__name__ == "ParamWrapper" and hasattr(m, "parameter_name") and hasattr(m, "base_layer")
 
 
@@ -182,7 +182,7 @@ def param_wrapper_lora(wrapper: nn.Module, E: int, H: int, I: int, where: str) -
     """The adapters of a (nested) PEFT ParamWrapper chain on fused v5 experts."""
     found: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
     m = wrapper
-    while _is_param_wrapper(m):
+    while is_param_wrapper(m):
         name = _active(m, where)
         if m.parameter_name not in ("gate_up_proj", "down_proj"):
             raise ValueError(f"{where}: PEFT targets experts parameter {m.parameter_name!r}; tandem supports "

@@ -61,7 +61,7 @@ from hf_models import VOCAB, V4Block, build, clean_tokens
 from torch import nn
 
 import tandem
-from tandem.engine import TandemLoraExperts
+from tandem.modules import TandemLoraExperts
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CFG = {"version": 1, "cpu": {"threads": 2}, "gpu": {"device": "none"}}

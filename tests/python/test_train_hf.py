@@ -51,7 +51,7 @@ from torch import nn
 
 import tandem
 from tandem import train as ttrain
-from tandem.engine import TandemLoraExperts
+from tandem.modules import TandemLoraExperts
 
 CFG = {"version": 1, "cpu": {"threads": 2}, "gpu": {"device": "none"}}
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]

@@ -18,7 +18,8 @@ from hf_models import KINDS, V4Block, V4Expert, build, hf_config, moe_experts
 from torch import nn
 
 import tandem
-from tandem import engine as tengine
+from tandem import experts_check as tcheck
+from tandem import modules as tmodules
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -130,7 +131,7 @@ def clamped_forward(self, hidden_states, top_k_index, top_k_weights):
 def test_stock_experts_pass_and_offload(kind):
     model = fresh(kind, torch.bfloat16)
     for i, ex in enumerate(moe_experts(model)):
-        tengine.check_experts(ex, f"layer {i}")
+        tcheck.check_experts(ex, f"layer {i}")
     tandem.offload(model, cfg(), progress=False)
     assert all(isinstance(ex, tandem.TandemExperts) for ex in moe_experts(model))
 
@@ -225,9 +226,9 @@ def test_deepseek_v4_clamped_swiglu_is_refused_and_the_numeric_check_sees_the_cl
         ex.gate_up_proj.normal_(0, 0.1)
         ex.down_proj.normal_(0, 0.1)
     with pytest.raises(ValueError, match=r"DeepseekV4Experts \(layer 0\): it gates with its own"):
-        tengine.check_experts(ex, "layer 0")
+        tcheck.check_experts(ex, "layer 0")
     with pytest.raises(ValueError, match=r"DeepseekV4Experts \(layer 0\): its forward differs"):
-        tengine.check_experts_numerics(ex, "layer 0")
+        tcheck.check_experts_numerics(ex, "layer 0")
 
 
 class GeluV4Expert(V4Expert):
@@ -290,29 +291,29 @@ def test_the_numeric_check_is_cheap(monkeypatch):
     """Once per kind of module (not per layer), on copies of _PROBE_EXPERTS experts only."""
     model = fresh("deepseek_v3")  # 2 MoE layers of 16 experts
     runs, copied = [], []
-    real_numerics, real_probe = tengine.check_experts_numerics, tengine._probe_tensor
-    monkeypatch.setattr(tengine, "check_experts_numerics", lambda ex, where: (runs.append(where),
-                                                                              real_numerics(ex, where)))
-    monkeypatch.setattr(tengine, "_probe_tensor", lambda t, rows, gen: copied.append(real_probe(t, rows, gen)) or
+    real_numerics, real_probe = tcheck.check_experts_numerics, tcheck._probe_tensor
+    monkeypatch.setattr(tcheck, "check_experts_numerics", lambda ex, where: (runs.append(where),
+                                                                             real_numerics(ex, where)))
+    monkeypatch.setattr(tcheck, "_probe_tensor", lambda t, rows, gen: copied.append(real_probe(t, rows, gen)) or
                         copied[-1])
     tandem.offload(model, cfg(), progress=False)
     assert runs == ["model layer 1"]
-    assert [c.shape[0] for c in copied] == [tengine._PROBE_EXPERTS] * 2
+    assert [c.shape[0] for c in copied] == [tcheck._PROBE_EXPERTS] * 2
 
 
 # ---- 8. device, stream and temporaries ---------------------------------------------------
 
 def test_cuda_call_on_another_device_or_stream_is_refused():
     """The check TandemExperts.forward makes on every CUDA call (no GPU needed for the logic)."""
-    b = tengine.CudaBinding(device=0, stream=0)
-    tengine.check_cuda_call("w", b, torch.device("cuda", 0), 0)
+    b = tmodules.CudaBinding(device=0, stream=0)
+    tmodules.check_cuda_call("w", b, torch.device("cuda", 0), 0)
     with pytest.raises(ValueError, match=r"hidden_states is on cuda:1 but this model's tandem engine runs on cuda:0"):
-        tengine.check_cuda_call("w", b, torch.device("cuda", 1), 0)
+        tmodules.check_cuda_call("w", b, torch.device("cuda", 1), 0)
     with pytest.raises(ValueError, match=r"current stream on cuda:0 is stream 0x5d0, but this model's tandem engine "
                                          r"enqueues on the default stream \(0x0\).*torch.cuda.stream"):
-        tengine.check_cuda_call("w", b, torch.device("cuda", 0), 0x5D0)
+        tmodules.check_cuda_call("w", b, torch.device("cuda", 0), 0x5D0)
     with pytest.raises(ValueError, match=r"is the default stream \(0x0\), but .* enqueues on stream 0xabc"):
-        tengine.check_cuda_call("w", tengine.CudaBinding(0, 0xABC), torch.device("cuda", 0), 0)
+        tmodules.check_cuda_call("w", tmodules.CudaBinding(0, 0xABC), torch.device("cuda", 0), 0)
 
 
 class FakeEngine:

@@ -1,0 +1,130 @@
+"""Where a transformers MoE model keeps its routed experts, and the shapes of their layouts.
+
+``find_moe_blocks`` lists a decoder-only model's MoE blocks; ``expert_shape`` reads
+(experts, hidden, intermediate) of a transformers v5 fused experts module or a v4 ModuleList of
+per-expert MLPs. The v4 helpers find a per-expert MLP's gate / up / down projections
+(``v4_modules``, ``v4_projections``) and give a v4 softmax-top-k block a forward that calls
+the experts module with (hidden, top_k_index, top_k_weights) (``check_v4_block``,
+``patch_v4_block``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .modules import FrozenLinear, TandemExperts
+
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "mixtral", "deepseek_v3")
+
+
+@dataclass(frozen=True)
+class MoeBlock:
+    """Where one MoE layer's routed experts live in a transformers model."""
+    layer: int             # model layer index
+    block: nn.Module       # the MoE block (mlp / block_sparse_moe)
+    attr: str              # its attribute name on the decoder layer
+    experts: nn.Module     # the experts module (fused v5) or ModuleList (v4 layout)
+
+
+def find_moe_blocks(model: nn.Module) -> list[MoeBlock]:
+    """The MoE blocks of a decoder-only transformers model, in layer order."""
+    base = getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: no decoder layers found (expected model.model.layers)")
+    found = []
+    for i, layer in enumerate(layers):
+        for attr in ("mlp", "block_sparse_moe"):
+            block = getattr(layer, attr, None)
+            experts = getattr(block, "experts", None) if block is not None else None
+            if experts is not None:
+                found.append(MoeBlock(i, block, attr, experts))
+                break
+    if not found:
+        raise ValueError(f"{type(model).__name__}: no layer has routed experts (mlp.experts)")
+    return found
+
+
+def expert_shape(experts: nn.Module) -> tuple[int, int, int]:
+    """(experts, hidden, intermediate) of a fused v5 experts module or a v4 ModuleList."""
+    if isinstance(experts, TandemExperts):
+        return experts.num_experts, experts.hidden_dim, experts.intermediate_dim
+    if isinstance(experts, nn.ModuleList):
+        g = _unwrap_linear(v4_modules(experts[0])[0])
+        return len(experts), g.in_features, g.out_features
+    gu, dn = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not isinstance(gu, torch.Tensor) or not isinstance(dn, torch.Tensor) or gu.dim() != 3:
+        raise ValueError(f"{type(experts).__name__}: expected fused gate_up_proj [E, 2I, H] and down_proj [E, H, I] "
+                         "(transformers v5) or a ModuleList of per-expert MLPs (v4)")
+    if getattr(experts, "is_transposed", False) or not getattr(experts, "is_concatenated", True):
+        raise ValueError(f"{type(experts).__name__}: transposed or interleaved gate/up layouts are not supported")
+    if getattr(experts, "has_bias", False):
+        raise ValueError(f"{type(experts).__name__}: experts with biases are not supported")
+    E, two_i, H = gu.shape
+    if tuple(dn.shape) != (E, H, two_i // 2):
+        raise ValueError(f"{type(experts).__name__}: down_proj has shape {tuple(dn.shape)}, "
+                         f"gate_up_proj {tuple(gu.shape)} needs {(E, H, two_i // 2)}")
+    return E, H, two_i // 2
+
+
+def v4_modules(expert: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module]:
+    """gate / up / down of a v4 per-expert MLP as they sit in the tree (nn.Linear or PEFT lora.Linear)."""
+    for names in (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")):
+        mods = [getattr(expert, n, None) for n in names]
+        if all(isinstance(_unwrap_linear(m), (nn.Linear, FrozenLinear)) for m in mods):
+            return mods[0], mods[1], mods[2]
+    raise ValueError(f"{type(expert).__name__}: a per-expert module needs gate_proj/up_proj/down_proj "
+                     "or w1/w3/w2 linear layers")
+
+
+def _unwrap_linear(m: nn.Module | None) -> nn.Module | None:
+    while m is not None and hasattr(m, "base_layer") and hasattr(m, "lora_A"):
+        m = m.base_layer
+    return m
+
+
+def v4_projections(expert: nn.Module) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+    mods = tuple(_unwrap_linear(m) for m in v4_modules(expert))
+    if all(isinstance(m, nn.Linear) for m in mods):
+        return mods[0], mods[1], mods[2]
+    raise ValueError(f"{type(expert).__name__}: a per-expert module needs gate_proj/up_proj/down_proj "
+                     "or w1/w3/w2 linear layers")
+
+
+# ---- v4 layout: per-expert ModuleList, the block does its own routing ----------------
+
+def check_v4_block(block: nn.Module) -> None:
+    if not isinstance(getattr(block, "gate", None), nn.Linear):
+        raise ValueError(f"{type(block).__name__}: a v4 per-expert MoE block needs a gate nn.Linear router "
+                         "(softmax top-k); grouped/sigmoid v4 routers are not supported, use transformers v5")
+    if hasattr(block, "shared_expert") or hasattr(block, "shared_experts"):
+        raise ValueError(f"{type(block).__name__}: v4 blocks with shared experts are not supported, use transformers v5")
+
+
+def patch_v4_block(block: nn.Module, model: nn.Module, run: Callable | None = None) -> None:
+    """Gives a v4-style softmax-top-k MoE block (gate: nn.Linear, experts: ModuleList; Qwen3-MoE
+    and Mixtral in transformers v4) a forward that routes like v4 and calls the experts
+    module (or `run`) with (hidden, top_k_index, top_k_weights), returning (out, router_logits)."""
+    cfg = getattr(model, "config", None)
+    top_k = getattr(block, "top_k", None) or getattr(cfg, "num_experts_per_tok", None)
+    if not top_k:
+        raise ValueError(f"{type(block).__name__}: cannot tell top_k (no block.top_k or config.num_experts_per_tok)")
+    norm = getattr(block, "norm_topk_prob", getattr(cfg, "norm_topk_prob", True))
+    if getattr(cfg, "model_type", "") == "mixtral":
+        norm = True
+
+    def forward(hidden_states: torch.Tensor):
+        b, s, h = hidden_states.shape
+        x = hidden_states.view(-1, h)
+        logits = block.gate(x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        w, idx = torch.topk(probs, top_k, dim=-1)
+        if norm:
+            w = w / w.sum(dim=-1, keepdim=True)
+        out = (run or block.experts)(x, idx, w.to(x.dtype))
+        return out.view(b, s, h), logits
+
+    block.forward = forward

@@ -1,0 +1,230 @@
+"""The nn.Modules that stand in for a transformers model's routed experts.
+
+``TandemExperts`` takes the place of a model's ``mlp.experts`` module: HF's router (so
+router logits and the aux loss still work) and shared experts stay as they are, in
+torch, on the model's device; the routed experts run in the C++ engine (hot ones on the
+stream's device, the rest in the CPU pools). The module holds no parameters or buffers,
+so ``.to()``, ``state_dict()`` and ``Accelerator.prepare`` see only the rest of the model.
+``TandemLoraExperts`` is its training counterpart (a ``_C.LoraLayer``, LoRA through
+``tandem.lora``); ``FrozenLinear`` stands in for a v4 per-expert linear whose weight tandem
+holds. Also here: which device and stream a CUDA engine enqueues on (``CudaBinding``,
+recorded by ``tandem.engine.make_engine`` in ``CUDA_BINDINGS``) and the check each CUDA call
+makes against it (``check_cuda_call``).
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from . import _C
+from .lora import run_experts
+
+
+@dataclass(frozen=True)
+class CudaBinding:
+    """Where a CUDA engine enqueues: device index and the cudaStream_t handle (torch's
+    ``Stream.cuda_stream``; 0 is the legacy default stream) current when it was built. The
+    C++ stream wraps that one handle for the engine's life."""
+    device: int
+    stream: int
+
+
+# CUDA engines made by make_engine -> their binding (the _C.Engine does not expose it).
+CUDA_BINDINGS: "weakref.WeakKeyDictionary[_C.Engine, CudaBinding]" = weakref.WeakKeyDictionary()
+
+
+def _stream_name(handle: int) -> str:
+    return "the default stream (0x0)" if handle == 0 else f"stream {handle:#x}"
+
+
+def check_cuda_call(where: str, binding: CudaBinding, device: torch.device, current_stream: int) -> None:
+    """Refuses a call whose hidden states are on another device than the engine's, or made
+    while torch's current stream (``current_stream``, a cudaStream_t handle) is not the one
+    the engine enqueues on: tandem's copies and kernels would run unordered with torch's
+    work (reading inputs not yet written, writing outputs torch already reads)."""
+    if device.index != binding.device:
+        raise ValueError(f"{where}: hidden_states is on {device} but this model's tandem engine runs on "
+                         f"cuda:{binding.device}; keep the model and its inputs on cuda:{binding.device} "
+                         "(tandem's engine cannot move to another device)")
+    if current_stream != binding.stream:
+        raise ValueError(f"{where}: torch's current stream on cuda:{binding.device} is {_stream_name(current_stream)}, "
+                         f"but this model's tandem engine enqueues on {_stream_name(binding.stream)} (the stream that "
+                         "was current when the model was loaded / offloaded), so its work would not be ordered with "
+                         "torch's. Call the model on that stream, or load / offload it under the stream you call it "
+                         "on (with torch.cuda.stream(s): ...; for CUDA graphs capture on that same stream: "
+                         "torch.cuda.graph(g, stream=s))")
+
+
+def _check_inputs(where: str, hidden: int, x: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor) -> int:
+    """Validates an experts call (hidden [T, H], top_k_index [T, K] int, top_k_weights [T, K] float); returns T."""
+    if x.dim() != 2 or x.shape[1] != hidden:
+        raise ValueError(f"{where}: hidden_states has shape {tuple(x.shape)}, expected [tokens, {hidden}]")
+    T = x.shape[0]
+    if top_k_index.dim() != 2 or top_k_index.shape[0] != T:
+        raise ValueError(f"{where}: top_k_index has shape {tuple(top_k_index.shape)}, expected [{T}, top_k]")
+    if tuple(top_k_weights.shape) != tuple(top_k_index.shape):
+        raise ValueError(f"{where}: top_k_weights has shape {tuple(top_k_weights.shape)}, "
+                         f"top_k_index {tuple(top_k_index.shape)}")
+    if top_k_index.dtype.is_floating_point or top_k_index.dtype == torch.bool:
+        raise ValueError(f"{where}: top_k_index must be an integer tensor, got {top_k_index.dtype}")
+    if not top_k_weights.dtype.is_floating_point:
+        raise ValueError(f"{where}: top_k_weights must be floating point, got {top_k_weights.dtype}")
+    for name, t in (("top_k_index", top_k_index), ("top_k_weights", top_k_weights)):
+        if t.device != x.device:
+            raise ValueError(f"{where}: {name} is on {t.device}, hidden_states on {x.device}")
+    return T
+
+
+class TandemExperts(nn.Module):
+    """Drop-in for a transformers experts module: forward(hidden [T, H], top_k_index [T, K],
+    top_k_weights [T, K]) -> [T, H] in hidden's dtype. No parameters: the weights live in
+    the engine (``self.engine``), shared by every layer of the model."""
+
+    def __init__(self, engine: _C.Engine, index: int, layer: int, act: str = "silu"):
+        super().__init__()
+        if act not in ("silu", "swish"):
+            raise ValueError(f"model layer {layer}: expert activation {act!r} is not supported (silu only)")
+        self.engine = engine
+        self.index = index          # MoE index in the engine
+        self.layer = layer          # model layer
+        self.num_experts = engine.experts
+        self.hidden_dim = engine.hidden
+        self.intermediate_dim = engine.inter
+        self._cuda_binding = CUDA_BINDINGS.get(engine) if engine.is_cuda else None
+        if engine.is_cuda and self._cuda_binding is None:
+            raise ValueError(f"model layer {layer}: this CUDA engine was not made by tandem.engine.make_engine, so "
+                             "tandem cannot tell which stream it enqueues on; build it with make_engine (it enqueues "
+                             "on torch's current stream)")
+
+    def extra_repr(self) -> str:
+        e = self.engine
+        hot = len(e.hot(self.index))
+        return (f"layer={self.layer}, experts={self.num_experts}, hidden={self.hidden_dim}, "
+                f"intermediate={self.intermediate_dim}, format={e.format}, hot={hot} on {e.stream}, "
+                f"cpu={self.num_experts - hot}, isa={e.isa}")
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        where = f"tandem experts (model layer {self.layer})"
+        x = hidden_states
+        T = _check_inputs(where, self.hidden_dim, x, top_k_index, top_k_weights)
+        if torch.is_grad_enabled() and (x.requires_grad or top_k_weights.requires_grad):
+            raise RuntimeError(f"{where}: this model was offloaded for inference; for training offload it with "
+                               "train=True (tandem.offload(model, config, train=True), or apply PEFT first), or run "
+                               "inference under torch.no_grad() / torch.inference_mode() (model.generate does)")
+        if T == 0:
+            return torch.zeros_like(x)
+        dev = x.device
+        if self.engine.is_cuda:
+            if dev.type != "cuda":
+                raise ValueError(f"{where}: the engine runs on {self.engine.stream} but hidden_states is on {dev}")
+            check_cuda_call(where, self._cuda_binding, dev, torch.cuda.current_stream(dev).cuda_stream)
+        elif dev.type != "cpu":  # host stream with a GPU model (gpu.device: none): round trip through the CPU
+            out = self.forward(x.cpu(), top_k_index.cpu(), top_k_weights.cpu())
+            return out.to(dev)
+        xin = x if x.dtype in (torch.bfloat16, torch.float32) else x.float()
+        xin = xin.contiguous()
+        ids = top_k_index.to(torch.int64).contiguous()
+        w = top_k_weights.to(torch.float32).contiguous()
+        out = torch.empty((T, self.hidden_dim), dtype=torch.float32, device=dev)
+        args = (self.index, xin.data_ptr(), xin.dtype == torch.bfloat16, T, ids.data_ptr(), w.data_ptr(), ids.shape[1],
+                out.data_ptr())
+        if self.engine.is_cuda:
+            # Inputs, temporaries and out were allocated on torch's current stream, which is the
+            # engine's (checked above): the caching allocator reuses their blocks only for work
+            # enqueued later on that stream, so after tandem's reads and writes. The device guard
+            # restores torch's current device, which the C++ stream sets to the engine's.
+            with torch.cuda.device(dev):
+                self.engine.forward(*args, synchronize=False)
+        else:
+            try:  # host stream: enqueue, then wait until the stream ran it (x, ids, w, out are read/written there)
+                self.engine.forward(*args, synchronize=True)
+            except BaseException:
+                # It may have failed after enqueueing part of the layer: let that work finish
+                # before the temporaries it reads are freed.
+                try:
+                    self.engine.synchronize()
+                except Exception:  # noqa: BLE001 (the first error is the one reported)
+                    pass
+                raise
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+class TandemLoraExperts(nn.Module):
+    """The training counterpart of ``TandemExperts``: one layer's routed experts held by a
+    ``_C.LoraLayer`` (frozen base in the CPU pools, LoRA on gate/up/down of every expert),
+    differentiable in the hidden states, the routing weights and the LoRA tensors.
+
+    forward(hidden, top_k_index, top_k_weights, lora=None): ``lora`` is a
+    ``tandem.lora.LoraTensors`` (PEFT's wrappers pass theirs; None runs the frozen base).
+    The module holds no parameters; for fused (v5) experts it answers ``gate_up_proj`` and
+    ``down_proj`` with storage-free placeholders of the right shape, dtype and device, so
+    that PEFT's ``target_parameters`` can wrap it after offloading."""
+
+    def __init__(self, lora_layer: _C.LoraLayer, layer: int, fused: bool, dtype: torch.dtype,
+                 device: torch.device):
+        super().__init__()
+        self.lora_layer = lora_layer
+        self.layer = layer
+        self.fused = fused
+        self.num_experts = lora_layer.experts
+        self.hidden_dim = lora_layer.hidden
+        self.intermediate_dim = lora_layer.inter
+        # One element that .to() moves and casts like the model: the placeholders' dtype/device.
+        self.register_buffer("tandem_probe", torch.zeros(1, dtype=dtype, device=device), persistent=False)
+
+    def _placeholders(self) -> dict[str, torch.Tensor]:
+        E, H, I = self.num_experts, self.hidden_dim, self.intermediate_dim
+        p = self._buffers["tandem_probe"]
+        return {"gate_up_proj": nn.Parameter(p.expand(E, 2 * I, H), requires_grad=False),
+                "down_proj": nn.Parameter(p.expand(E, H, I), requires_grad=False)}
+
+    def __getattr__(self, name: str):
+        if name in ("gate_up_proj", "down_proj") and self.__dict__.get("fused"):
+            return self._placeholders()[name]
+        return super().__getattr__(name)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        # Only direct calls see the placeholders (PEFT's target_parameters matching); a parent's
+        # parameters() / state_dict() / DDP / optimizers walk _parameters and never do.
+        yield from super().named_parameters(prefix, recurse, remove_duplicate)
+        if self.fused:
+            for n, p in self._placeholders().items():
+                yield (f"{prefix}.{n}" if prefix else n), p
+
+    def extra_repr(self) -> str:
+        return (f"layer={self.layer}, experts={self.num_experts}, hidden={self.hidden_dim}, "
+                f"intermediate={self.intermediate_dim}, train=True, cpu threads={self.lora_layer.threads}, "
+                f"isa={self.lora_layer.isa}")
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                lora=None) -> torch.Tensor:
+        where = f"tandem experts (model layer {self.layer})"
+        T = _check_inputs(where, self.hidden_dim, hidden_states, top_k_index, top_k_weights)
+        if T == 0:
+            return hidden_states.new_zeros(hidden_states.shape)
+        return run_experts(self.lora_layer, hidden_states, top_k_index, top_k_weights, lora, where)
+
+
+class FrozenLinear(nn.Module):
+    """Stands in for the nn.Linear inside a v4 per-expert PEFT lora.Linear once tandem holds its
+    weight: in/out features and a storage-free ``weight`` placeholder for PEFT's bookkeeping."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("tandem_probe", torch.zeros(1, dtype=linear.weight.dtype, device=linear.weight.device),
+                             persistent=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._buffers["tandem_probe"].expand(self.out_features, self.in_features)
+
+    bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("this expert's base weight lives in tandem; the expert runs as part of its MoE layer")
