@@ -27,6 +27,8 @@
 #include "ceilings.h"
 #include "harness.h"
 #include "tandem/hybrid.h"
+#include "tandem/pool_config.h"
+#include "tandem/streams.h"
 #include "tandem/topology.h"
 
 using namespace tandem;

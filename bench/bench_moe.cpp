@@ -26,6 +26,7 @@
 #include "ceilings.h"
 #include "harness.h"
 #include "tandem/moe.h"
+#include "tandem/pool_config.h"
 #include "tandem/trace.h"
 
 using namespace tandem;

@@ -19,7 +19,7 @@
 
 #include "tandem/error.h"
 #include "tandem/gpu_ops.h"
-#include "tandem/stream.h"
+#include "tandem/streams.h"
 
 namespace tandem {
 namespace {

@@ -13,7 +13,7 @@
 #include "tandem/error.h"
 #include "tandem/gpu_info.h"
 #include "tandem/memory_plan.h"
-#include "tandem/pool.h"
+#include "tandem/pool_config.h"
 #include "tandem/topology.h"
 
 namespace tandem {

@@ -8,7 +8,6 @@
 #include <thread>
 
 #include "tandem/error.h"
-#include "tandem/gpu_info.h"
 #include "tandem/stream.h"
 
 namespace tandem {
@@ -301,25 +300,5 @@ void HostExperts::run(const void* x, XType xt, int tokens, const int32_t* hot_id
 }  // namespace
 
 std::unique_ptr<Stream> make_host_stream(IsaLevel isa) { return std::make_unique<HostStream>(isa); }
-
-std::unique_ptr<Stream> make_stream(const Config& config) {
-  const int index = config.gpu_index();
-  if (index == -1) return make_host_stream(config.isa());
-  if (index == -2) {
-    const gpu::GpuReport r = gpu::query_gpus(false);
-    return r.cuda_built && !r.gpus.empty() ? make_cuda_stream(0) : make_host_stream(config.isa());
-  }
-  try {
-    return make_cuda_stream(index);
-  } catch (const Error& e) {
-    TANDEM_FAIL(e.code(), config.source, ": gpu.device: ", config.gpu.device, ": ", e.message());
-  }
-}
-
-#if !defined(TANDEM_WITH_CUDA)
-std::unique_ptr<Stream> make_cuda_stream(int index, void*) {
-  TANDEM_FAIL(Errc::unsupported, "cuda:", index, ": tandem was built without CUDA (TANDEM_CUDA=OFF or no nvcc)");
-}
-#endif
 
 }  // namespace tandem

@@ -22,6 +22,8 @@
 #include "tandem/error.h"
 #include "tandem/gpu_info.h"
 #include "tandem/hybrid.h"
+#include "tandem/pool_config.h"
+#include "tandem/streams.h"
 #include "tandem/trace.h"
 #include "test_util.h"
 

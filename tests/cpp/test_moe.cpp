@@ -17,6 +17,7 @@
 
 #include "tandem/error.h"
 #include "tandem/moe.h"
+#include "tandem/pool_config.h"
 #include "tandem/safetensors.h"
 #include "test_util.h"
 

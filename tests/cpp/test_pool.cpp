@@ -7,7 +7,7 @@
 #include <thread>
 
 #include "tandem/error.h"
-#include "tandem/pool.h"
+#include "tandem/pool_config.h"
 #include "test_util.h"
 
 namespace tandem {

@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "tandem/moe.h"
+#include "tandem/pool_config.h"
 #include "tandem/trace.h"
 #include "test_util.h"
 

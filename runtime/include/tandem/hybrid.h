@@ -28,6 +28,7 @@
 
 #include "tandem/config.h"
 #include "tandem/moe.h"
+#include "tandem/placement.h"  // RoutingStatistics (write_statistics), choose_hot_experts
 #include "tandem/stream.h"
 
 namespace tandem {
@@ -124,22 +125,5 @@ class HybridMoe {
   Batch* last_batch_ = nullptr;
   uint64_t uses_ = 0;
 };
-
-// ---- placement ----------------------------------------------------------------------
-
-// Routed counts per model layer, [experts] each.
-struct RoutingStatistics {
-  int experts = 0;
-  std::map<int, std::vector<uint64_t>> layers;
-};
-RoutingStatistics load_routing_statistics(const std::filesystem::path& path);
-void save_routing_statistics(const RoutingStatistics& stats, const std::filesystem::path& path);
-
-// The hot experts of model layer `layer` under the config's policy (ascending ids):
-// explicit lists as given; `count` most-routed per the statistics file (ties: lower id);
-// or, with a count and no statistics, `count` experts spread evenly over the ids.
-// Errors name the config key or the statistics file.
-std::vector<int> choose_hot_experts(const HotExpertsConfig& config, int layer, int experts,
-                                    const RoutingStatistics* stats = nullptr);
 
 }  // namespace tandem

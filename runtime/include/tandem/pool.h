@@ -29,8 +29,6 @@
 #include <thread>
 #include <vector>
 
-#include "tandem/config.h"
-
 namespace tandem {
 
 struct SubpoolSpec {
@@ -44,10 +42,7 @@ struct PoolOptions {
   int spin_us = 50;  // how long idle workers spin before parking
 };
 
-// From the placement config and the topology: one subpool per selected node (all nodes
-// by default), split into cpu.virtual_subpools each; cpu.threads threads per subpool
-// (0: one per physical core). Errors name the offending key.
-PoolOptions pool_options(const Config::Cpu& cpu);
+// pool_options(config.cpu), the options from a placement config: tandem/pool_config.h.
 
 class Task {
  public:

@@ -129,15 +129,6 @@ struct StreamSpan {
 
 // The host stream; its hot experts run on the CPU kernels of level `isa`.
 std::unique_ptr<Stream> make_host_stream(IsaLevel isa = effective_isa());
-// The stream the config's gpu.device asks for: "none" -> host; "cuda:N" -> that GPU (an
-// error naming gpu.device when it is not usable); "auto" -> cuda:0 when a GPU is usable,
-// else the host stream.
-std::unique_ptr<Stream> make_stream(const Config& config);
-// CUDA stream on device `index` (gpu/cuda_stream.cu). Throws Errc::unsupported when
-// tandem was built without CUDA or the device is missing. With `external` (a
-// cudaStream_t, e.g. torch.cuda.current_stream().cuda_stream) tandem enqueues on that
-// stream, so its work is ordered with the caller's and can join the caller's graph
-// capture; the caller keeps it alive and destroys it.
-std::unique_ptr<Stream> make_cuda_stream(int index, void* external = nullptr);
+// make_stream(config) and make_cuda_stream(): tandem/streams.h (the gpu layer).
 
 }  // namespace tandem
