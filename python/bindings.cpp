@@ -13,6 +13,8 @@
 #include "tandem/engine.h"
 #include "tandem/error.h"
 #include "tandem/lora.h"
+#include "tandem/lora_engine.h"
+#include "tandem/pool_config.h"
 #include "tandem/safetensors.h"
 #include "tandem/trace.h"
 
@@ -57,11 +59,33 @@ LoraWeights lora_weights(const std::vector<MatrixSpec>& specs, const char* what)
   return w;
 }
 
-// A LoRA layer with the pool it runs on (pools are shared between the layers of a model).
+// A LoRA layer, keeping alive what it runs on: its pool (a layer built on its own, pools
+// shared between the layers of a model) or the LoraEngine it belongs to (an aliasing pointer).
 struct PyLoraLayer {
-  std::shared_ptr<Pool> pool;
-  std::unique_ptr<LoraMoe> layer;
+  std::shared_ptr<LoraMoe> layer;
 };
+
+// A LoraEngine and its layers' wrappers, made once (so engine.layers[i] is one object).
+struct PyLoraEngine {
+  std::shared_ptr<LoraEngine> engine;
+  py::list layers;
+};
+
+// Expert sources from per-expert data pointers: row-major [inter x hidden] gate / up and
+// [hidden x inter] down of dtype `dtype`. Errors name `what` when the counts do not fit.
+std::function<ExpertSource(int)> pointer_sources(const MoeShape& sh, const std::vector<uintptr_t>& gate,
+                                                 const std::vector<uintptr_t>& up, const std::vector<uintptr_t>& down,
+                                                 const std::string& dtype, const char* what) {
+  TANDEM_CHECK(gate.size() == size_t(sh.experts) && up.size() == gate.size() && down.size() == gate.size(),
+               Errc::invalid_argument, what, " needs ", sh.experts, " gate/up/down pointers, got ", gate.size(), "/",
+               up.size(), "/", down.size());
+  const SourceType t = source_type(dtype);
+  auto view = [t](uintptr_t p, int n, int k) { return WeightView{reinterpret_cast<const void*>(p), t, n, k}; };
+  return [=](int x) {
+    return ExpertSource{view(gate[x], sh.inter, sh.hidden), view(up[x], sh.inter, sh.hidden),
+                        view(down[x], sh.hidden, sh.inter)};
+  };
+}
 
 }  // namespace
 
@@ -196,25 +220,10 @@ PYBIND11_MODULE(_C, m) {
            }, py::arg("checkpoint"), py::arg("naming"), py::arg("progress") = py::none())
       .def("load_layer", [](Engine& e, int i, const std::vector<uintptr_t>& gate, const std::vector<uintptr_t>& up,
                             const std::vector<uintptr_t>& down, const std::string& dtype, const py::object& progress) {
-             const MoeShape& sh = e.spec().shape;
-             TANDEM_CHECK(gate.size() == size_t(sh.experts) && up.size() == gate.size() && down.size() == gate.size(),
-                          Errc::invalid_argument, "engine: load_layer needs ", sh.experts, " gate/up/down pointers, got ",
-                          gate.size(), "/", up.size(), "/", down.size());
-             const SourceType t = source_type(dtype);
-             auto view = [t](uintptr_t p, int n, int k) {
-               WeightView v;
-               v.data = reinterpret_cast<const void*>(p);
-               v.type = t;
-               v.n = n;
-               v.k = k;
-               return v;
-             };
+             const auto source = pointer_sources(e.spec().shape, gate, up, down, dtype, "engine: load_layer");
              Progress p = py_progress(progress);
              py::gil_scoped_release nogil;
-             e.load_layer(i, [&](int x) {
-               return ExpertSource{view(gate[x], sh.inter, sh.hidden), view(up[x], sh.inter, sh.hidden),
-                                   view(down[x], sh.hidden, sh.inter)};
-             }, p);
+             e.load_layer(i, source, p);
            }, py::arg("index"), py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("dtype"),
            py::arg("progress") = py::none(),
            "Packs MoE layer `index` from row-major [inter x hidden] gate/up and [hidden x inter] down per expert.")
@@ -290,27 +299,25 @@ PYBIND11_MODULE(_C, m) {
              o.format.symmetric = !zero_point;
              o.backward_format = parse_format(backward_format);
              o.lora = {rank, alpha, rslora};
-             auto l = std::make_unique<LoraMoe>(*pool, MoeShape{experts, hidden, inter}, o, layer);
-             l->use_isa(select_isa(isa, "cpu.isa"));
-             return PyLoraLayer{std::move(pool), std::move(l)};
+             struct Owned {  // the layer is destroyed before its pool
+               std::shared_ptr<Pool> pool;
+               std::unique_ptr<LoraMoe> layer;
+             };
+             auto own = std::make_shared<Owned>();
+             own->layer = std::make_unique<LoraMoe>(*pool, MoeShape{experts, hidden, inter}, o, layer);
+             own->layer->use_isa(select_isa(isa, "cpu.isa"));
+             own->pool = std::move(pool);
+             return PyLoraLayer{std::shared_ptr<LoraMoe>(own, own->layer.get())};
            }), py::arg("pool"), py::arg("experts"), py::arg("hidden"), py::arg("inter"), py::arg("format") = "bf16",
            py::arg("group") = 128, py::arg("rank") = 8, py::arg("alpha") = 16.0f, py::arg("rslora") = false,
            py::arg("backward_format") = "bf16", py::arg("layer") = 0, py::arg("zero_point") = false,
            py::arg("isa") = "auto")
       .def("load", [](PyLoraLayer& l, const std::vector<uintptr_t>& gate, const std::vector<uintptr_t>& up,
                       const std::vector<uintptr_t>& down, const std::string& dtype, const py::object& progress) {
-             const MoeShape sh = l.layer->shape();
-             TANDEM_CHECK(gate.size() == size_t(sh.experts) && up.size() == gate.size() && down.size() == gate.size(),
-                          Errc::invalid_argument, "lora: load needs ", sh.experts, " gate/up/down pointers, got ",
-                          gate.size(), "/", up.size(), "/", down.size());
-             const SourceType t = source_type(dtype);
-             auto view = [t](uintptr_t p, int n, int k) { return WeightView{reinterpret_cast<const void*>(p), t, n, k}; };
+             const auto source = pointer_sources(l.layer->shape(), gate, up, down, dtype, "lora: load");
              Progress p = py_progress(progress);
              py::gil_scoped_release nogil;
-             l.layer->load([&](int e) {
-               return ExpertSource{view(gate[e], sh.inter, sh.hidden), view(up[e], sh.inter, sh.hidden),
-                                   view(down[e], sh.hidden, sh.inter)};
-             }, p);
+             l.layer->load(source, p);
            }, py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("dtype"), py::arg("progress") = py::none())
       .def("load_checkpoint", [](PyLoraLayer& l, const Checkpoint& c, int layer,
                                  const std::tuple<std::string, std::string, std::string>& n, const py::object& progress) {
@@ -369,4 +376,75 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("backward_bytes", [](PyLoraLayer& l) { return l.layer->backward_bytes(); })
       .def_property_readonly("lora_shapes", [](PyLoraLayer& l) { return l.layer->lora_shapes(); })
       .def_property_readonly("scaling", [](PyLoraLayer& l) { return l.layer->options().lora.scaling(); });
+
+  py::class_<PyLoraEngine, std::shared_ptr<PyLoraEngine>>(
+      m, "LoraEngine",
+      "The training side of a model's MoE layers (tandem/lora_engine.h): the CPU pool from the config and one "
+      "LoraLayer per MoE layer on it, in the config's cpu.format at cpu.isa.")
+      .def(py::init([](const std::string& config_path, const std::string& config_text, int experts, int hidden,
+                       int inter, std::vector<int> layers, const std::string& backward_format, int rank, float alpha,
+                       bool rslora) {
+             Config c = config_from(config_path, config_text);
+             LoraEngineOptions o;
+             o.backward_format = parse_format(backward_format);
+             o.lora = {rank, alpha, rslora};
+             auto r = std::make_shared<PyLoraEngine>();
+             {
+               py::gil_scoped_release nogil;
+               r->engine = std::make_shared<LoraEngine>(c, EngineSpec{{experts, hidden, inter}, std::move(layers)}, o);
+             }
+             for (int i = 0; i < r->engine->moe_layers(); ++i)
+               r->layers.append(py::cast(PyLoraLayer{std::shared_ptr<LoraMoe>(r->engine, &r->engine->layer(i))}));
+             return r;
+           }),
+           py::arg("config_path") = "", py::arg("config_text") = "", py::arg("experts"), py::arg("hidden"),
+           py::arg("inter"), py::arg("layers"), py::arg("backward_format") = "bf16", py::arg("rank") = 8,
+           py::arg("alpha") = 16.0f, py::arg("rslora") = false,
+           "layers: the model layer of each MoE layer (distinct, ascending); rank / alpha / rslora: every layer's "
+           "initial LoRA config (LoraLayer.set_lora changes one layer's)")
+      .def("load_checkpoint", [](PyLoraEngine& e, const Checkpoint& c, const std::tuple<std::string, std::string, std::string>& n,
+                                 const py::object& progress) {
+             ExpertNaming naming{std::get<0>(n), std::get<1>(n), std::get<2>(n)};
+             Progress p = py_progress(progress);
+             py::gil_scoped_release nogil;
+             e.engine->load(c, naming, p);
+           }, py::arg("checkpoint"), py::arg("naming"), py::arg("progress") = py::none(),
+           "Packs every MoE layer from a checkpoint, read in place, giving the source pages back after each layer; "
+           "errors name the tensor before any layer is half loaded. progress(done, total) counts experts.")
+      .def("load_layer", [](PyLoraEngine& e, int i, const std::vector<uintptr_t>& gate, const std::vector<uintptr_t>& up,
+                            const std::vector<uintptr_t>& down, const std::string& dtype, const py::object& progress) {
+             const auto source = pointer_sources(e.engine->spec().shape, gate, up, down, dtype, "lora engine: load_layer");
+             Progress p = py_progress(progress);
+             py::gil_scoped_release nogil;
+             e.engine->load_layer(i, source, p);
+           }, py::arg("index"), py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("dtype"),
+           py::arg("progress") = py::none(),
+           "Packs MoE layer `index` from row-major [inter x hidden] gate/up and [hidden x inter] down per expert.")
+      .def("prepare_backward", [](PyLoraEngine& e, const py::object& progress) {
+             Progress p = py_progress(progress);
+             py::gil_scoped_release nogil;
+             e.engine->prepare_backward(p);
+           }, py::arg("progress") = py::none(),
+           "Builds every layer's backward packs now (otherwise each layer's first backward does).")
+      .def_property_readonly("layers", [](PyLoraEngine& e) { return e.layers; },
+                             "the LoraLayer of each MoE layer (index i, not the model layer)")
+      .def_property_readonly("model_layers", [](PyLoraEngine& e) { return e.engine->spec().layers; })
+      .def_property_readonly("moe_layers", [](PyLoraEngine& e) { return e.engine->moe_layers(); })
+      .def("index_of", [](PyLoraEngine& e, int model_layer) { return e.engine->index_of(model_layer); })
+      .def_property_readonly("loaded", [](PyLoraEngine& e) { return e.engine->loaded(); })
+      .def_property_readonly("experts", [](PyLoraEngine& e) { return e.engine->spec().shape.experts; })
+      .def_property_readonly("hidden", [](PyLoraEngine& e) { return e.engine->spec().shape.hidden; })
+      .def_property_readonly("inter", [](PyLoraEngine& e) { return e.engine->spec().shape.inter; })
+      .def_property_readonly("format", [](PyLoraEngine& e) { return e.engine->config().cpu.format; })
+      .def_property_readonly("backward_format",
+                             [](PyLoraEngine& e) { return std::string(format_name(e.engine->options().backward_format)); })
+      .def_property_readonly("pool", [](PyLoraEngine& e) { return std::shared_ptr<Pool>(e.engine, &e.engine->pool()); })
+      .def_property_readonly("subpools", [](PyLoraEngine& e) { return e.engine->pool().subpools(); })
+      .def_property_readonly("threads", [](PyLoraEngine& e) { return e.engine->pool().total_threads(); })
+      .def_property_readonly("isa", [](PyLoraEngine& e) { return std::string(isa_name(e.engine->isa())); },
+                             "the kernel level every layer runs (config cpu.isa, lowered by TANDEM_ISA)")
+      .def_property_readonly("is_cuda", [](PyLoraEngine&) { return false; },
+                             "always False: training runs every routed expert on the CPU pools")
+      .def_property_readonly("packed_bytes", [](PyLoraEngine& e) { return e.engine->packed_bytes(); })
+      .def_property_readonly("backward_bytes", [](PyLoraEngine& e) { return e.engine->backward_bytes(); });
 }

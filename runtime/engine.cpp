@@ -6,8 +6,6 @@
 
 namespace tandem {
 
-namespace {
-
 PackOptions pack_options(const Config::Cpu& cpu) {
   PackOptions p;
   p.format = parse_format(cpu.format);
@@ -16,15 +14,22 @@ PackOptions pack_options(const Config::Cpu& cpu) {
   return p;
 }
 
-}  // namespace
+void EngineSpec::check() const {
+  TANDEM_CHECK(!layers.empty(), Errc::invalid_argument, "engine: the model has no MoE layers");
+  for (size_t i = 0; i < layers.size(); ++i)
+    TANDEM_CHECK(layers[i] >= 0 && (i == 0 || layers[i] > layers[i - 1]), Errc::invalid_argument,
+                 "engine: MoE layer indices must be distinct, ascending and non-negative (entry ", i, " is ",
+                 layers[i], ")");
+}
+
+int EngineSpec::index_of(int model_layer) const {
+  auto it = std::lower_bound(layers.begin(), layers.end(), model_layer);
+  return it != layers.end() && *it == model_layer ? static_cast<int>(it - layers.begin()) : -1;
+}
 
 Engine::Engine(const Config& config, EngineSpec spec, std::unique_ptr<Stream> stream)
     : config_(config), spec_(std::move(spec)) {
-  TANDEM_CHECK(!spec_.layers.empty(), Errc::invalid_argument, "engine: the model has no MoE layers");
-  for (size_t i = 0; i < spec_.layers.size(); ++i)
-    TANDEM_CHECK(spec_.layers[i] >= 0 && (i == 0 || spec_.layers[i] > spec_.layers[i - 1]), Errc::invalid_argument,
-                 "engine: MoE layer indices must be distinct, ascending and non-negative (entry ", i, " is ",
-                 spec_.layers[i], ")");
+  spec_.check();
   const HotExpertsConfig& hc = config_.gpu.hot_experts;
   if (hc.policy == HotExpertsConfig::Policy::statistics)
     stats_ = std::make_unique<RoutingStatistics>(load_routing_statistics(hc.statistics));
@@ -64,10 +69,7 @@ Engine::~Engine() {
   hybrid_.reset();  // before the stream and the layers it refers to
 }
 
-int Engine::index_of(int model_layer) const {
-  auto it = std::lower_bound(spec_.layers.begin(), spec_.layers.end(), model_layer);
-  return it != spec_.layers.end() && *it == model_layer ? static_cast<int>(it - spec_.layers.begin()) : -1;
-}
+int Engine::index_of(int model_layer) const { return spec_.index_of(model_layer); }
 
 void Engine::check_index(int i) const {
   TANDEM_CHECK(i >= 0 && i < moe_layers(), Errc::invalid_argument, "engine: MoE layer ", i, " is outside [0, ",
@@ -86,19 +88,10 @@ void Engine::load_layer(int i, const std::function<ExpertSource(int)>& source, c
 }
 
 void Engine::load(const Checkpoint& ckpt, const ExpertNaming& naming, const Progress& progress) {
-  const int E = spec_.shape.experts, L = moe_layers();
-  // Every tensor of every layer is checked before anything is packed.
-  for (int i = 0; i < L; ++i)
-    for (int e = 0; e < E; ++e) checkpoint_expert(ckpt, spec_.layers[i], e, naming, spec_.shape);
-  const int total = L * E;
-  for (int i = 0; i < L; ++i) {
-    const int model_layer = spec_.layers[i];
-    Progress p;  // MoeLayer counts (subpool, expert) items: rescale to experts
-    if (progress) p = [&, i](int done, int of) { progress(i * E + (of > 0 ? static_cast<int>(int64_t{done} * E / of) : 0), total); };
-    load_layer(i, [&](int e) { return checkpoint_expert(ckpt, model_layer, e, naming, spec_.shape); }, p);
-    for (int e = 0; e < E; ++e) release_checkpoint_expert(ckpt, model_layer, e, naming);
-  }
-  if (progress) progress(total, total);
+  load_checkpoint_layers(
+      ckpt, spec_.layers, naming, spec_.shape,
+      [this](int i, const std::function<ExpertSource(int)>& source, const Progress& p) { load_layer(i, source, p); },
+      progress);
 }
 
 bool Engine::loaded() const {

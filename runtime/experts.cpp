@@ -115,4 +115,26 @@ void release_checkpoint_expert(const Checkpoint& ckpt, int layer, int e, const E
   }
 }
 
+void check_checkpoint_experts(const Checkpoint& ckpt, const std::vector<int>& layers, const ExpertNaming& naming,
+                              const MoeShape& shape) {
+  for (int layer : layers)
+    for (int e = 0; e < shape.experts; ++e) checkpoint_expert(ckpt, layer, e, naming, shape);
+}
+
+void load_checkpoint_layers(const Checkpoint& ckpt, const std::vector<int>& layers, const ExpertNaming& naming,
+                            const MoeShape& shape, const LoadLayer& load_layer, const Progress& progress) {
+  // Every tensor of every layer is checked before anything is packed.
+  check_checkpoint_experts(ckpt, layers, naming, shape);
+  const int E = shape.experts, L = static_cast<int>(layers.size());
+  const int total = L * E;
+  for (int i = 0; i < L; ++i) {
+    const int model_layer = layers[i];
+    Progress p;  // layers count (subpool, expert) items: rescale to experts
+    if (progress) p = [&, i](int done, int of) { progress(i * E + (of > 0 ? static_cast<int>(int64_t{done} * E / of) : 0), total); };
+    load_layer(i, [&](int e) { return checkpoint_expert(ckpt, model_layer, e, naming, shape); }, p);
+    for (int e = 0; e < E; ++e) release_checkpoint_expert(ckpt, model_layer, e, naming);
+  }
+  if (progress) progress(total, total);
+}
+
 }  // namespace tandem

@@ -2,8 +2,8 @@
 MoE model's experts into one.
 
 ``make_engine`` builds the inference engine (``_C.Engine``, bound to torch's current CUDA
-stream for a model on a GPU); ``make_lora_layers`` the training side (``LoraEngine``: a pool and
-one ``_C.LoraLayer`` per MoE layer); ``share_cpu_with_torch`` sets torch's threads beside the
+stream for a model on a GPU); ``make_lora_layers`` the training side (``_C.LoraEngine``: a pool
+and one ``_C.LoraLayer`` per MoE layer); ``share_cpu_with_torch`` sets torch's threads beside the
 CPU pool.
 
     import tandem
@@ -13,7 +13,6 @@ CPU pool.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -60,47 +59,26 @@ def make_engine(config: ConfigLike, shape: tuple[int, int, int], layers: list[in
     return _C.Engine(stream="host", **kw)
 
 
-@dataclass
-class LoraEngine:
-    """The training side of a model: the CPU pool and one ``_C.LoraLayer`` per MoE layer."""
-    pool: _C.Pool
-    layers: list[_C.LoraLayer]
-    is_cuda = False
-
-    @property
-    def threads(self) -> int:
-        return self.pool.threads
-
-    @property
-    def isa(self) -> str:
-        """The kernel level the layers run (config cpu.isa, lowered by TANDEM_ISA)."""
-        return self.layers[0].isa
-
-    def prepare_backward(self) -> None:
-        """Builds every layer's backward packs now (otherwise each layer's first backward does)."""
-        for layer in self.layers:
-            layer.prepare_backward()
+# The training side of a model (tandem/lora_engine.h): the CPU pool from the config and one
+# ``_C.LoraLayer`` per MoE layer (``.layers``), loaded from a checkpoint or from memory.
+LoraEngine = _C.LoraEngine
 
 
 def make_lora_layers(config: ConfigLike, shape: tuple[int, int, int], layers: list[int],
                      backward_format: str = "bf16") -> LoraEngine:
-    """A pool from ``config``'s cpu section and one ``_C.LoraLayer`` per MoE layer on it, in
-    the config's weight format; rank / scaling follow the adapters at each call. Training
-    runs every routed expert on the CPU pools."""
+    """The training engine for MoE layers `layers` of shape (experts, hidden, intermediate):
+    a pool from ``config``'s cpu section and one ``_C.LoraLayer`` per MoE layer on it, in the
+    config's weight format at its cpu.isa; rank / scaling follow the adapters at each call.
+    Training runs every routed expert on the CPU pools."""
     import warnings
 
-    cfg = config_json(config)
-    gpu = cfg["gpu"]
+    gpu = config_json(config)["gpu"]
     if gpu["hot_experts"]["policy"] != "none" or gpu["deferred_experts"]:
         warnings.warn("tandem training runs every routed expert on the CPU pools; the config's gpu.hot_experts and "
                       "gpu.deferred_experts apply to inference only", stacklevel=3)
-    pool = _C.Pool(**config_args(config))
-    cpu = cfg["cpu"]
     E, H, I = shape
-    return LoraEngine(pool, [_C.LoraLayer(pool, E, H, I, format=cpu["format"], group=cpu["group_size"],
-                                          zero_point=cpu["zero_point"], backward_format=backward_format, layer=L,
-                                          isa=cpu["isa"])
-                             for L in layers])
+    return _C.LoraEngine(experts=E, hidden=H, inter=I, layers=list(layers), backward_format=backward_format,
+                         **config_args(config))
 
 
 def share_cpu_with_torch(engine: _C.Engine | LoraEngine, device: torch.device) -> int:
@@ -172,7 +150,6 @@ def offload(model: nn.Module, config: ConfigLike = None, *, train: bool | None =
     device = _model_device(hf)
     if train:
         engine = make_lora_layers(config, shape, [b.layer for b in blocks], backward_format)
-        layers = engine.layers
     else:
         engine = make_engine(config, shape, [b.layer for b in blocks], device)
     bar = progress_bar(progress, shape[0] * len(blocks), "packing experts")
@@ -186,8 +163,8 @@ def offload(model: nn.Module, config: ConfigLike = None, *, train: bool | None =
                 patch_v4_block(b.block, hf)
             b.block.experts = TandemExperts(engine, i, b.layer, act)
             continue
-        layers[i].load(gate, up, down, dtype, progress=step)
-        te = TandemLoraExperts(layers[i], b.layer, not isinstance(experts, nn.ModuleList), keep[0].dtype, device)
+        engine.load_layer(i, gate, up, down, dtype, progress=step)
+        te = TandemLoraExperts(engine.layers[i], b.layer, not isinstance(experts, nn.ModuleList), keep[0].dtype, device)
         del keep
         if isinstance(experts, nn.ModuleList) and has_v4_lora(experts):
             attach_v4_lora(b.block, hf, experts, te)

@@ -150,14 +150,16 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
     bar = progress_bar(progress, E * len(layers), "loading experts")
     if train:
         engine = make_lora_layers(config, (E, H, I), layers, backward_format)
-        for i, (b, layer) in enumerate(zip(blocks, engine.layers)):
-            layer.load_checkpoint(ckpt, b.layer, naming,
-                                  progress=(lambda d, t, base=i * E: bar(base + d)) if bar else None)
+    else:
+        engine = make_engine(config, (E, H, I), layers, device)
+    # Both engines check every expert tensor first, then pack layer by layer, giving each
+    # layer's checkpoint pages back once it is packed.
+    engine.load_checkpoint(ckpt, naming, progress=(lambda d, t: bar(d)) if bar else None)
+    if train:
+        for b, layer in zip(blocks, engine.layers):
             b.block.experts = TandemLoraExperts(layer, b.layer, True, dtype, device)
             b.block.register_forward_pre_hook(route_peft_wrappers)
     else:
-        engine = make_engine(config, (E, H, I), layers, device)
-        engine.load_checkpoint(ckpt, naming, progress=(lambda d, t: bar(d)) if bar else None)
         for i, b in enumerate(blocks):
             b.block.experts = TandemExperts(engine, i, b.layer, hf_config.hidden_act)
     if bar:

@@ -53,6 +53,7 @@
 
 #include "tandem/error.h"
 #include "tandem/lora.h"
+#include "tandem/pool_config.h"
 #include "test_util.h"
 
 namespace tandem {

@@ -22,16 +22,23 @@
 #include "tandem/config.h"
 #include "tandem/hybrid.h"
 #include "tandem/moe.h"
-#include "tandem/pool.h"
+#include "tandem/pool_config.h"
 #include "tandem/safetensors.h"
-#include "tandem/stream.h"
+#include "tandem/streams.h"
 
 namespace tandem {
 
 struct EngineSpec {
   MoeShape shape;           // every MoE layer has the same one
   std::vector<int> layers;  // the model layer index of each MoE layer: distinct, ascending
+  // Errors name the entry of `layers` that breaks the rule (or an empty list).
+  void check() const;
+  // The MoE index of a model layer, -1 when that layer has no routed experts.
+  int index_of(int model_layer) const;
 };
+
+// The packed format of a config's CPU experts (cpu.format, cpu.group_size, cpu.zero_point).
+PackOptions pack_options(const Config::Cpu& cpu);
 
 class Engine {
  public:

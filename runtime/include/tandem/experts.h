@@ -6,6 +6,7 @@
 
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "tandem/kernels.h"
 #include "tandem/safetensors.h"
@@ -47,5 +48,20 @@ ExpertSource checkpoint_expert(const Checkpoint& ckpt, int layer, int expert, co
 // Gives back the pages of one expert's source tensors (after packing): the mapped file
 // stays valid, its pages leave this process's resident set.
 void release_checkpoint_expert(const Checkpoint& ckpt, int layer, int expert, const ExpertNaming& naming);
+
+// Every expert tensor of model layers `layers` checked (checkpoint_expert on each), so that a
+// load fails naming the tensor (missing, wrong shape or dtype) before any layer is half loaded.
+void check_checkpoint_experts(const Checkpoint& ckpt, const std::vector<int>& layers, const ExpertNaming& naming,
+                              const MoeShape& shape);
+
+// Packs one MoE layer (index i into `layers`) from `source`; progress counts that layer's work.
+using LoadLayer = std::function<void(int i, const std::function<ExpertSource(int)>& source, const Progress& progress)>;
+
+// How every engine loads a model's MoE layers from a checkpoint: check_checkpoint_experts
+// first, then load_layer(i, ...) for each MoE layer i in order, reading the checkpoint in place,
+// and the layer's source pages given back (release_checkpoint_expert) once it is packed, so the
+// resident set stays near the packed size. progress(done, total) counts experts over all layers.
+void load_checkpoint_layers(const Checkpoint& ckpt, const std::vector<int>& layers, const ExpertNaming& naming,
+                            const MoeShape& shape, const LoadLayer& load_layer, const Progress& progress = {});
 
 }  // namespace tandem

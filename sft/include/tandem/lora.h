@@ -121,6 +121,7 @@ class LoraMoe {
   void load(const Checkpoint& ckpt, int layer, const ExpertNaming& naming, const Progress& progress = {});
   // Builds the backward packs now (otherwise the first backward does).
   void prepare_backward(const Progress& progress = {});
+  bool loaded() const { return loaded_; }
   bool backward_ready() const { return backward_ready_; }
   // Changes the adapters' rank and scaling (e.g. to the PEFT adapter in use). Nothing is
   // repacked; contexts saved under the previous config are refused by backward().
