@@ -6,14 +6,6 @@
 
 namespace tandem {
 
-PackOptions pack_options(const Config::Cpu& cpu) {
-  PackOptions p;
-  p.format = parse_format(cpu.format);
-  p.group = cpu.group_size;
-  p.symmetric = !cpu.zero_point;
-  return p;
-}
-
 void EngineSpec::check() const {
   TANDEM_CHECK(!layers.empty(), Errc::invalid_argument, "engine: the model has no MoE layers");
   for (size_t i = 0; i < layers.size(); ++i)

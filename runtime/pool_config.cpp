@@ -46,4 +46,12 @@ PoolOptions pool_options(const Config::Cpu& cpu) {
   return o;
 }
 
+PackOptions pack_options(const Config::Cpu& cpu) {
+  PackOptions p;
+  p.format = parse_format(cpu.format);
+  p.group = cpu.group_size;
+  p.symmetric = !cpu.zero_point;
+  return p;
+}
+
 }  // namespace tandem

@@ -37,9 +37,6 @@ struct EngineSpec {
   int index_of(int model_layer) const;
 };
 
-// The packed format of a config's CPU experts (cpu.format, cpu.group_size, cpu.zero_point).
-PackOptions pack_options(const Config::Cpu& cpu);
-
 class Engine {
  public:
   // The stream is make_stream(config) unless one is given (e.g. a CUDA stream wrapping
