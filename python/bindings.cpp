@@ -39,6 +39,17 @@ Progress py_progress(const py::object& fn) {
   };
 }
 
+// Loads an inference or training engine from a checkpoint, (gate, up, down) key patterns
+// from Python, with the GIL released while packing.
+using NamingTuple = std::tuple<std::string, std::string, std::string>;
+template <typename E>
+void load_from_checkpoint(E& engine, const Checkpoint& c, const NamingTuple& n, const py::object& progress) {
+  ExpertNaming naming{std::get<0>(n), std::get<1>(n), std::get<2>(n)};
+  Progress p = py_progress(progress);
+  py::gil_scoped_release nogil;
+  engine.load(c, naming, p);
+}
+
 Config config_from(const std::string& path, const std::string& text) {
   TANDEM_CHECK(path.empty() != text.empty(), Errc::invalid_argument, "engine: give a config file or config text (one)");
   return path.empty() ? parse_config(text) : load_config(path);
@@ -211,12 +222,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("cuda_stream") = 0,
            "stream: 'config' (gpu.device decides), 'host', or 'cuda' (enqueue on the CUDA stream handle cuda_stream "
            "of device cuda_device, e.g. torch's current stream)")
-      .def("load_checkpoint", [](Engine& e, const Checkpoint& c, const std::tuple<std::string, std::string, std::string>& n,
-                                 const py::object& progress) {
-             ExpertNaming naming{std::get<0>(n), std::get<1>(n), std::get<2>(n)};
-             Progress p = py_progress(progress);
-             py::gil_scoped_release nogil;
-             e.load(c, naming, p);
+      .def("load_checkpoint", [](Engine& e, const Checkpoint& c, const NamingTuple& n, const py::object& progress) {
+             load_from_checkpoint(e, c, n, progress);
            }, py::arg("checkpoint"), py::arg("naming"), py::arg("progress") = py::none())
       .def("load_layer", [](Engine& e, int i, const std::vector<uintptr_t>& gate, const std::vector<uintptr_t>& up,
                             const std::vector<uintptr_t>& down, const std::string& dtype, const py::object& progress) {
@@ -320,7 +327,7 @@ PYBIND11_MODULE(_C, m) {
              l.layer->load(source, p);
            }, py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("dtype"), py::arg("progress") = py::none())
       .def("load_checkpoint", [](PyLoraLayer& l, const Checkpoint& c, int layer,
-                                 const std::tuple<std::string, std::string, std::string>& n, const py::object& progress) {
+                                 const NamingTuple& n, const py::object& progress) {
              ExpertNaming naming{std::get<0>(n), std::get<1>(n), std::get<2>(n)};
              Progress p = py_progress(progress);
              py::gil_scoped_release nogil;
@@ -402,12 +409,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("alpha") = 16.0f, py::arg("rslora") = false,
            "layers: the model layer of each MoE layer (distinct, ascending); rank / alpha / rslora: every layer's "
            "initial LoRA config (LoraLayer.set_lora changes one layer's)")
-      .def("load_checkpoint", [](PyLoraEngine& e, const Checkpoint& c, const std::tuple<std::string, std::string, std::string>& n,
-                                 const py::object& progress) {
-             ExpertNaming naming{std::get<0>(n), std::get<1>(n), std::get<2>(n)};
-             Progress p = py_progress(progress);
-             py::gil_scoped_release nogil;
-             e.engine->load(c, naming, p);
+      .def("load_checkpoint", [](PyLoraEngine& e, const Checkpoint& c, const NamingTuple& n, const py::object& progress) {
+             load_from_checkpoint(*e.engine, c, n, progress);
            }, py::arg("checkpoint"), py::arg("naming"), py::arg("progress") = py::none(),
            "Packs every MoE layer from a checkpoint, read in place, giving the source pages back after each layer; "
            "errors name the tensor before any layer is half loaded. progress(done, total) counts experts.")

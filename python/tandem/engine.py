@@ -24,6 +24,7 @@ from .experts_check import check_experts
 from .modules import CUDA_BINDINGS, CudaBinding, TandemExperts, TandemLoraExperts
 from .peft_glue import attach_v4_lora, claim_wrappers, has_v4_lora, hf_model, innermost, route_peft_wrappers
 from .progress import progress_bar
+from .tracing import apply_config
 
 
 def make_engine(config: ConfigLike, shape: tuple[int, int, int], layers: list[int],
@@ -182,8 +183,6 @@ def offload(model: nn.Module, config: ConfigLike = None, *, train: bool | None =
     if bar:
         bar(None)
     share_cpu_with_torch(engine, device)
-    from .tracing import apply_config
-
     apply_config(config_json(config))  # trace.enabled: record from now on, write trace.path at exit
     hf.tandem_engine = engine
     return engine

@@ -31,6 +31,7 @@ from .experts_check import check_experts
 from .modules import TandemExperts, TandemLoraExperts
 from .peft_glue import route_peft_wrappers
 from .progress import progress_bar
+from .tracing import apply_config
 
 # Model parameter name -> checkpoint name, where transformers v5 renamed a module.
 _RENAMES = {
@@ -205,8 +206,6 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
     if meta:
         raise ValueError(f"{path}: these tensors were not loaded: {', '.join(meta[:5])}")
     share_cpu_with_torch(engine, device)
-    from .tracing import apply_config
-
     apply_config(cfg_json)  # trace.enabled: record from now on, write trace.path at exit
     model.tandem_engine = engine
     model.tandem_checkpoint = str(path)

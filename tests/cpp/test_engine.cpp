@@ -528,26 +528,9 @@ TEST(Engine, ProgressCountsExpertsOverAllLayers) {
 TEST(Engine, CheckpointErrorsNameTheTensor) {
   std::mt19937_64 rng(test_seed());
   const Weights w(rng);
-  const std::string missing = expert_key(3, 5, "down"), reshaped = expert_key(1, 2, "up"), retyped = expert_key(3, 0, "gate");
-  struct Case {
-    std::string what, needle;
-    Errc code;
-    std::function<void(std::vector<test::Entry>&)> edit;
-  };
-  auto find = [](std::vector<test::Entry>& es, const std::string& name) {
-    return std::find_if(es.begin(), es.end(), [&](const test::Entry& x) { return x.name == name; });
-  };
-  const std::vector<Case> cases = {
-      {"missing", "has no tensor " + missing, Errc::bad_format, [&](auto& es) { es.erase(find(es, missing)); }},
-      {"wrong shape", reshaped + " has shape [64, 128], the layer needs [128, 128]", Errc::bad_format,
-       [&](auto& es) {
-         auto it = find(es, reshaped);
-         it->shape = {64, kH};
-         it->bytes.resize(size_t(64) * kH * 2);
-       }},
-      {"wrong dtype", retyped + " has dtype I16", Errc::unsupported, [&](auto& es) { find(es, retyped)->dtype = "I16"; }},
-  };
-  for (const Case& c : cases) {
+  const auto cases =
+      test::checkpoint_defects(expert_key(3, 5, "down"), expert_key(1, 2, "up"), 64, kI, kH, expert_key(3, 0, "gate"));
+  for (const auto& c : cases) {
     SCOPED_TRACE(c.what);
     test::ScratchDir dir;
     std::vector<test::Entry> es = checkpoint_entries(w, "BF16");

@@ -281,27 +281,9 @@ TEST(LoraEngine, LoadLayerFromMemoryAndPrepareBackward) {
 TEST(LoraEngine, CheckpointErrorsNameTheTensorBeforeAnythingLoads) {
   std::mt19937_64 rng(test::test_seed());
   const std::vector<test::Entry> good = checkpoint_entries(rng);
-  const std::string missing = expert_key(3, 5, "up"), reshaped = expert_key(3, 2, "down"),
-                    retyped = expert_key(3, 4, "gate");
-  struct Case {
-    std::string what, needle;
-    Errc code;
-    std::function<void(std::vector<test::Entry>&)> edit;
-  };
-  auto find = [](std::vector<test::Entry>& es, const std::string& name) {
-    return std::find_if(es.begin(), es.end(), [&](const test::Entry& x) { return x.name == name; });
-  };
-  const std::vector<Case> cases = {
-      {"missing", "has no tensor " + missing, Errc::bad_format, [&](auto& es) { es.erase(find(es, missing)); }},
-      {"wrong shape", reshaped + " has shape [32, 128], the layer needs [64, 128]", Errc::bad_format,
-       [&](auto& es) {
-         auto it = find(es, reshaped);
-         it->shape = {32, kI};
-         it->bytes.resize(size_t(32) * kI * 2);
-       }},
-      {"wrong dtype", retyped + " has dtype I16", Errc::unsupported, [&](auto& es) { find(es, retyped)->dtype = "I16"; }},
-  };
-  for (const Case& c : cases) {
+  const auto cases =
+      test::checkpoint_defects(expert_key(3, 5, "up"), expert_key(3, 2, "down"), 32, kH, kI, expert_key(3, 4, "gate"));
+  for (const auto& c : cases) {
     SCOPED_TRACE(c.what);
     test::ScratchDir dir;
     std::vector<test::Entry> es = good;

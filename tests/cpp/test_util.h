@@ -4,10 +4,12 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <string>
 
@@ -98,6 +100,34 @@ struct Entry {
   std::vector<int64_t> shape;
   std::string bytes;
 };
+
+// The bad checkpoints every expert loader must refuse by name, made from a good entry
+// list: `missing` removed, `reshaped` (bf16) given rows x cols where the layer needs
+// need_rows x cols, `retyped` given dtype I16. `needle` is what the error must contain.
+struct CheckpointDefect {
+  std::string what, needle;
+  Errc code;
+  std::function<void(std::vector<Entry>&)> edit;
+};
+inline std::vector<CheckpointDefect> checkpoint_defects(const std::string& missing, const std::string& reshaped,
+                                                        int64_t rows, int64_t need_rows, int64_t cols,
+                                                        const std::string& retyped) {
+  auto find = [](std::vector<Entry>& es, const std::string& name) {
+    return std::find_if(es.begin(), es.end(), [&](const Entry& x) { return x.name == name; });
+  };
+  return {
+      {"missing", "has no tensor " + missing, Errc::bad_format, [=](auto& es) { es.erase(find(es, missing)); }},
+      {"wrong shape",
+       str_cat(reshaped, " has shape [", rows, ", ", cols, "], the layer needs [", need_rows, ", ", cols, "]"),
+       Errc::bad_format,
+       [=](auto& es) {
+         auto it = find(es, reshaped);
+         it->shape = {rows, cols};
+         it->bytes.resize(static_cast<size_t>(rows * cols) * 2);
+       }},
+      {"wrong dtype", retyped + " has dtype I16", Errc::unsupported, [=](auto& es) { find(es, retyped)->dtype = "I16"; }},
+  };
+}
 
 // A well-formed file, laid out as the reference writer does (header padded to 8).
 inline std::string good_file(const std::vector<Entry>& entries, const std::map<std::string, std::string>& meta = {}) {
