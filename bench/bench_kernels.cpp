@@ -14,9 +14,13 @@
 // int8 matmul (u8 activations, s8 weights, per-channel scales) for INT8, which is given
 // pre-quantized activations (ours quantizes inside the timed call).
 //
+// The kernels are those of the process's level (TANDEM_ISA, else the hardware's), or,
+// with --variant NAME, exactly that line of cpu_kernels/kernel_list.inc for the format
+// at every m (plus the quantizer of the same ISA file, when it has one).
+//
 //   build/bench/bench_kernels [--shape qwen3-30b|qwen3-235b|deepseek-v3|all] [--m 1,8,32,128,512]
 //                             [--experts N] [--reps R] [--no-onednn]
-//                             [--format bf16|int8|int4] [--group 32|64|128] [--asym]
+//                             [--format bf16|int8|int4] [--group 32|64|128] [--asym] [--variant NAME]
 
 #include <chrono>
 #include <cstdio>
@@ -32,6 +36,7 @@
 
 #include "ceilings.h"
 #include "harness.h"
+#include "tandem/error.h"
 #include "tandem/kernels.h"
 
 using namespace tandem;
@@ -60,8 +65,9 @@ std::vector<bf16_t> random_bf16(size_t n, uint64_t seed) {
 struct Ours {
   const Shape& s;
   int threads;
+  const KernelTable* kt;
   std::vector<PackedWeight> gu, down;
-  Ours(const Shape& sh, int t, const PackOptions& opt) : s(sh), threads(t) {
+  Ours(const Shape& sh, int t, const PackOptions& opt, const KernelTable* table) : s(sh), threads(t), kt(table) {
     auto g = random_bf16(size_t(s.inter) * s.hidden, 1), u = random_bf16(size_t(s.inter) * s.hidden, 2),
          d = random_bf16(size_t(s.hidden) * s.inter, 3);
     const WeightView gv{g.data(), SourceType::bf16, s.inter, s.hidden}, uv{u.data(), SourceType::bf16, s.inter, s.hidden},
@@ -80,7 +86,7 @@ struct Ours {
       g8.push_back(&gu[(e0 + i) % s.experts]);
       d8.push_back(&down[(e0 + i) % s.experts]);
     }
-    expert_step(threads, g8, d8, m, a, h, out, rw, q_in, q_mid);
+    expert_step(threads, g8, d8, m, a, h, out, rw, q_in, q_mid, kt);
   }
 };
 
@@ -154,6 +160,7 @@ int main(int argc, char** argv) {
   std::vector<int> ms = {1, 8, 32, 128, 512};
   int reps = 5, experts = 0;
   bool onednn = true;
+  std::string variant;
   PackOptions opt;
   for (int i = 1; i < argc; ++i) {
     auto next = [&] { return i + 1 < argc ? argv[++i] : ""; };
@@ -165,10 +172,31 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--format")) opt.format = parse_format(next());
     else if (!std::strcmp(argv[i], "--group")) opt.group = std::atoi(next());
     else if (!std::strcmp(argv[i], "--asym")) opt.symmetric = false;
+    else if (!std::strcmp(argv[i], "--variant")) variant = next();
     else { std::fprintf(stderr, "unknown option %s\n", argv[i]); return 2; }
   }
   const int threads = default_threads();
-  const FormatKernels& fk = kernels().of(opt.format);
+  KernelTable table = kernels();
+  if (!variant.empty()) {
+    const KernelFamily family = family_of(opt.format);
+    const KernelListEntry* e = find_kernel(family, variant);
+    if (!e) {
+      std::string known;
+      for (const KernelListEntry& k : kernel_list())
+        if (k.family == family) known += (known.empty() ? "" : ", ") + std::string(k.name());
+      std::fprintf(stderr, "unknown %s kernel variant '%s'; known: %s\n", std::string(format_name(opt.format)).c_str(),
+                   variant.c_str(), known.c_str());
+      return 2;
+    }
+    try {
+      table = with_kernel(table, *e);
+      if (const KernelListEntry* q = find_kernel(KernelFamily::quantize, variant)) table = with_kernel(table, *q);
+    } catch (const Error& err) {
+      std::fprintf(stderr, "%s\n", err.message().c_str());
+      return 2;
+    }
+  }
+  const FormatKernels& fk = table.of(opt.format);
   std::printf("machine: %s; format: %s%s; kernels: %s (m < %d), %s; threads: %d; %d repetitions, medians\n",
               machine_line().c_str(), std::string(format_name(opt.format)).c_str(),
               opt.format == WeightFormat::int4 ? (" group " + std::to_string(opt.group) + (opt.symmetric ? " sym" : " asym")).c_str() : "",
@@ -186,7 +214,7 @@ int main(int argc, char** argv) {
   for (Shape s : kShapes) {
     if (which != "all" && which != s.name) continue;
     if (experts > 0) s.experts = experts;
-    Ours ours(s, threads, opt);
+    Ours ours(s, threads, opt, &table);
     std::unique_ptr<OneDnn> peer = onednn ? std::make_unique<OneDnn>(s, opt.format == WeightFormat::int8) : nullptr;
     const double bytes = ours.bytes_per_expert();  // packed bytes, scales included
     for (int m : ms) {

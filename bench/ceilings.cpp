@@ -28,6 +28,7 @@ double maddubs_zmm_loop(long iters);
 // In ceilings_avx2.cpp.
 double fma_f32_ymm_loop(long iters);
 double maddubs_ymm_loop(long iters);
+double dpbusd_ymm_loop(long iters);
 
 namespace {
 
@@ -120,6 +121,11 @@ double peak_maddubs_ymm(int threads) {
   return peak(threads, 64.0 * 8, [](long n) { maddubs_ymm_loop(n); });
 }
 
+double peak_dpbusd_ymm(int threads) {
+  if (!cpu_features().avx_vnni) return 0;
+  return peak(threads, 64.0 * 10, [](long n) { dpbusd_ymm_loop(n); });
+}
+
 double measure_peak(PeakInsn insn, int threads) {
   switch (insn) {
     case PeakInsn::none: return 0;
@@ -129,6 +135,7 @@ double measure_peak(PeakInsn insn, int threads) {
     case PeakInsn::maddubs_ymm: return peak_maddubs_ymm(threads);
     case PeakInsn::maddubs_zmm: return peak_maddubs(threads);
     case PeakInsn::dpbusd_zmm: return peak_dpbusd(threads);
+    case PeakInsn::dpbusd_ymm: return peak_dpbusd_ymm(threads);
   }
   return 0;
 }

@@ -39,6 +39,7 @@ double peak_dpbf16(int threads);      // vdpbf16ps zmm: 64 FLOP/instruction
 double peak_dpbusd(int threads);      // vpdpbusd zmm: 128 OP/instruction
 double peak_maddubs(int threads);     // vpmaddubsw + vpmaddwd + vpaddd zmm: 128 OP/sequence
 double peak_maddubs_ymm(int threads); // the same on ymm: 64 OP/sequence
+double peak_dpbusd_ymm(int threads);  // {vex} vpdpbusd ymm (AVX-VNNI): 64 OP/instruction
 // The peak of `insn` (bench/peak.h: the one a kernel variant runs); 0 for
 // PeakInsn::none or an instruction this CPU lacks.
 double measure_peak(PeakInsn insn, int threads);

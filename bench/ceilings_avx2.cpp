@@ -1,5 +1,6 @@
-// The 256-bit peak loops behind bench/ceilings.h (the AVX2 kernel variants' ceilings).
-// Compiled with -mavx2 -mfma; callers check cpu_features() first.
+// The 256-bit peak loops behind bench/ceilings.h (the AVX2 and AVX-VNNI kernel variants'
+// ceilings). Compiled with -mavx2 -mfma; the VEX vpdpbusd is inline asm, so it needs no
+// -mavxvnni; callers check cpu_features() first.
 #include <immintrin.h>
 
 namespace tandem::bench {
@@ -31,6 +32,33 @@ double fma_f32_ymm_loop(long iters) {
   return r;
 }
 #undef TANDEM_FMA5
+
+// 10 {vex} vpdpbusd ymm per iteration on independent accumulators, as the FMA loop above
+// (the same latency and ports on Alder Lake); {vex}: the VEX form the avx_vnni kernels run.
+double dpbusd_ymm_loop(long iters) {
+  const __m256i x = _mm256_set1_epi8(3), y = _mm256_set1_epi8(-2);
+  __m256i c0 = _mm256_setzero_si256(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0, c8 = c0, c9 = c0;
+// %{vex%}: GCC's asm template spelling of the {vex} pseudo-prefix.
+#define TANDEM_DP5(b0, b1, b2, b3, b4)                                                             \
+  __asm__ volatile("%{vex%} vpdpbusd %[y], %[x], %[a0]\n\t%{vex%} vpdpbusd %[y], %[x], %[a1]\n\t" \
+                   "%{vex%} vpdpbusd %[y], %[x], %[a2]\n\t%{vex%} vpdpbusd %[y], %[x], %[a3]\n\t" \
+                   "%{vex%} vpdpbusd %[y], %[x], %[a4]\n\t"                                        \
+                   : [a0] "+x"(b0), [a1] "+x"(b1), [a2] "+x"(b2), [a3] "+x"(b3), [a4] "+x"(b4)    \
+                   : [x] "x"(x), [y] "x"(y))
+  for (long i = 0; i < iters; ++i) {
+    TANDEM_DP5(c0, c1, c2, c3, c4);
+    TANDEM_DP5(c5, c6, c7, c8, c9);
+  }
+#undef TANDEM_DP5
+  const __m256i s = _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(c0, c1), _mm256_add_epi32(c2, c3)),
+                                     _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(c4, c5), _mm256_add_epi32(c6, c7)),
+                                                      _mm256_add_epi32(c8, c9)));
+  int out[8];
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), s);
+  double r = 0;
+  for (int v : out) r += v;
+  return r;
+}
 
 // 8 independent (vpmaddubsw, vpmaddwd by ones, vpaddd) sequences per iteration: the
 // pre-VNNI u8 x s8 dot product the AVX2 integer kernels run (32 multiply-adds each).

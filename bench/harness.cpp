@@ -5,9 +5,10 @@
 namespace tandem::bench {
 
 void expert_step(int threads, const std::vector<const PackedWeight*>& gate_up, const std::vector<const PackedWeight*>& down,
-                 int m, const bf16_t* a, bf16_t* h, float* out, const float* rw, QuantizedActs& q_in, QuantizedActs& q_mid) {
+                 int m, const bf16_t* a, bf16_t* h, float* out, const float* rw, QuantizedActs& q_in, QuantizedActs& q_mid,
+                 const KernelTable* table) {
   if (gate_up.empty()) return;
-  const KernelTable& kt = kernels();
+  const KernelTable& kt = table ? *table : kernels();
   const bool quant = gate_up[0]->format != WeightFormat::bf16;
   const int hidden = gate_up[0]->k, inter = gate_up[0]->n;
   if (quant) {
@@ -19,7 +20,7 @@ void expert_step(int threads, const std::vector<const PackedWeight*>& gate_up, c
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
     const int r0 = m * t / nt, r1 = m * (t + 1) / nt;
     if (quant) {  // the input is the same for every expert
-      quantize_activations(q_in, a, hidden, r0, r1);
+      quantize_activations(q_in, a, hidden, r0, r1, &kt);
 #pragma omp barrier
     }
     for (size_t i = 0; i < gate_up.size(); ++i) {
@@ -36,7 +37,7 @@ void expert_step(int threads, const std::vector<const PackedWeight*>& gate_up, c
       kt.of(wg.format).pick(m).gate_up(wg, ga);
 #pragma omp barrier
       if (quant) {
-        quantize_activations(q_mid, h, inter, r0, r1);
+        quantize_activations(q_mid, h, inter, r0, r1, &kt);
 #pragma omp barrier
       }
       const PackedWeight& wd = *down[i];

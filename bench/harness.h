@@ -49,7 +49,9 @@ double time_per_call(F f, double min_s = 0.25) {
 // h) then down (accumulated into out with row weights rw), m rows, with `threads`
 // OpenMP threads splitting each product's panels and meeting at a barrier after each.
 // Integer packs get their input quantized once per product, rows split over threads.
+// Kernels and quantizer come from kt (default: the process table, kernels()).
 void expert_step(int threads, const std::vector<const PackedWeight*>& gate_up, const std::vector<const PackedWeight*>& down,
-                 int m, const bf16_t* a, bf16_t* h, float* out, const float* rw, QuantizedActs& q_in, QuantizedActs& q_mid);
+                 int m, const bf16_t* a, bf16_t* h, float* out, const float* rw, QuantizedActs& q_in, QuantizedActs& q_mid,
+                 const KernelTable* kt = nullptr);
 
 }  // namespace tandem::bench

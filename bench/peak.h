@@ -6,8 +6,8 @@
 //   BF16  "avx512_bf16" vdpbf16ps zmm; "avx512" / "avx2" widen bf16 to fp32 and run
 //         vfmadd231ps (zmm / ymm): on a CPU without AVX512_BF16 (Ice Lake, Zen 3) or
 //         with TANDEM_ISA lowered, that is the peak.
-//   INT8/INT4  "avx512_vnni" vpdpbusd zmm; "avx512" / "avx2" the pre-VNNI sequence
-//         vpmaddubsw + vpmaddwd + vpaddd (zmm / ymm).
+//   INT8/INT4  "avx512_vnni" vpdpbusd zmm; "avx_vnni" the VEX vpdpbusd ymm; "avx512" /
+//         "avx2" the pre-VNNI sequence vpmaddubsw + vpmaddwd + vpaddd (zmm / ymm).
 //   "amx_*"  AMX tiles: no AMX peak is measured here, so no ratio is printed.
 //   "scalar" no vector peak.
 // A ratio whose peak is missing, zero or not finite prints as "n/a", never inf or nan.
@@ -22,7 +22,7 @@
 
 namespace tandem::bench {
 
-enum class PeakInsn { none, fma_f32_ymm, fma_f32_zmm, dpbf16_zmm, maddubs_ymm, maddubs_zmm, dpbusd_zmm };
+enum class PeakInsn { none, fma_f32_ymm, fma_f32_zmm, dpbf16_zmm, maddubs_ymm, maddubs_zmm, dpbusd_zmm, dpbusd_ymm };
 
 struct PeakChoice {
   PeakInsn insn = PeakInsn::none;
@@ -34,6 +34,7 @@ inline PeakChoice peak_for_variant(std::string_view variant, WeightFormat format
   if (variant.starts_with("amx")) return {PeakInsn::none, std::string(variant) + ": AMX peak not measured"};
   if (variant == "avx512_bf16" && !integer) return {PeakInsn::dpbf16_zmm, "vdpbf16ps zmm"};
   if (variant == "avx512_vnni" && integer) return {PeakInsn::dpbusd_zmm, "vpdpbusd zmm"};
+  if (variant == "avx_vnni" && integer) return {PeakInsn::dpbusd_ymm, "{vex} vpdpbusd ymm"};
   if (variant == "avx512")
     return integer ? PeakChoice{PeakInsn::maddubs_zmm, "vpmaddubsw+vpmaddwd+vpaddd zmm"}
                    : PeakChoice{PeakInsn::fma_f32_zmm, "vfmadd231ps zmm (fp32)"};

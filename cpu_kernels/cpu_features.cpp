@@ -10,6 +10,8 @@
 #include <array>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
+#include <utility>
 
 #include "tandem/error.h"
 
@@ -164,31 +166,72 @@ const std::vector<IsaLevel>& all_isa_levels() {
   return levels;
 }
 
-std::vector<std::string> missing_features(IsaLevel level, const CpuFeatures& f) {
-  std::vector<std::string> missing;
-  auto need = [&](bool have, const char* name) {
-    if (!have) missing.emplace_back(name);
+std::string_view feature_name(Feature f) noexcept {
+  static constexpr const char* kNames[kFeatureCount] = {
+      "avx2",        "fma",         "f16c",     "avx512f",  "avx512dq", "avx512bw", "avx512vl",
+      "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8",
   };
-  const int l = static_cast<int>(level);
-  if (l >= static_cast<int>(IsaLevel::avx2)) {
-    need(f.avx2, "avx2");
-    need(f.fma, "fma");
-    need(f.f16c, "f16c");
-  }
-  if (l >= static_cast<int>(IsaLevel::avx512)) {
-    need(f.avx512f, "avx512f");
-    need(f.avx512dq, "avx512dq");
-    need(f.avx512bw, "avx512bw");
-    need(f.avx512vl, "avx512vl");
-  }
-  if (l >= static_cast<int>(IsaLevel::avx512_vnni)) need(f.avx512_vnni, "avx512_vnni");
-  if (l >= static_cast<int>(IsaLevel::avx512_bf16)) need(f.avx512_bf16, "avx512_bf16");
-  if (l >= static_cast<int>(IsaLevel::amx)) {
-    need(f.amx_tile, "amx_tile");
-    need(f.amx_bf16, "amx_bf16");
-    need(f.amx_int8, "amx_int8");
+  const int i = static_cast<int>(f);
+  return i < kFeatureCount ? kNames[i] : "unknown";
+}
+
+std::string feature_list(FeatureSet s) {
+  std::string out;
+  for (int i = 0; i < kFeatureCount; ++i)
+    if (s.has(static_cast<Feature>(i))) out += str_cat(out.empty() ? "" : ", ", feature_name(static_cast<Feature>(i)));
+  return out.empty() ? "none" : out;
+}
+
+FeatureSet feature_set(const CpuFeatures& f) {
+  using enum Feature;
+  const std::pair<bool, Feature> have[] = {
+      {f.avx2, avx2},         {f.fma, fma},           {f.f16c, f16c},         {f.avx512f, avx512f},
+      {f.avx512dq, avx512dq}, {f.avx512bw, avx512bw}, {f.avx512vl, avx512vl}, {f.avx512_vnni, avx512_vnni},
+      {f.avx512_bf16, avx512_bf16}, {f.avx_vnni, avx_vnni}, {f.amx_tile, amx_tile}, {f.amx_bf16, amx_bf16},
+      {f.amx_int8, amx_int8},
+  };
+  FeatureSet s;
+  for (const auto& [yes, feature] : have)
+    if (yes) s = s | feature;
+  return s;
+}
+
+FeatureSet level_requires(IsaLevel level) {
+  using enum Feature;
+  // What each level adds to the one below it.
+  static constexpr FeatureSet kAdds[] = {
+      {},
+      {avx2, fma, f16c},
+      {avx512f, avx512dq, avx512bw, avx512vl},
+      {avx512_vnni},
+      {avx512_bf16},
+      {amx_tile, amx_bf16, amx_int8},
+  };
+  FeatureSet s;
+  for (int l = 0; l <= static_cast<int>(level) && l < static_cast<int>(std::size(kAdds)); ++l) s = s | kAdds[l];
+  return s;
+}
+
+FeatureSet level_allows(IsaLevel level) {
+  // AVX-VNNI is AVX2 code plus one instruction: any cap that admits AVX2 kernels
+  // admits it, and where the CPU also has AVX-512 the list's order still prefers the
+  // 512-bit kernels.
+  const FeatureSet off_chain = level >= IsaLevel::avx2 ? FeatureSet(Feature::avx_vnni) : FeatureSet();
+  return level_requires(level) | off_chain;
+}
+
+std::vector<std::string> missing_features(FeatureSet need, const CpuFeatures& f) {
+  const FeatureSet have = feature_set(f);
+  std::vector<std::string> missing;
+  for (int i = 0; i < kFeatureCount; ++i) {
+    const auto feature = static_cast<Feature>(i);
+    if (need.has(feature) && !have.has(feature)) missing.emplace_back(feature_name(feature));
   }
   return missing;
+}
+
+std::vector<std::string> missing_features(IsaLevel level, const CpuFeatures& f) {
+  return missing_features(level_requires(level), f);
 }
 
 IsaLevel hardware_isa() {

@@ -24,5 +24,6 @@ struct MicroRef {
 
 void gemm_bf16_ref(const PackedWeight& w, const GemmArgs& g) { gemm_driver<MicroRef>(w, g); }
 void gate_up_bf16_ref(const PackedWeight& w, const GateUpArgs& g) { gate_up_driver<MicroRef>(w, g); }
+void silu_mul_ref(const float* g, const float* u, float* h, int n) { silu_mul(g, u, h, n); }
 
 }  // namespace tandem

@@ -1,70 +1,93 @@
-// Kernel tables per ISA level and the validated entry points. No ISA flags here:
-// the wide code lives in the per-ISA files and is only reached through a table
-// whose level the hardware was checked for.
+// The kernel list (kernel_list.inc) expanded into the kernels' declarations and
+// kernel_list(), the tables chosen from it by feature set, and the validated entry
+// points. No ISA flags here: the wide code lives in the per-ISA files and is only
+// reached through a line whose features the hardware was checked for.
 #include "tandem/kernels.h"
 
+#include <span>
 #include <type_traits>
+#include <vector>
 
 #include "tandem/error.h"
 
 namespace tandem {
 
-#define TANDEM_DECLARE(fmt, isa)                                  \
+// Declarations of every listed kernel (defined in its ISA file).
+#define TANDEM_DECLARE_GEMM(fmt, isa)                             \
   void gemm_##fmt##_##isa(const PackedWeight&, const GemmArgs&); \
   void gate_up_##fmt##_##isa(const PackedWeight&, const GateUpArgs&);
-TANDEM_DECLARE(bf16, ref)
-TANDEM_DECLARE(bf16, avx2)
-TANDEM_DECLARE(bf16, avx512)
-TANDEM_DECLARE(bf16, avx512bf16)
-TANDEM_DECLARE(bf16, amx)
-TANDEM_DECLARE(int8, ref)
-TANDEM_DECLARE(int8, avx2)
-TANDEM_DECLARE(int8, avx512)
-TANDEM_DECLARE(int8, avx512vnni)
-TANDEM_DECLARE(int8, amx)
-TANDEM_DECLARE(int4, ref)
-TANDEM_DECLARE(int4, avx2)
-TANDEM_DECLARE(int4, avx512)
-TANDEM_DECLARE(int4, avx512vnni)
-#undef TANDEM_DECLARE
-void quantize_ref(const bf16_t*, const float*, int, int, int, int, int, int8_t*, float*, int32_t*);
-void quantize_avx2(const bf16_t*, const float*, int, int, int, int, int, int8_t*, float*, int32_t*);
-void quantize_avx512(const bf16_t*, const float*, int, int, int, int, int, int8_t*, float*, int32_t*);
-void quantize_avx512vnni(const bf16_t*, const float*, int, int, int, int, int, int8_t*, float*, int32_t*);
+#define TANDEM_DECLARE_bf16(isa) TANDEM_DECLARE_GEMM(bf16, isa)
+#define TANDEM_DECLARE_int8(isa) TANDEM_DECLARE_GEMM(int8, isa)
+#define TANDEM_DECLARE_int4(isa) TANDEM_DECLARE_GEMM(int4, isa)
+#define TANDEM_DECLARE_quantize(isa) \
+  void quantize_##isa(const bf16_t*, const float*, int, int, int, int, int, int8_t*, float*, int32_t*);
+#define TANDEM_DECLARE_silu_mul(isa) void silu_mul_##isa(const float*, const float*, float*, int);
+#define TANDEM_ISA(suffix, ...)
+#define TANDEM_KERNEL(family, isa, from_m, name) TANDEM_DECLARE_##family(isa)
+#include "kernel_list.inc"
+#undef TANDEM_KERNEL
+#undef TANDEM_ISA
 
 namespace {
 
-#define TANDEM_VARIANT(name, fmt, isa) \
-  KernelVariant { name, gemm_##fmt##_##isa, gate_up_##fmt##_##isa }
+// The features each suffix's flags enable, as needs_<suffix>.
+namespace isa_features {
+using enum Feature;
+#define TANDEM_ISA(suffix, ...) constexpr FeatureSet needs_##suffix{__VA_ARGS__};
+#define TANDEM_KERNEL(family, isa, from_m, name)
+#include "kernel_list.inc"
+#undef TANDEM_KERNEL
+#undef TANDEM_ISA
+}  // namespace isa_features
 
-// One kernel set for every m.
-FormatKernels all_m(KernelVariant v) { return {v, v, 1 << 30}; }
-
-// Token rows from which AMX beats the AVX-512 kernels: below it a tile is mostly
-// padding and decode is bound by the weight stream either way.
-constexpr int kAmxFromM = 8;
-
-// One row per level, in level order. A level without kernels of its own for a format
-// reuses the best lower variant; the variant's name says which code actually runs.
-const KernelTable kTables[] = {
-    {IsaLevel::scalar, "scalar", all_m(TANDEM_VARIANT("scalar", bf16, ref)), all_m(TANDEM_VARIANT("scalar", int8, ref)),
-     all_m(TANDEM_VARIANT("scalar", int4, ref)), quantize_ref},
-    {IsaLevel::avx2, "avx2", all_m(TANDEM_VARIANT("avx2", bf16, avx2)), all_m(TANDEM_VARIANT("avx2", int8, avx2)),
-     all_m(TANDEM_VARIANT("avx2", int4, avx2)), quantize_avx2},
-    {IsaLevel::avx512, "avx512", all_m(TANDEM_VARIANT("avx512", bf16, avx512)),
-     all_m(TANDEM_VARIANT("avx512", int8, avx512)), all_m(TANDEM_VARIANT("avx512", int4, avx512)), quantize_avx512},
-    {IsaLevel::avx512_vnni, "avx512_vnni", all_m(TANDEM_VARIANT("avx512", bf16, avx512)),
-     all_m(TANDEM_VARIANT("avx512_vnni", int8, avx512vnni)), all_m(TANDEM_VARIANT("avx512_vnni", int4, avx512vnni)),
-     quantize_avx512vnni},
-    {IsaLevel::avx512_bf16, "avx512_bf16", all_m(TANDEM_VARIANT("avx512_bf16", bf16, avx512bf16)),
-     all_m(TANDEM_VARIANT("avx512_vnni", int8, avx512vnni)), all_m(TANDEM_VARIANT("avx512_vnni", int4, avx512vnni)),
-     quantize_avx512vnni},
-    {IsaLevel::amx, "amx",
-     {TANDEM_VARIANT("avx512_bf16", bf16, avx512bf16), TANDEM_VARIANT("amx_bf16", bf16, amx), kAmxFromM},
-     {TANDEM_VARIANT("avx512_vnni", int8, avx512vnni), TANDEM_VARIANT("amx_int8", int8, amx), kAmxFromM},
-     all_m(TANDEM_VARIANT("avx512_vnni", int4, avx512vnni)), quantize_avx512vnni},
+#define TANDEM_ENTRY_GEMM(fmt, isa, name) KernelVariant{name, gemm_##fmt##_##isa, gate_up_##fmt##_##isa}, nullptr, nullptr
+#define TANDEM_ENTRY_bf16(isa, name) TANDEM_ENTRY_GEMM(bf16, isa, name)
+#define TANDEM_ENTRY_int8(isa, name) TANDEM_ENTRY_GEMM(int8, isa, name)
+#define TANDEM_ENTRY_int4(isa, name) TANDEM_ENTRY_GEMM(int4, isa, name)
+#define TANDEM_ENTRY_quantize(isa, name) KernelVariant{name, nullptr, nullptr}, quantize_##isa, nullptr
+#define TANDEM_ENTRY_silu_mul(isa, name) KernelVariant{name, nullptr, nullptr}, nullptr, silu_mul_##isa
+constexpr KernelListEntry kList[] = {
+#define TANDEM_ISA(suffix, ...)
+#define TANDEM_KERNEL(family, isa, from_m, name) \
+  {KernelFamily::family, #isa, isa_features::needs_##isa, from_m, TANDEM_ENTRY_##family(isa, name)},
+#include "kernel_list.inc"
+#undef TANDEM_KERNEL
+#undef TANDEM_ISA
 };
-#undef TANDEM_VARIANT
+#undef TANDEM_ENTRY_silu_mul
+#undef TANDEM_ENTRY_quantize
+#undef TANDEM_ENTRY_int4
+#undef TANDEM_ENTRY_int8
+#undef TANDEM_ENTRY_bf16
+#undef TANDEM_ENTRY_GEMM
+
+// For one family: the variant for small m, and the one preferred from large_from_m on.
+struct Choice {
+  const KernelListEntry* small = nullptr;
+  const KernelListEntry* large = nullptr;
+};
+
+Choice choose(KernelFamily family, FeatureSet usable) {
+  Choice c;
+  for (const KernelListEntry& e : kList) {
+    if (e.family != family || !usable.contains(e.needs)) continue;
+    if (e.from_m > 1) {
+      c.large = &e;
+    } else {
+      c.small = &e;
+      c.large = nullptr;  // preferred at every m over the earlier large-m line
+    }
+  }
+  TANDEM_CHECK(c.small, Errc::internal, "kernel_list.inc: no ", family_name(family),
+               " line runs on every CPU (its first line must need no feature and have from_m 1)");
+  return c;
+}
+
+FormatKernels format_kernels(KernelFamily family, FeatureSet usable) {
+  const Choice c = choose(family, usable);
+  if (!c.large) return {c.small->kernel, c.small->kernel, 1 << 30};
+  return {c.small->kernel, c.large->kernel, c.large->from_m};
+}
 
 void check_panels(const char* op, const PackedWeight& w, int begin, int end) {
   const int e = end < 0 ? w.panels : end;
@@ -74,11 +97,60 @@ void check_panels(const char* op, const PackedWeight& w, int begin, int end) {
 
 }  // namespace
 
+std::string_view family_name(KernelFamily f) noexcept {
+  switch (f) {
+    case KernelFamily::bf16: return "bf16";
+    case KernelFamily::int8: return "int8";
+    case KernelFamily::int4: return "int4";
+    case KernelFamily::quantize: return "quantize";
+    case KernelFamily::silu_mul: return "silu_mul";
+  }
+  return "unknown";
+}
+
+std::span<const KernelListEntry> kernel_list() { return kList; }
+
+const KernelListEntry* find_kernel(KernelFamily family, std::string_view name) {
+  for (const KernelListEntry& e : kList)
+    if (e.family == family && name == e.name()) return &e;
+  return nullptr;
+}
+
+KernelTable select_kernels(IsaLevel cap, const CpuFeatures& f) {
+  const FeatureSet usable = feature_set(f) & level_allows(cap);
+  return {cap,
+          isa_name(cap).data(),
+          format_kernels(KernelFamily::bf16, usable),
+          format_kernels(KernelFamily::int8, usable),
+          format_kernels(KernelFamily::int4, usable),
+          choose(KernelFamily::quantize, usable).small->quantize,
+          choose(KernelFamily::silu_mul, usable).small->silu_mul};
+}
+
+KernelTable with_kernel(KernelTable table, const KernelListEntry& e) {
+  const auto missing = missing_features(e.needs);
+  TANDEM_CHECK(missing.empty(), Errc::unsupported, family_name(e.family), " kernel ", e.name(), " needs ",
+               missing.front(), ", which this CPU lacks");
+  switch (e.family) {
+    case KernelFamily::bf16: table.bf16 = {e.kernel, e.kernel, 1 << 30}; break;
+    case KernelFamily::int8: table.int8 = {e.kernel, e.kernel, 1 << 30}; break;
+    case KernelFamily::int4: table.int4 = {e.kernel, e.kernel, 1 << 30}; break;
+    case KernelFamily::quantize: table.quantize = e.quantize; break;
+    case KernelFamily::silu_mul: table.silu_mul = e.silu_mul; break;
+  }
+  return table;
+}
+
 const KernelTable& kernel_table(IsaLevel level) {
   const auto missing = missing_features(level);
   TANDEM_CHECK(missing.empty(), Errc::unsupported, "kernels for ", isa_name(level), " need ", missing.front(),
                ", which this CPU lacks");
-  return kTables[static_cast<int>(level)];
+  static const auto tables = [] {
+    std::vector<KernelTable> t;
+    for (IsaLevel l : all_isa_levels()) t.push_back(select_kernels(l, cpu_features()));
+    return t;
+  }();
+  return tables[static_cast<size_t>(level)];
 }
 
 const KernelTable& kernels() {

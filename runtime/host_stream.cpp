@@ -7,6 +7,7 @@
 #include <deque>
 #include <thread>
 
+#include "expert_core.h"
 #include "tandem/error.h"
 #include "tandem/stream.h"
 
@@ -69,27 +70,22 @@ class HostGraph : public Graph {
   std::vector<std::function<void()>> ops_;
 };
 
+// The hot experts of a host stream: the expert core's inference forward (BF16 packs, as
+// on a GPU), run inline on the executor thread as a pool of one subpool would run it.
 class HostExperts : public DeviceExperts {
  public:
   HostExperts(class HostStream& s, const MoeShape& shape, std::vector<int> experts,
               const std::function<ExpertSource(int)>& source);
-  size_t bytes() const override {
-    size_t b = 0;
-    for (size_t j = 0; j < gate_up_.size(); ++j) b += gate_up_[j].bytes() + down_[j].bytes();
-    return b;
-  }
+  size_t bytes() const override { return packs_.bytes(); }
   void forward(const void* x, XType xt, int tokens, const int32_t* hot_ids, const float* weights, int top_k,
                float* out) override;
 
  private:
   void run(const void* x, XType xt, int tokens, const int32_t* hot_ids, const float* weights, int top_k, float* out);
   HostStream& stream_;
-  std::vector<int> slot_;  // global id -> index in experts_, -1: not here
-  std::vector<PackedWeight> gate_up_, down_;
-  std::vector<bf16_t> xg_, h_;  // scratch, used on the executor thread only
-  std::vector<float> y_;
-  std::vector<int> rows_;
-  std::vector<float> w_;
+  std::vector<uint8_t> skipped_;  // [experts]: 1 = not held here
+  core::ExpertPacks packs_;
+  core::ForwardScratch scratch_;  // used on the executor thread only
 };
 
 class HostStream : public Stream {
@@ -223,22 +219,16 @@ void HostGraph::launch() {
 
 HostExperts::HostExperts(HostStream& s, const MoeShape& shape, std::vector<int> experts,
                          const std::function<ExpertSource(int)>& source)
-    : DeviceExperts(shape, std::move(experts)), stream_(s), slot_(shape.experts, -1) {
-  for (size_t j = 0; j < experts_.size(); ++j) {
-    const int e = experts_[j];
+    : DeviceExperts(shape, std::move(experts)), stream_(s), skipped_(shape.experts, 1),
+      packs_(shape, {WeightFormat::bf16}, 1, core::ExpertPacks::Layout::fused) {
+  for (const int e : experts_) {
     TANDEM_CHECK(e >= 0 && e < shape.experts, Errc::invalid_argument, "hot experts: expert ", e, " is outside [0, ",
                  shape.experts, ")");
-    TANDEM_CHECK(slot_[e] < 0, Errc::invalid_argument, "hot experts: expert ", e, " is listed twice");
-    slot_[e] = static_cast<int>(j);
-    const ExpertSource src = source(e);
-    TANDEM_CHECK(src.gate.n == shape.inter && src.gate.k == shape.hidden && src.up.n == shape.inter &&
-                     src.up.k == shape.hidden && src.down.n == shape.hidden && src.down.k == shape.inter,
-                 Errc::invalid_argument, "hot experts: expert ", e, " has gate [", src.gate.n, " x ", src.gate.k,
-                 "], up [", src.up.n, " x ", src.up.k, "], down [", src.down.n, " x ", src.down.k, "]; the layer needs [",
-                 shape.inter, " x ", shape.hidden, "] and [", shape.hidden, " x ", shape.inter, "]");
-    gate_up_.push_back(pack_gate_up(src.gate, src.up, {WeightFormat::bf16}));
-    down_.push_back(pack(src.down, {WeightFormat::bf16}));
+    TANDEM_CHECK(skipped_[e], Errc::invalid_argument, "hot experts: expert ", e, " is listed twice");
+    skipped_[e] = 0;
   }
+  packs_.set_skipped(skipped_);
+  packs_.load_here(source);
 }
 
 void HostExperts::forward(const void* x, XType xt, int tokens, const int32_t* hot_ids, const float* weights, int top_k,
@@ -249,52 +239,20 @@ void HostExperts::forward(const void* x, XType xt, int tokens, const int32_t* ho
 
 void HostExperts::run(const void* x, XType xt, int tokens, const int32_t* hot_ids, const float* weights, int top_k,
                       float* out) {
-  const int H = shape_.hidden, I = shape_.inter;
-  std::fill(out, out + static_cast<size_t>(tokens) * H, 0.0f);
-  const KernelTable& kt = stream_.kernels();
-  for (size_t j = 0; j < experts_.size(); ++j) {
-    const int e = experts_[j];
-    rows_.clear();
-    w_.clear();
-    for (int t = 0; t < tokens; ++t)
-      for (int k = 0; k < top_k; ++k)
-        if (hot_ids[static_cast<size_t>(t) * top_k + k] == e) {
-          rows_.push_back(t);
-          w_.push_back(weights[static_cast<size_t>(t) * top_k + k]);
-        }
-    const int m = static_cast<int>(rows_.size());
-    if (!m) continue;
-    xg_.resize(static_cast<size_t>(m) * H);
-    for (int r = 0; r < m; ++r) {
-      const size_t src = static_cast<size_t>(rows_[r]) * H;
-      if (xt == XType::bf16)
-        std::memcpy(&xg_[static_cast<size_t>(r) * H], static_cast<const bf16_t*>(x) + src, sizeof(bf16_t) * H);
-      else
-        fp32_to_bf16(static_cast<const float*>(x) + src, &xg_[static_cast<size_t>(r) * H], H);
-    }
-    h_.resize(static_cast<size_t>(m) * I);
-    y_.resize(static_cast<size_t>(m) * H);
-    GateUpArgs g;
-    g.a = xg_.data();
-    g.m = m;
-    g.lda = H;
-    g.h_bf16 = h_.data();
-    g.ldh = I;
-    kt.bf16.pick(m).gate_up(gate_up_[j], g);
-    GemmArgs d;
-    d.a = h_.data();
-    d.m = m;
-    d.lda = I;
-    d.c = y_.data();
-    d.ldc = H;
-    d.row_scale = w_.data();
-    kt.bf16.pick(m).gemm(down_[j], d);
-    for (int r = 0; r < m; ++r) {
-      float* o = out + static_cast<size_t>(rows_[r]) * H;
-      const float* y = &y_[static_cast<size_t>(r) * H];
-      for (int c = 0; c < H; ++c) o[c] += y[c];
-    }
-  }
+  if (tokens == 0) return;
+  MoeInput in;
+  if (xt == XType::bf16)
+    in.x = static_cast<const bf16_t*>(x);
+  else
+    in.x_f32 = static_cast<const float*>(x);
+  in.tokens = tokens;
+  in.ids = hot_ids;
+  in.top_k = top_k;
+  in.weights = weights;
+  in.out = out;
+  TokenGroups groups = group_tokens(in, shape_.experts, -1, skipped_);
+  core::ExpertForward task(packs_, scratch_, stream_.kernels(), {1}, -1, in, std::move(groups));
+  core::run_inline(task);
 }
 
 }  // namespace

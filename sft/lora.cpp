@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "expert_core.h"
 #include "tandem/error.h"
 #include "tandem/trace.h"
 
@@ -19,20 +20,8 @@ std::unique_ptr<T[]> raw(size_t n) {
   return std::unique_ptr<T[]>(new T[std::max<size_t>(n, 1)]);
 }
 
-// A grow-only uninitialized buffer, reused by a layer's tasks (they run one at a time).
 template <typename T>
-struct Grow {
-  std::unique_ptr<T[]> p;
-  size_t cap = 0;
-  void reserve(size_t n) {
-    if (n > cap) {
-      p.reset(new T[n]);
-      cap = n;
-    }
-  }
-  T* get() const { return p.get(); }
-  T& operator[](size_t i) const { return p[i]; }
-};
+using Grow = core::Scratch<T>;
 
 // A logical fp32 matrix: element (i, j) at p[i * ld + j], or p[j * ld + i] when t.
 struct Mat {
@@ -94,32 +83,7 @@ void widen(const bf16_t* src, float* dst, size_t n) {
   for (size_t i = 0; i < n; ++i) dst[i] = widen(src[i]);
 }
 
-float silu(float g) { return g / (1.0f + std::exp(-g)); }
-
-// Work items that are runs of panels of one active expert's weights (one or more
-// weights per expert): about kItemBytes of weights each, at least 4 items per thread.
-struct Runs {
-  static constexpr size_t kItemBytes = 512 << 10;
-  int panels = 0, chunk = 1, per = 1, weights = 1;
-  static Runs plan(int n, int weights, int panels, size_t panel_bytes, int threads) {
-    Runs r;
-    r.panels = panels;
-    r.weights = weights;
-    int c = static_cast<int>(std::max<size_t>(1, kItemBytes / std::max<size_t>(1, panel_bytes)));
-    c = std::min(c, std::max(1, n * weights * panels / (4 * threads)));
-    r.chunk = std::max(1, std::min(c, panels));
-    r.per = (panels + r.chunk - 1) / r.chunk;
-    return r;
-  }
-  int items(int n) const { return panels ? n * weights * per : 0; }
-  struct Item {
-    int i, w, begin, end;
-  };
-  Item item(int k) const {
-    const int b = (k % per) * chunk;
-    return {k / (per * weights), (k / per) % weights, b, std::min(panels, b + chunk)};
-  }
-};
+using Runs = core::WorkRuns;
 
 // Row blocks of the active experts (for row-independent work) and column chunks (for
 // gradient work that reduces over an expert's rows).
@@ -133,7 +97,8 @@ std::vector<Block> blocks(const std::vector<int>& count, int per_block) {
   return b;
 }
 
-constexpr int kRowBlock = 256, kColChunk = 256, kMergeCols = 512;
+constexpr int kRowBlock = 256, kColChunk = 256;
+using core::kMergeCols;
 std::atomic<uint64_t> next_layer_id{1};
 
 }  // namespace
@@ -196,36 +161,28 @@ LoraMoe::LoraMoe(Pool& pool, MoeShape shape, SftOptions options, int layer_index
                  Errc::invalid_argument, "lora: int4 group ", options.format.group, " must divide hidden (", shape.hidden,
                  ") and intermediate (", shape.inter, ")");
   scratch_->id = next_layer_id.fetch_add(1);
-  slices_ = intermediate_slices(shape.inter, pool.subpools(), options.format);
-  shards_.resize(pool.subpools());
-  for (auto& sh : shards_)
-    for (auto* v : {&sh.gate, &sh.up, &sh.down, &sh.gu_t, &sh.down_t}) v->resize(shape.experts);
+  packs_ = std::make_unique<core::ExpertPacks>(shape, options.format, pool.subpools(), core::ExpertPacks::Layout::separate);
+  back_.resize(pool.subpools());
+  for (auto& b : back_)
+    for (auto* v : {&b.gu_t, &b.down_t}) v->resize(shape.experts);
 }
+
+std::pair<int, int> LoraMoe::slice(int subpool) const { return packs_->slice(subpool); }
 
 LoraMoe::~LoraMoe() = default;
 
 void LoraMoe::load(const std::function<ExpertSource(int)>& source, const Progress& progress) {
   TANDEM_CHECK(static_cast<bool>(source), Errc::invalid_argument, "lora: load without a weight source");
-  const std::function<void(int, int)> pack_one = [&](int s, int e) {
-    const ExpertSource src = source(e);
-    check_expert_source(src, shape_, e);
-    const auto [i0, i1] = slice(s);
-    if (i0 == i1) return;
-    shards_[s].gate[e] = pack(sub_view(src.gate, i0, i1 - i0, 0, shape_.hidden), options_.format);
-    shards_[s].up[e] = pack(sub_view(src.up, i0, i1 - i0, 0, shape_.hidden), options_.format);
-    shards_[s].down[e] = pack(sub_view(src.down, 0, shape_.hidden, i0, i1 - i0), options_.format);
-    shards_[s].gu_t[e] = {};
-    shards_[s].down_t[e] = {};
-  };
   loaded_ = backward_ready_ = false;
-  for_each_item(pool_, shape_.experts, pack_one, progress);
+  for (auto& b : back_)
+    for (auto* v : {&b.gu_t, &b.down_t})
+      for (auto& w : *v) w = {};
+  packs_->load(pool_, source, progress);
   loaded_ = true;
 }
 
 void LoraMoe::load(const Checkpoint& ckpt, int layer, const ExpertNaming& naming, const Progress& progress) {
-  std::vector<ExpertSource> sources(shape_.experts);  // every key checked before any packing
-  for (int e = 0; e < shape_.experts; ++e) sources[e] = checkpoint_expert(ckpt, layer, e, naming, shape_);
-  load([&](int e) { return sources[e]; }, progress);
+  load(packs_->checkpoint_source(ckpt, layer, naming), progress);
 }
 
 void LoraMoe::prepare_backward(const Progress& progress) {
@@ -238,9 +195,9 @@ void LoraMoe::prepare_backward(const Progress& progress) {
     const auto [i0, i1] = slice(s);
     const int len = i1 - i0;
     if (!len) return;
-    Shard& sh = shards_[s];
+    BackwardPacks& sh = back_[s];
     {  // [dg du] [Wg; Wu]: W^T = [H x 2 len]
-      const std::vector<float> g = unpack(sh.gate[e]), u = unpack(sh.up[e]);
+      const std::vector<float> g = unpack(packs_->gate(s, e)), u = unpack(packs_->up(s, e));
       std::vector<float> t(size_t(H) * 2 * len);
       for (int c = 0; c < len; ++c)
         for (int j = 0; j < H; ++j) {
@@ -250,7 +207,7 @@ void LoraMoe::prepare_backward(const Progress& progress) {
       sh.gu_t[e] = pack(WeightView{t.data(), SourceType::f32, H, 2 * len}, bo);
     }
     {  // dOut Wd: Wd^T = [len x H]
-      const std::vector<float> d = unpack(sh.down[e]);
+      const std::vector<float> d = unpack(packs_->down(s, e));
       std::vector<float> t(size_t(len) * H);
       for (int j = 0; j < H; ++j)
         for (int c = 0; c < len; ++c) t[size_t(c) * H + j] = d[size_t(j) * len + c];
@@ -261,16 +218,11 @@ void LoraMoe::prepare_backward(const Progress& progress) {
   backward_ready_ = true;
 }
 
-size_t LoraMoe::packed_bytes() const {
-  size_t b = 0;
-  for (const auto& sh : shards_)
-    for (int e = 0; e < shape_.experts; ++e) b += sh.gate[e].bytes() + sh.up[e].bytes() + sh.down[e].bytes();
-  return b;
-}
+size_t LoraMoe::packed_bytes() const { return packs_->bytes(); }
 
 size_t LoraMoe::backward_bytes() const {
   size_t b = 0;
-  for (const auto& sh : shards_)
+  for (const auto& sh : back_)
     for (int e = 0; e < shape_.experts; ++e) b += sh.gu_t[e].bytes() + sh.down_t[e].bytes();
   return b;
 }
@@ -278,18 +230,7 @@ size_t LoraMoe::backward_bytes() const {
 std::array<std::vector<float>, 3> LoraMoe::dequantized(int e) const {
   TANDEM_CHECK(loaded_ && e >= 0 && e < shape_.experts, Errc::invalid_argument, "lora: expert ", e,
                " is not a loaded expert of layer ", layer_);
-  const int H = shape_.hidden, I = shape_.inter;
-  std::array<std::vector<float>, 3> w{std::vector<float>(size_t(I) * H), std::vector<float>(size_t(I) * H),
-                                      std::vector<float>(size_t(H) * I)};
-  for (int s = 0; s < pool_.subpools(); ++s) {
-    const auto [i0, i1] = slice(s);
-    if (i0 == i1) continue;
-    const std::vector<float> g = unpack(shards_[s].gate[e]), u = unpack(shards_[s].up[e]), d = unpack(shards_[s].down[e]);
-    std::copy(g.begin(), g.end(), w[0].begin() + size_t(i0) * H);
-    std::copy(u.begin(), u.end(), w[1].begin() + size_t(i0) * H);
-    for (int j = 0; j < H; ++j) std::copy_n(d.begin() + size_t(j) * (i1 - i0), i1 - i0, w[2].begin() + size_t(j) * I + i0);
-  }
-  return w;
+  return packs_->dequantized(e);
 }
 
 void LoraMoe::set_lora(const LoraConfig& lora) {
@@ -344,6 +285,7 @@ class SftTask : public Task {
         s_(l.options_.lora.scaling()) {
     resolve_all(w, wt);
     rows = blocks(g.count, kRowBlock);
+    ys.assign(S, nullptr);
     for (int s = S - 1; s >= 0; --s)
       if (len(s)) s0 = s;  // the first subpool with a slice
   }
@@ -354,24 +296,14 @@ class SftTask : public Task {
   }
   // Items of a list shared by all subpools: subpool s takes s, s + S, s + 2S, ...
   int spread(int total, int s) const { return total / S + (s < total % S ? 1 : 0); }
-  int len(int s) const { return L.slices_[s + 1] - L.slices_[s]; }
+  int len(int s) const { return L.packs_->len(s); }
   int merge_blocks() const { return (H + kMergeCols - 1) / kMergeCols; }
   // One run of panels of a base product: C[rows of active expert i] (ldc) = A . w^T, A the
   // expert's bf16 rows (lda) or, for an integer pack, their quantized form qa.
   void base_gemm(const PackedWeight& w, Runs::Item it, const bf16_t* a, const QuantizedActs* qa, int lda, float* c,
                  int ldc) const {
-    GemmArgs args;
-    if (w.format == WeightFormat::bf16)
-      args.a = a + size_t(g.offset[it.i]) * lda;
-    else
-      args.qa = qa;
-    args.m = g.count[it.i];
-    args.lda = lda;
-    args.c = c + size_t(g.offset[it.i]) * ldc;
-    args.ldc = ldc;
-    args.panel_begin = it.begin;
-    args.panel_end = it.end;
-    L.kt_->of(w.format).pick(args.m).gemm(w, args);
+    const size_t off = g.offset[it.i];
+    core::run_gemm(*L.kt_, w, g.count[it.i], it.begin, it.end, a + off * lda, qa, lda, c + off * ldc, ldc);
   }
 
   LoraMoe& L;
@@ -382,6 +314,7 @@ class SftTask : public Task {
   const float s_;
   int s0 = 0;
   Lm wt[6];
+  std::vector<const float*> ys;  // per subpool: its partial y (or dx), null for an empty slice
   std::vector<Block> rows;
 };
 
@@ -404,12 +337,12 @@ class SftForwardTask : public SftTask {
       case kGather: return spread(int(rows.size()), s);
       case kBaseGU:
         if (!len(s)) return 0;
-        gu_runs[s] = Runs::plan(n, 2, (len(s) + kPanel - 1) / kPanel, L.shards_[s].gate[g.active[0]].panel_stride, L.pool_.threads(s));
+        gu_runs[s] = Runs::plan(n, 2, (len(s) + kPanel - 1) / kPanel, L.packs_->gate(s, g.active[0]).panel_stride, L.pool_.threads(s));
         return gu_runs[s].items(n);
       case kLoraGU: return len(s) ? static_cast<int>(rows.size()) : 0;
       case kBaseDown:
         if (!len(s)) return 0;
-        dn_runs[s] = Runs::plan(n, 1, (H + kPanel - 1) / kPanel, L.shards_[s].down[g.active[0]].panel_stride, L.pool_.threads(s));
+        dn_runs[s] = Runs::plan(n, 1, (H + kPanel - 1) / kPanel, L.packs_->down(s, g.active[0]).panel_stride, L.pool_.threads(s));
         return dn_runs[s].items(n);
       case kLoraDown: return st_.lora ? spread(int(rows.size()), s) : 0;
       case kMerge: return spread(in_.tokens * merge_blocks(), s);
@@ -445,17 +378,17 @@ class SftForwardTask : public SftTask {
     }
     if (quant) {
       sc.qin.resize(n);
-      for (int i = 0; i < n; ++i) sc.qin[i].prepare(L.shards_[s0].gate[g.active[i]], g.count[i]);
+      for (int i = 0; i < n; ++i) sc.qin[i].prepare(L.packs_->gate(s0, g.active[i]), g.count[i]);
     }
     for (int s = 0; s < S; ++s) {
       if (!len(s)) continue;
       st_.gu[s] = raw<float>(R * 2 * len(s));
-      sc.h[s].reserve(R * len(s));
-      sc.y[s].reserve(R * H);
-      if (st_.lora) sc.pdp[s].reserve(R * r);
+      sc.h[s].get(R * len(s));
+      ys[s] = sc.y[s].get(R * H);
+      if (st_.lora) sc.pdp[s].get(R * r);
       if (quant) {
         sc.qmid[s].resize(n);
-        for (int i = 0; i < n; ++i) sc.qmid[s][i].prepare(L.shards_[s].down[g.active[i]], g.count[i]);
+        for (int i = 0; i < n; ++i) sc.qmid[s][i].prepare(L.packs_->down(s, g.active[i]), g.count[i]);
       }
     }
     st_.bytes = R * (H * sizeof(bf16_t) + sizeof(float) + (st_.lora ? 3 * r * sizeof(float) : 0)) +
@@ -465,14 +398,7 @@ class SftForwardTask : public SftTask {
   void gather(const Block& b) {
     const int i = b.i, off = g.offset[i], m = b.end - b.begin;
     bf16_t* xg = st_.xg.get() + size_t(off) * H;
-    for (int q = b.begin; q < b.end; ++q) {
-      const int t = g.rows_token[off + q];
-      if (in_.x)
-        std::memcpy(xg + size_t(q) * H, in_.x + size_t(t) * H, sizeof(bf16_t) * H);
-      else
-        fp32_to_bf16(in_.x_f32 + size_t(t) * H, xg + size_t(q) * H, H);
-    }
-    if (quant) quantize_activations(sc.qin[i], xg, H, b.begin, b.end, L.kt_);
+    core::gather_rows(in_, g, i, b.begin, b.end, H, xg, quant ? &sc.qin[i] : nullptr, *L.kt_);
     if (!st_.lora) return;
     thread_local std::vector<float> xf;
     xf.resize(size_t(m) * H);
@@ -485,12 +411,12 @@ class SftForwardTask : public SftTask {
 
   void base_gu(int s, Runs::Item it) {
     const int e = g.active[it.i], l = len(s);
-    const PackedWeight& w = it.w == 0 ? L.shards_[s].gate[e] : L.shards_[s].up[e];
+    const PackedWeight& w = it.w == 0 ? L.packs_->gate(s, e) : L.packs_->up(s, e);
     base_gemm(w, it, st_.xg.get(), quant ? &sc.qin[it.i] : nullptr, H, st_.gu[s].get() + it.w * l, 2 * l);
   }
 
   void lora_gu(int s, const Block& b) {
-    const int i = b.i, e = g.active[i], l = len(s), i0 = L.slices_[s], m = b.end - b.begin;
+    const int i = b.i, e = g.active[i], l = len(s), i0 = L.packs_->slice(s).first, m = b.end - b.begin;
     const size_t row0 = size_t(g.offset[i]) + b.begin;
     float* gu = st_.gu[s].get() + row0 * 2 * l;
     if (st_.lora) {
@@ -500,21 +426,17 @@ class SftForwardTask : public SftTask {
     }
     thread_local std::vector<float> h;
     h.resize(size_t(m) * l);
-    bf16_t* hb = sc.h[s].get() + row0 * l;
-    for (int q = 0; q < m; ++q)
-      for (int j = 0; j < l; ++j) {
-        const float v = silu(gu[size_t(q) * 2 * l + j]) * gu[size_t(q) * 2 * l + l + j];
-        h[size_t(q) * l + j] = v;
-        hb[size_t(q) * l + j] = fp32_to_bf16(v);
-      }
-    if (quant) quantize_activations(sc.qmid[s][i], sc.h[s].get() + size_t(g.offset[i]) * l, l, b.begin, b.end, L.kt_);
-    if (st_.lora) mm(m, r, l, 1.0f, {h.data(), l}, wt[AD].of(e).at(0, i0).T(), 0.0f, sc.pdp[s].get() + row0 * r, r);
+    bf16_t* hb = sc.h[s].data() + row0 * l;
+    for (int q = 0; q < m; ++q) L.kt_->silu_mul(gu + size_t(q) * 2 * l, gu + size_t(q) * 2 * l + l, h.data() + size_t(q) * l, l);
+    fp32_to_bf16(h.data(), hb, h.size());
+    if (quant) quantize_activations(sc.qmid[s][i], sc.h[s].data() + size_t(g.offset[i]) * l, l, b.begin, b.end, L.kt_);
+    if (st_.lora) mm(m, r, l, 1.0f, {h.data(), l}, wt[AD].of(e).at(0, i0).T(), 0.0f, sc.pdp[s].data() + row0 * r, r);
   }
 
   void base_down(int s, Runs::Item it) {
     const int l = len(s);
-    base_gemm(L.shards_[s].down[g.active[it.i]], it, sc.h[s].get(), quant ? &sc.qmid[s][it.i] : nullptr, l,
-              sc.y[s].get(), H);
+    base_gemm(L.packs_->down(s, g.active[it.i]), it, sc.h[s].data(), quant ? &sc.qmid[s][it.i] : nullptr, l,
+              sc.y[s].data(), H);
   }
 
   void lora_down(const Block& b) {
@@ -524,29 +446,16 @@ class SftForwardTask : public SftTask {
     std::fill(pd, pd + size_t(m) * r, 0.0f);
     for (int s = 0; s < S; ++s) {
       if (!len(s)) continue;
-      const float* p = sc.pdp[s].get() + row0 * r;
+      const float* p = sc.pdp[s].data() + row0 * r;
       for (size_t k = 0; k < size_t(m) * r; ++k) pd[k] += p[k];
     }
-    mm(m, H, r, s_, {pd, r}, wt[BD].of(e).T(), 1.0f, sc.y[s0].get() + row0 * H, H);
+    mm(m, H, r, s_, {pd, r}, wt[BD].of(e).T(), 1.0f, sc.y[s0].data() + row0 * H, H);
   }
 
   void merge(int idx) {
-    const int K = in_.top_k, t = idx / merge_blocks(), j0 = (idx % merge_blocks()) * kMergeCols, j1 = std::min(H, j0 + kMergeCols);
-    float* out = in_.out + size_t(t) * H;
-    if (!in_.accumulate) std::fill(out + j0, out + j1, 0.0f);
-    alignas(64) float sum[kMergeCols];
-    for (int k = 0; k < K; ++k) {
-      const int row = g.slot_row[size_t(t) * K + k];
-      if (row < 0) continue;
-      std::fill(sum, sum + (j1 - j0), 0.0f);
-      for (int s = 0; s < S; ++s) {
-        if (!len(s)) continue;
-        const float* y = sc.y[s].get() + size_t(row) * H;
-        for (int j = j0; j < j1; ++j) sum[j - j0] += y[j];
-      }
-      const float w = st_.wrow[row];
-      for (int j = j0; j < j1; ++j) out[j] += w * sum[j - j0];
-    }
+    const int t = idx / merge_blocks(), j0 = (idx % merge_blocks()) * kMergeCols;
+    core::merge_block(in_.out, in_.accumulate, t, in_.top_k, g.slot_row.data(), in_.weights, ys.data(), S, H, j0,
+                      std::min(H, j0 + kMergeCols));
   }
 
   MoeInput in_;
@@ -616,14 +525,14 @@ class SftBackwardTask : public SftTask {
       case kDBd: return lora && gw[5] ? spread(int(hcols.size()), s) : 0;
       case kBaseDh:
         if (!len(s)) return 0;
-        dh_runs[s] = Runs::plan(n, 1, (len(s) + kPanel - 1) / kPanel, L.shards_[s].down_t[g.active[0]].panel_stride,
+        dh_runs[s] = Runs::plan(n, 1, (len(s) + kPanel - 1) / kPanel, L.back_[s].down_t[g.active[0]].panel_stride,
                                 L.pool_.threads(s));
         return dh_runs[s].items(n);
       case kAct: return len(s) ? static_cast<int>(rows.size()) : 0;
       case kSliceGrads: return lora && len(s) ? static_cast<int>(scols[s].size()) : 0;
       case kBaseDx:
         if (!len(s) || !gr.d_x) return 0;
-        dx_runs[s] = Runs::plan(n, 1, (H + kPanel - 1) / kPanel, L.shards_[s].gu_t[g.active[0]].panel_stride, L.pool_.threads(s));
+        dx_runs[s] = Runs::plan(n, 1, (H + kPanel - 1) / kPanel, L.back_[s].gu_t[g.active[0]].panel_stride, L.pool_.threads(s));
         return dx_runs[s].items(n);
       case kLoraDx: return lora ? spread(int(rows.size()), s) : 0;
       case kAGrads: return lora && (gw[0] || gw[2]) ? spread(int(hcols.size()), s) : 0;
@@ -651,33 +560,33 @@ class SftBackwardTask : public SftTask {
   void allocate() {
     const size_t R = g.total_rows;
     const int n = static_cast<int>(g.active.size());
-    sc.dog.reserve(R * H);
+    sc.dog.get(R * H);
     if (st_.lora) {
-      sc.dogf.reserve(R * H);
-      sc.qd.reserve(R * r);
-      sc.wqd.reserve(R * r);
-      sc.wpd.reserve(R * r);
-      sc.qgu.reserve(R * 2 * r);
+      sc.dogf.get(R * H);
+      sc.qd.get(R * r);
+      sc.wqd.get(R * r);
+      sc.wpd.get(R * r);
+      sc.qgu.get(R * 2 * r);
     }
     for (auto* v : {&sc.dh, &sc.dguf, &sc.qgup, &sc.y, &sc.dwp}) v->resize(S);
     sc.dgub.resize(S);
     sc.qbmid.resize(S);
     if (quant) {
       sc.qbin.resize(n);
-      for (int i = 0; i < n; ++i) sc.qbin[i].prepare(L.shards_[s0].down_t[g.active[i]], g.count[i]);
+      for (int i = 0; i < n; ++i) sc.qbin[i].prepare(L.back_[s0].down_t[g.active[i]], g.count[i]);
     }
     for (int s = 0; s < S; ++s) {
       const size_t l = len(s);
       if (!l) continue;
-      sc.dh[s].reserve(R * l);
-      sc.dguf[s].reserve(R * 2 * l);
-      sc.dgub[s].reserve(R * 2 * l);
-      sc.dwp[s].reserve(R);
-      if (st_.lora) sc.qgup[s].reserve(R * 2 * r);
-      if (gr.d_x) sc.y[s].reserve(R * H);  // dx partials
+      sc.dh[s].get(R * l);
+      sc.dguf[s].get(R * 2 * l);
+      sc.dgub[s].get(R * 2 * l);
+      sc.dwp[s].get(R);
+      if (st_.lora) sc.qgup[s].get(R * 2 * r);
+      if (gr.d_x) ys[s] = sc.y[s].get(R * H);  // dx partials
       if (quant) {
         sc.qbmid[s].resize(n);
-        for (int i = 0; i < n; ++i) sc.qbmid[s][i].prepare(L.shards_[s].gu_t[g.active[i]], g.count[i]);
+        for (int i = 0; i < n; ++i) sc.qbmid[s][i].prepare(L.back_[s].gu_t[g.active[i]], g.count[i]);
       }
     }
   }
@@ -685,23 +594,23 @@ class SftBackwardTask : public SftTask {
   void gather(const Block& b) {
     const int i = b.i, off = g.offset[i], m = b.end - b.begin;
     const size_t row0 = size_t(off) + b.begin;
-    bf16_t* dog = sc.dog.get() + size_t(off) * H;
+    bf16_t* dog = sc.dog.data() + size_t(off) * H;
     for (int q = b.begin; q < b.end; ++q) {
       const int t = g.rows_token[off + q];
       if (gr.d_out) {
         fp32_to_bf16(gr.d_out + size_t(t) * H, dog + size_t(q) * H, H);
-        if (st_.lora) std::memcpy(sc.dogf.get() + size_t(off + q) * H, gr.d_out + size_t(t) * H, sizeof(float) * H);
+        if (st_.lora) std::memcpy(sc.dogf.data() + size_t(off + q) * H, gr.d_out + size_t(t) * H, sizeof(float) * H);
       } else {
         std::memcpy(dog + size_t(q) * H, gr.d_out_bf16 + size_t(t) * H, sizeof(bf16_t) * H);
         if (st_.lora)
-          widen(gr.d_out_bf16 + size_t(t) * H, sc.dogf.get() + size_t(off + q) * H, H);
+          widen(gr.d_out_bf16 + size_t(t) * H, sc.dogf.data() + size_t(off + q) * H, H);
       }
     }
     if (quant) quantize_activations(sc.qbin[i], dog, H, b.begin, b.end, L.kt_);
     if (!st_.lora) return;
     const int e = g.active[i];
-    float* qd = sc.qd.get() + row0 * r;
-    mm(m, r, H, 1.0f, {sc.dogf.get() + row0 * H, H}, wt[BD].of(e), 0.0f, qd, r);
+    float* qd = sc.qd.data() + row0 * r;
+    mm(m, r, H, 1.0f, {sc.dogf.data() + row0 * H, H}, wt[BD].of(e), 0.0f, qd, r);
     for (int q = 0; q < m; ++q) {
       const float w = st_.wrow[row0 + q];
       for (int k = 0; k < r; ++k) {
@@ -714,30 +623,34 @@ class SftBackwardTask : public SftTask {
   // dBd[c0:c1, :] += s (w dOut)^T[c0:c1] (h Ad^T)
   void d_bd(const Block& c) {
     const int i = c.i, e = g.active[i], off = g.offset[i], m = g.count[i];
-    mm_into(gw[BD].of(e).at(c.begin, 0), c.end - c.begin, r, m, s_, Mat{sc.dogf.get() + size_t(off) * H + c.begin, H}.T(),
-            {sc.wpd.get() + size_t(off) * r, r}, 1.0f);
+    mm_into(gw[BD].of(e).at(c.begin, 0), c.end - c.begin, r, m, s_, Mat{sc.dogf.data() + size_t(off) * H + c.begin, H}.T(),
+            {sc.wpd.data() + size_t(off) * r, r}, 1.0f);
   }
 
   void base_dh(int s, Runs::Item it) {
-    base_gemm(L.shards_[s].down_t[g.active[it.i]], it, sc.dog.get(), quant ? &sc.qbin[it.i] : nullptr, H,
-              sc.dh[s].get(), len(s));
+    base_gemm(L.back_[s].down_t[g.active[it.i]], it, sc.dog.data(), quant ? &sc.qbin[it.i] : nullptr, H,
+              sc.dh[s].data(), len(s));
   }
 
   void act(int s, const Block& b) {
-    const int i = b.i, e = g.active[i], l = len(s), i0 = L.slices_[s], m = b.end - b.begin;
+    const int i = b.i, e = g.active[i], l = len(s), i0 = L.packs_->slice(s).first, m = b.end - b.begin;
     const size_t row0 = size_t(g.offset[i]) + b.begin;
-    float* dh = sc.dh[s].get() + row0 * l;
-    if (st_.lora) mm(m, l, r, s_, {sc.qd.get() + row0 * r, r}, wt[AD].of(e).at(0, i0), 1.0f, dh, l);
+    float* dh = sc.dh[s].data() + row0 * l;
+    if (st_.lora) mm(m, l, r, s_, {sc.qd.data() + row0 * r, r}, wt[AD].of(e).at(0, i0), 1.0f, dh, l);
     const float* gu = st_.gu[s].get() + row0 * 2 * l;
     float* hf = dh;  // h replaces dh element by element (each is read just before)
-    float* dguf = sc.dguf[s].get() + row0 * 2 * l;
-    bf16_t* dgub = sc.dgub[s].get() + row0 * 2 * l;
+    float* dguf = sc.dguf[s].data() + row0 * 2 * l;
+    bf16_t* dgub = sc.dgub[s].data() + row0 * 2 * l;
+    thread_local std::vector<float> hrow;
+    hrow.resize(l);
     for (int q = 0; q < m; ++q) {
       const float w = st_.wrow[row0 + q];
       double dw = 0;
+      // h as the forward computed it (the kernels' SiLU); the derivative from sigmoid(g).
+      L.kt_->silu_mul(gu + size_t(q) * 2 * l, gu + size_t(q) * 2 * l + l, hrow.data(), l);
       for (int j = 0; j < l; ++j) {
         const float gv = gu[size_t(q) * 2 * l + j], uv = gu[size_t(q) * 2 * l + l + j];
-        const float sg = 1.0f / (1.0f + std::exp(-gv)), si = gv * sg, h = si * uv, dhu = dh[size_t(q) * l + j];
+        const float sg = 1.0f / (1.0f + std::exp(-gv)), si = gv * sg, h = hrow[j], dhu = dh[size_t(q) * l + j];
         hf[size_t(q) * l + j] = h;
         dw += double(h) * dhu;
         const float d = w * dhu;
@@ -749,9 +662,9 @@ class SftBackwardTask : public SftTask {
       }
       sc.dwp[s][row0 + q] = static_cast<float>(dw);
     }
-    if (quant) quantize_activations(sc.qbmid[s][i], sc.dgub[s].get() + size_t(g.offset[i]) * 2 * l, 2 * l, b.begin, b.end, L.kt_);
+    if (quant) quantize_activations(sc.qbmid[s][i], sc.dgub[s].data() + size_t(g.offset[i]) * 2 * l, 2 * l, b.begin, b.end, L.kt_);
     if (st_.lora) {
-      float* q = sc.qgup[s].get() + row0 * 2 * r;
+      float* q = sc.qgup[s].data() + row0 * 2 * r;
       mm(m, r, l, 1.0f, {dguf, 2 * l}, wt[BG].of(e).at(i0, 0), 0.0f, q, 2 * r);
       mm(m, r, l, 1.0f, {dguf + l, 2 * l}, wt[BU].of(e).at(i0, 0), 0.0f, q + r, 2 * r);
     }
@@ -759,34 +672,34 @@ class SftBackwardTask : public SftTask {
 
   // The gradients over this subpool's slice: dAd[:, slice], dBg[slice, :], dBu[slice, :].
   void slice_grads(int s, const Block& c) {
-    const int i = c.i, e = g.active[i], off = g.offset[i], m = g.count[i], l = len(s), i0 = L.slices_[s];
+    const int i = c.i, e = g.active[i], off = g.offset[i], m = g.count[i], l = len(s), i0 = L.packs_->slice(s).first;
     const int c0 = c.begin, w = c.end - c.begin;
     if (gw[AD])
-      mm_into(gw[AD].of(e).at(0, i0 + c0), r, w, m, s_, Mat{sc.wqd.get() + size_t(off) * r, r}.T(),
-              {sc.dh[s].get() + size_t(off) * l + c0, l}, 1.0f);
-    const float* dguf = sc.dguf[s].get() + size_t(off) * 2 * l;
+      mm_into(gw[AD].of(e).at(0, i0 + c0), r, w, m, s_, Mat{sc.wqd.data() + size_t(off) * r, r}.T(),
+              {sc.dh[s].data() + size_t(off) * l + c0, l}, 1.0f);
+    const float* dguf = sc.dguf[s].data() + size_t(off) * 2 * l;
     const float* pgu = st_.pgu.get() + size_t(off) * 2 * r;
     if (gw[BG]) mm_into(gw[BG].of(e).at(i0 + c0, 0), w, r, m, s_, Mat{dguf + c0, 2 * l}.T(), {pgu, 2 * r}, 1.0f);
     if (gw[BU]) mm_into(gw[BU].of(e).at(i0 + c0, 0), w, r, m, s_, Mat{dguf + l + c0, 2 * l}.T(), {pgu + r, 2 * r}, 1.0f);
   }
 
   void base_dx(int s, Runs::Item it) {
-    base_gemm(L.shards_[s].gu_t[g.active[it.i]], it, sc.dgub[s].get(), quant ? &sc.qbmid[s][it.i] : nullptr, 2 * len(s),
-              sc.y[s].get(), H);
+    base_gemm(L.back_[s].gu_t[g.active[it.i]], it, sc.dgub[s].data(), quant ? &sc.qbmid[s][it.i] : nullptr, 2 * len(s),
+              sc.y[s].data(), H);
   }
 
   void lora_dx(const Block& b) {
     const int i = b.i, e = g.active[i], m = b.end - b.begin;
     const size_t row0 = size_t(g.offset[i]) + b.begin;
-    float* q = sc.qgu.get() + row0 * 2 * r;
+    float* q = sc.qgu.data() + row0 * 2 * r;
     std::fill(q, q + size_t(m) * 2 * r, 0.0f);
     for (int s = 0; s < S; ++s) {
       if (!len(s)) continue;
-      const float* p = sc.qgup[s].get() + row0 * 2 * r;
+      const float* p = sc.qgup[s].data() + row0 * 2 * r;
       for (size_t k = 0; k < size_t(m) * 2 * r; ++k) q[k] += p[k];
     }
     if (!gr.d_x) return;
-    float* dx = sc.y[s0].get() + row0 * H;
+    float* dx = sc.y[s0].data() + row0 * H;
     mm(m, H, r, s_, {q, 2 * r}, wt[AG].of(e), 1.0f, dx, H);
     mm(m, H, r, s_, {q + r, 2 * r}, wt[AU].of(e), 1.0f, dx, H);
   }
@@ -797,7 +710,7 @@ class SftBackwardTask : public SftTask {
     thread_local std::vector<float> xf;
     xf.resize(size_t(m) * w);
     for (int q = 0; q < m; ++q) widen(st_.xg.get() + size_t(off + q) * H + c.begin, xf.data() + size_t(q) * w, w);
-    const float* q = sc.qgu.get() + size_t(off) * 2 * r;
+    const float* q = sc.qgu.data() + size_t(off) * 2 * r;
     if (gw[AG]) mm_into(gw[AG].of(e).at(0, c.begin), r, w, m, s_, Mat{q, 2 * r}.T(), {xf.data(), w}, 1.0f);
     if (gw[AU]) mm_into(gw[AU].of(e).at(0, c.begin), r, w, m, s_, Mat{q + r, 2 * r}.T(), {xf.data(), w}, 1.0f);
   }
@@ -815,17 +728,7 @@ class SftBackwardTask : public SftTask {
         gr.d_weights[size_t(t) * K + k] = dw;
       }
     if (!gr.d_x) return;
-    float* dx = gr.d_x + size_t(t) * H;
-    if (!gr.accumulate_x) std::fill(dx + j0, dx + j1, 0.0f);
-    for (int k = 0; k < K; ++k) {
-      const int row = g.slot_row[size_t(t) * K + k];
-      if (row < 0) continue;
-      for (int s = 0; s < S; ++s) {
-        if (!len(s)) continue;
-        const float* p = sc.y[s].get() + size_t(row) * H;
-        for (int j = j0; j < j1; ++j) dx[j] += p[j];
-      }
-    }
+    core::merge_block(gr.d_x, gr.accumulate_x, t, K, g.slot_row.data(), nullptr, ys.data(), S, H, j0, j1);
   }
 
   const SftGrad& gr;

@@ -22,6 +22,8 @@ TEST(BenchPeak, FollowsTheVariantsInstruction) {
   EXPECT_EQ(peak_for_variant("avx512_vnni", int4).insn, PeakInsn::dpbusd_zmm);
   EXPECT_EQ(peak_for_variant("avx512", int8).insn, PeakInsn::maddubs_zmm);
   EXPECT_EQ(peak_for_variant("avx2", int4).insn, PeakInsn::maddubs_ymm);
+  EXPECT_EQ(peak_for_variant("avx_vnni", int8).insn, PeakInsn::dpbusd_ymm);
+  EXPECT_EQ(peak_for_variant("avx_vnni", int4).insn, PeakInsn::dpbusd_ymm);
   for (const char* amx : {"amx_bf16", "amx_int8"}) {
     const PeakChoice c = peak_for_variant(amx, amx[4] == 'b' ? bf16 : int8);
     EXPECT_EQ(c.insn, PeakInsn::none);
@@ -47,6 +49,7 @@ TEST(BenchPeak, EveryAvailableVariantHasAPeakItsLevelProvides) {
           case PeakInsn::maddubs_zmm: EXPECT_GE(level, IsaLevel::avx512); break;
           case PeakInsn::fma_f32_ymm:
           case PeakInsn::maddubs_ymm: EXPECT_GE(level, IsaLevel::avx2); break;
+          case PeakInsn::dpbusd_ymm: EXPECT_GE(level, IsaLevel::avx2); EXPECT_TRUE(cpu_features().avx_vnni); break;
           case PeakInsn::none: EXPECT_TRUE(level == IsaLevel::scalar || std::string(v->name).starts_with("amx")); break;
         }
       }

@@ -85,6 +85,28 @@ TEST(CpuFeatures, MissingFeaturesPerLevel) {
   EXPECT_EQ(missing_features(IsaLevel::amx, zen), (std::vector<std::string>{"amx_tile", "amx_bf16", "amx_int8"}));
 }
 
+// AVX-VNNI is off the chain: no level requires it, every level from avx2 on allows it.
+TEST(CpuFeatures, LevelsRequireTheChainAndAllowAvxVnniFromAvx2) {
+  using enum Feature;
+  EXPECT_EQ(level_requires(IsaLevel::scalar), FeatureSet());
+  EXPECT_EQ(level_requires(IsaLevel::avx2), (FeatureSet{avx2, fma, f16c}));
+  EXPECT_EQ(level_requires(IsaLevel::avx512_vnni), (FeatureSet{avx2, fma, f16c, avx512f, avx512dq, avx512bw, avx512vl, avx512_vnni}));
+  EXPECT_EQ(feature_list(level_requires(IsaLevel::amx)),
+            "avx2, fma, f16c, avx512f, avx512dq, avx512bw, avx512vl, avx512_vnni, avx512_bf16, amx_tile, amx_bf16, amx_int8");
+  EXPECT_EQ(level_allows(IsaLevel::scalar), FeatureSet());
+  for (IsaLevel l : all_isa_levels()) {
+    EXPECT_FALSE(level_requires(l).has(avx_vnni)) << isa_name(l);
+    if (l >= IsaLevel::avx2) EXPECT_EQ(level_allows(l), level_requires(l) | avx_vnni) << isa_name(l);
+  }
+  CpuFeatures alder_lake;
+  alder_lake.avx2 = alder_lake.fma = alder_lake.f16c = alder_lake.avx_vnni = true;
+  EXPECT_EQ(feature_set(alder_lake), (FeatureSet{avx2, fma, f16c, avx_vnni}));
+  EXPECT_TRUE(missing_features(level_allows(IsaLevel::avx2), alder_lake).empty());
+  EXPECT_EQ(missing_features(FeatureSet{avx2, avx512f, avx_vnni, amx_int8}, CpuFeatures{}),
+            (std::vector<std::string>{"avx2", "avx512f", "avx_vnni", "amx_int8"}));
+  EXPECT_EQ(feature_list(FeatureSet()), "none");
+}
+
 TEST(CpuFeatures, HardwareLevelIsHighestSupported) {
   const IsaLevel hw = hardware_isa();
   for (IsaLevel l : all_isa_levels()) {

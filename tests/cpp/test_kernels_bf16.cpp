@@ -1,5 +1,6 @@
-// BF16 expert kernels at every ISA level the machine has (the rest skip with the
-// missing feature named), against an fp64 reference on the same bf16 values.
+// Every BF16 kernel variant of cpu_kernels/kernel_list.inc that the machine can run
+// (the rest skip with the missing feature named), against an fp64 reference on the
+// same bf16 values.
 //
 // Tolerance, from the arithmetic: each output sums k exact bf16 x bf16 products in
 // fp32 (a product of two 8-bit significands fits fp32 exactly), so its error is that
@@ -13,6 +14,7 @@
 #include <random>
 
 #include "tandem/error.h"
+#include "kernel_variants.h"
 #include "tandem/kernels.h"
 #include "test_util.h"
 
@@ -59,16 +61,15 @@ void reference(const Problem& p, const bf16_t* a, std::vector<double>& ref, std:
     }
 }
 
-class KernelsBf16 : public ::testing::TestWithParam<IsaLevel> {
+class KernelsBf16 : public ::testing::TestWithParam<const KernelListEntry*> {
  protected:
   void SetUp() override {
-    const auto missing = missing_features(GetParam());
-    if (!missing.empty()) GTEST_SKIP() << isa_name(GetParam()) << ": this CPU lacks " << missing.front();
-    table = &kernel_table(GetParam());
+    TANDEM_SKIP_UNLESS_CPU_RUNS(*GetParam());
+    kernel = &GetParam()->kernel;
     seed = test::test_seed();
     rng.seed(seed);
   }
-  const KernelTable* table = nullptr;
+  const KernelVariant* kernel = nullptr;
   uint64_t seed = 0;
   std::mt19937_64 rng;
 };
@@ -87,7 +88,7 @@ TEST_P(KernelsBf16, GemmMatchesReferenceOverShapes) {
         std::vector<float> c(static_cast<size_t>(m) * (n + 1), -7.f);
         // A misaligned on purpose (2-byte offset); C rows padded by one.
         GemmArgs g = gemm_args(p.a.data() + 1, m, p.lda, c.data(), n + 1);
-        table->bf16.small.gemm(w, g);
+        kernel->gemm(w, g);
         std::vector<double> ref, mag;
         reference(p, p.a.data() + 1, ref, mag);
         for (int r = 0; r < m; ++r) {
@@ -117,7 +118,7 @@ TEST_P(KernelsBf16, AccumulateWithRowScaleAndPanelRange) {
   g.row_scale = scale.data();
   g.panel_begin = 1;
   g.panel_end = 3;  // outputs 64..191 only
-  table->bf16.small.gemm(w, g);
+  kernel->gemm(w, g);
   std::vector<double> ref, mag;
   reference(p, p.a.data(), ref, mag);
   for (int r = 0; r < m; ++r)
@@ -148,10 +149,10 @@ TEST_P(KernelsBf16, GateUpMatchesReference) {
       g.lda = k;
       g.h = h.data();
       g.ldh = n;
-      table->bf16.small.gate_up(w, g);
+      kernel->gate_up(w, g);
       g.h = nullptr;
       g.h_bf16 = hb.data();
-      table->bf16.small.gate_up(w, g);
+      kernel->gate_up(w, g);
       std::vector<double> rg, mg, ru, mu;
       reference(pg, pg.a.data(), rg, mg);
       reference(pu, pu.a.data(), ru, mu);
@@ -176,7 +177,7 @@ TEST_P(KernelsBf16, NanAndInfPropagate) {
   p.a[static_cast<size_t>(2) * k + 32] = 0x7f80;  // +Inf in row 2 (the odd-k tail column)
   PackedWeight w = pack_bf16(p.w.data(), n, k, k);
   std::vector<float> c(static_cast<size_t>(m) * n);
-  table->bf16.small.gemm(w, gemm_args(p.a.data(), m, k, c.data(), n));
+  kernel->gemm(w, gemm_args(p.a.data(), m, k, c.data(), n));
   for (int j = 0; j < n; ++j) {
     EXPECT_TRUE(std::isfinite(c[j])) << j;
     EXPECT_TRUE(std::isnan(c[n + j])) << j;
@@ -185,8 +186,8 @@ TEST_P(KernelsBf16, NanAndInfPropagate) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(AllLevels, KernelsBf16, ::testing::ValuesIn(all_isa_levels()),
-                         [](const auto& info) { return std::string(isa_name(info.param)); });
+INSTANTIATE_TEST_SUITE_P(Variants, KernelsBf16, ::testing::ValuesIn(test::list_entries({KernelFamily::bf16})),
+                         [](const auto& info) { return test::variant_name(*info.param, false); });
 
 TEST(PackBf16, RoundTripsExactly) {
   std::mt19937_64 rng(test::test_seed());

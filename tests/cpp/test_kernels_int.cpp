@@ -1,5 +1,6 @@
-// INT8 / INT4 packing, activation quantization and the integer kernels at every ISA
-// level the machine has (the rest skip, naming the missing feature).
+// INT8 / INT4 packing, activation quantization and every integer kernel variant of
+// cpu_kernels/kernel_list.inc that the machine can run (the rest skip, naming the
+// missing feature).
 //
 // Kernel tolerance, from the arithmetic: the reference is the fp64 product of the same
 // dequantized weights (unpack) and the same quantized activations
@@ -24,6 +25,7 @@
 #include <tuple>
 
 #include "tandem/error.h"
+#include "kernel_variants.h"
 #include "tandem/kernels.h"
 #include "test_util.h"
 
@@ -99,18 +101,24 @@ void reference(const std::vector<float>& wdq, int row0, int n, int k, const std:
     }
 }
 
-using Param = std::tuple<IsaLevel, FormatCase>;
+using Param = std::tuple<const KernelListEntry*, FormatCase>;
+
+// Each int8 line with the int8 case, each int4 line with every int4 case.
+std::vector<Param> variant_cases() {
+  std::vector<Param> out;
+  for (const KernelListEntry* e : test::list_entries({KernelFamily::int8, KernelFamily::int4}))
+    for (const FormatCase& f : kFormats)
+      if (family_of(f.opt.format) == e->family) out.emplace_back(e, f);
+  return out;
+}
 
 class KernelsInt : public ::testing::TestWithParam<Param> {
  protected:
   void SetUp() override {
-    const IsaLevel level = std::get<0>(GetParam());
-    const auto missing = missing_features(level);
-    if (!missing.empty()) GTEST_SKIP() << isa_name(level) << ": this CPU lacks " << missing.front();
+    const KernelListEntry& e = *std::get<0>(GetParam());
+    TANDEM_SKIP_UNLESS_CPU_RUNS(e);
     opt = std::get<1>(GetParam()).opt;
-    const FormatKernels& fk = kernel_table(level).of(opt.format);
-    variants.push_back(&fk.small);
-    if (fk.large.gemm != fk.small.gemm) variants.push_back(&fk.large);
+    variants.push_back(&e.kernel);
     seed = test::test_seed();
     rng.seed(seed);
   }
@@ -331,10 +339,9 @@ TEST_P(KernelsInt, QuantizationErrorMatchesTheRoundingModel) {
   EXPECT_LE(measured, 1.2 * predicted) << "seed=" << seed;
 }
 
-INSTANTIATE_TEST_SUITE_P(AllLevels, KernelsInt, ::testing::Combine(::testing::ValuesIn(all_isa_levels()), ::testing::ValuesIn(kFormats)),
-                         [](const auto& info) {
-                           return std::string(isa_name(std::get<0>(info.param))) + "_" + std::get<1>(info.param).name;
-                         });
+INSTANTIATE_TEST_SUITE_P(Variants, KernelsInt, ::testing::ValuesIn(variant_cases()), [](const auto& info) {
+  return test::variant_name(*std::get<0>(info.param), false) + "_" + std::get<1>(info.param).name;
+});
 
 TEST(QuantizeActivations, RoundsPerRowAndFlagsNonFinite) {
   const float a[] = {1.0f, -2.0f, 0.5f, 0.0f,  //

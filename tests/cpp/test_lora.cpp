@@ -1389,4 +1389,46 @@ TEST(LoraApi, ShapesScalingAndContextState) {
 }
 
 }  // namespace
+// The training layer's forward and the inference layer's (MoeLayer) are one computation on
+// the expert core: for the same weights and input, without an adapter or with a fresh one
+// (B = 0, as PEFT initializes it), their outputs are the same bits, in every format, for
+// bf16 and fp32 input, one or two subpools, at every kernel level this CPU has.
+TEST(LoraMoe, ForwardIsTheInferenceForwardBitForBit) {
+  const uint64_t seed = test::test_seed();
+  for (IsaLevel level : all_isa_levels()) {
+    if (level > hardware_isa()) continue;
+    for (const PackOptions fmt : {PackOptions{WeightFormat::bf16}, PackOptions{WeightFormat::int8},
+                                  PackOptions{WeightFormat::int4, 32, false}})
+      for (const bool fp32_x : {false, true})
+        for (const int subpools : {1, 2}) {
+          Case c;
+          c.experts = 6, c.hidden = 128, c.inter = 160, c.top_k = 3, c.tokens = 40, c.rank = 4;
+          c.fmt = fmt, c.fp32_x = fp32_x, c.subpools = subpools, c.isa = static_cast<int>(level);
+          SCOPED_TRACE(std::string(isa_name(level)) + " " + describe(c));
+          Problem p = make_problem(c, seed + 11);
+          TestLayer train(p, subpools);
+          MoeLayer infer(*train.pool, MoeShape{c.experts, c.hidden, c.inter}, fmt, 3);
+          infer.use_isa(level);
+          infer.load([&](int e) {
+            return ExpertSource{{p.g[e].data(), SourceType::f32, c.inter, c.hidden},
+                                {p.u[e].data(), SourceType::f32, c.inter, c.hidden},
+                                {p.d[e].data(), SourceType::f32, c.hidden, c.inter}};
+          });
+          const size_t n = size_t(c.tokens) * c.hidden;
+          std::vector<float> want(n), base(n), fresh(n);
+          infer.forward(input_of(p, want.data()));
+          train.moe->forward(input_of(p, base.data()), LoraWeights{}, /*train=*/true);
+          for (const int m : {BG, BU, BD}) std::fill(p.lora[m].buf.begin(), p.lora[m].buf.end(), 0.0f);
+          train.moe->forward(input_of(p, fresh.data()), weights_of(p.lora), /*train=*/true);
+          size_t differ_base = 0, differ_fresh = 0;
+          for (size_t i = 0; i < n; ++i) {
+            differ_base += std::memcmp(&want[i], &base[i], sizeof(float)) != 0;
+            differ_fresh += want[i] != fresh[i];  // +0 and -0 alike: LoRA adds s * 0
+          }
+          EXPECT_EQ(differ_base, 0u) << "without an adapter: " << differ_base << " of " << n << " outputs differ";
+          EXPECT_EQ(differ_fresh, 0u) << "with B = 0: " << differ_fresh << " of " << n << " outputs differ";
+        }
+  }
+}
+
 }  // namespace tandem

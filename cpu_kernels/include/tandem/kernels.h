@@ -15,15 +15,18 @@
 // rows at stride 256 are an AMX B tile.
 //
 // Kernels are single-threaded over a range of output panels [panel_begin, panel_end);
-// the MoE engine splits panels across its worker threads. Which ISA variant runs is
-// chosen by select_isa() (cpu_features.h: a config's cpu.isa, lowered by TANDEM_ISA,
-// capped by the hardware): the engine's layers hold kernel_table(level) of their own;
-// the free functions gemm() / gate_up() below use the process table kernels().
+// the MoE engine splits panels across its worker threads. Every ISA variant is one line
+// of cpu_kernels/kernel_list.inc (kernel_list() below). Which one runs is chosen by
+// feature set under the level select_isa() returns (cpu_features.h: a config's
+// cpu.isa, lowered by TANDEM_ISA, capped by the hardware): the engine's layers hold
+// kernel_table(level) of their own; the free functions gemm() / gate_up() below use
+// the process table kernels().
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string_view>
 #include <vector>
 
@@ -203,6 +206,10 @@ using GemmFn = void (*)(const PackedWeight& w, const GemmArgs& args);
 using QuantizeFn = void (*)(const bf16_t* a, const float* a_f32, int m, int k, int lda, int k_pad, int group, int8_t* q,
                             float* scale, int32_t* sums);
 using GateUpFn = void (*)(const PackedWeight& w, const GateUpArgs& args);
+// h[j] = silu(g[j]) * u[j] for j < n: the very arithmetic of the gate_up kernels'
+// epilogue (the same inline code, compiled with the level's flags), so a layer that
+// adds to the pre-activations first (LoRA) activates them bit for bit like gate_up.
+using SiluMulFn = void (*)(const float* g, const float* u, float* h, int n);
 
 struct KernelVariant {
   const char* name = nullptr;  // "avx512_bf16", "avx512_vnni", "amx_bf16", ...
@@ -223,18 +230,53 @@ struct KernelTable {
   const char* name;  // the level's name
   FormatKernels bf16, int8, int4;
   QuantizeFn quantize;
+  SiluMulFn silu_mul;
   const FormatKernels& of(WeightFormat f) const {
     return f == WeightFormat::int8 ? int8 : f == WeightFormat::int4 ? int4 : bf16;
   }
 };
 
-// The table for a level; a level without its own variant for a format reuses the best
-// lower one (the variant's name says which code runs). Throws tandem::Error when the
-// level is above the hardware.
+// The table for a level: select_kernels(level, cpu_features()), built once. A level
+// without its own variant for a format runs the best one it allows (the variant's name
+// says which code runs). Throws tandem::Error when the level is above the hardware.
 const KernelTable& kernel_table(IsaLevel level);
 // The process-wide table for effective_isa(), resolved on first use (for the free
 // functions below; engines and layers hold the table of their own config's level).
 const KernelTable& kernels();
+
+// ---- the kernel list ----------------------------------------------------------------
+// Families of kernel_list.inc: the three weight formats (gemm + gate_up), and the two
+// helpers that each ISA file compiles with its own flags.
+enum class KernelFamily { bf16, int8, int4, quantize, silu_mul };
+std::string_view family_name(KernelFamily f) noexcept;
+constexpr KernelFamily family_of(WeightFormat f) {
+  return f == WeightFormat::int8 ? KernelFamily::int8 : f == WeightFormat::int4 ? KernelFamily::int4 : KernelFamily::bf16;
+}
+
+// One line of the list.
+struct KernelListEntry {
+  KernelFamily family;
+  const char* isa;       // its source file's suffix ("avxvnni": gemm_q_avxvnni.cpp), which sets its flags
+  FeatureSet needs;      // what those flags let the compiler emit: the CPU must have all of it
+  int from_m;            // preferred from this many token rows on (1: at every m)
+  KernelVariant kernel;  // kernel.name is the line's name; gemm / gate_up for bf16, int8, int4
+  QuantizeFn quantize;   // family quantize
+  SiluMulFn silu_mul;    // family silu_mul
+  const char* name() const { return kernel.name; }
+};
+// Every line, in list order (within a family, later lines are preferred).
+std::span<const KernelListEntry> kernel_list();
+// The line of `family` called `name`, or nullptr.
+const KernelListEntry* find_kernel(KernelFamily family, std::string_view name);
+// The table kernel_table(cap) holds on a CPU with features f: per family, the last line
+// whose features f has and level_allows(cap) admits; a line with from_m > 1 becomes the
+// format's `large` from that m on, over the best line with from_m = 1. The table's
+// level and name are cap's. A pure function of its arguments (tests pass made-up CPUs).
+KernelTable select_kernels(IsaLevel cap, const CpuFeatures& f);
+// `table` with `e` run for its family at every m: one variant whatever the preference
+// (tests, bench_kernels --variant). Throws tandem::Error (unsupported) naming the first
+// feature e needs that this CPU lacks.
+KernelTable with_kernel(KernelTable table, const KernelListEntry& e);
 
 // Validated entry points through kernels() (TANDEM_CHECK on every argument).
 void gemm(const PackedWeight& w, const GemmArgs& args);

@@ -3,12 +3,9 @@
 // The layer owns its experts' packed weights, sharded along the intermediate dimension
 // across the pool's subpools: subpool s holds rows [i0_s, i1_s) of every expert's gate
 // and up and the same columns of its down, packed by its own threads (so the memory
-// is first-touched on its NUMA node) and stored once. A forward runs as one pool task:
-//   gather   tokens grouped per expert (and quantized, for int8 / int4 weights)
-//   gate_up  silu(x Wg^T) * (x Wu^T) per (expert, 64-row panel of the slice)
-//   act      the intermediate activations quantized (int8 / int4 only)
-//   down     each subpool's partial y_s = h_s Wd_s^T per (expert, 64-row panel of hidden)
-//   merge    out[t] (+)= sum_k w[t,k] * sum_s y_s[e_k][t], per block of tokens x hidden
+// is first-touched on its NUMA node) and stored once. A forward runs as one pool task
+// (gather, gate_up, act, down, merge: the expert core's ExpertForward, runtime/
+// expert_core.h, which the training layer and the host stream's experts share).
 // Token grouping makes decode (a few tokens, many experts) and prefill (many tokens per
 // expert) take the same path; the kernels pick their small- or large-m variant per expert.
 #pragma once
@@ -24,6 +21,11 @@
 #include "tandem/pool.h"
 
 namespace tandem {
+
+namespace core {
+class ExpertPacks;
+struct ForwardScratch;
+}  // namespace core
 
 // How a layer splits the intermediate dimension over `subpools` subpools: slice s is
 // [slices[s], slices[s + 1]), in whole units (a 64-row panel, or an int4 group if larger).
@@ -52,7 +54,7 @@ struct TokenGroups {
 };
 // Validates `in` against a layer of `experts` experts (errors name the offending slot,
 // id or weight) and groups its rows; slots with id -1, masked or (an error) excluded
-// experts get no row.
+// experts get no row. layer < 0: the experts are not a model layer's (a stream's hot set).
 TokenGroups group_tokens(const MoeInput& in, int experts, int layer, const std::vector<uint8_t>& excluded = {});
 
 class MoeLayer {
@@ -93,29 +95,23 @@ class MoeLayer {
   Pool& pool() { return pool_; }
   bool loaded() const { return loaded_; }
   // Subpool s's slice [begin, end) of the intermediate dimension.
-  std::pair<int, int> slice(int subpool) const { return {slices_[subpool], slices_[subpool + 1]}; }
+  std::pair<int, int> slice(int subpool) const;
   // Packed bytes held, all subpools.
   size_t packed_bytes() const;
   // The packed gate_up / down of expert e on subpool s (tests, benchmarks).
-  const PackedWeight& gate_up_pack(int subpool, int expert) const { return shards_[subpool].gate_up[expert]; }
-  const PackedWeight& down_pack(int subpool, int expert) const { return shards_[subpool].down[expert]; }
+  const PackedWeight& gate_up_pack(int subpool, int expert) const;
+  const PackedWeight& down_pack(int subpool, int expert) const;
 
  private:
-  struct Shard {
-    std::vector<PackedWeight> gate_up, down;
-  };
-  friend class MoeTask;
   Pool& pool_;
   MoeShape shape_;
   PackOptions format_;
   int layer_;
-  std::vector<int> slices_;
-  std::vector<Shard> shards_;
   bool loaded_ = false;
   std::vector<uint8_t> excluded_;  // [experts], empty: none
   const KernelTable* kt_;
-  struct Scratch;
-  std::unique_ptr<Scratch> scratch_;  // reused by this layer's tasks (they run one at a time)
+  std::unique_ptr<core::ExpertPacks> packs_;
+  std::unique_ptr<core::ForwardScratch> scratch_;  // reused by this layer's tasks (they run one at a time)
 };
 
 }  // namespace tandem

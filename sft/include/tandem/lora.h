@@ -46,6 +46,10 @@
 
 namespace tandem {
 
+namespace core {
+class ExpertPacks;
+}  // namespace core
+
 struct LoraConfig {
   int rank = 8;
   float alpha = 16.0f;
@@ -143,7 +147,7 @@ class LoraMoe {
   IsaLevel isa() const { return kt_->level; }
   int layer_index() const { return layer_; }
   Pool& pool() { return pool_; }
-  std::pair<int, int> slice(int subpool) const { return {slices_[subpool], slices_[subpool + 1]}; }
+  std::pair<int, int> slice(int subpool) const;
   size_t packed_bytes() const;    // forward packs
   size_t backward_bytes() const;  // transposed packs (0 before the first backward)
   // Expert e's base weights as packed (dequantized, fp32, nn.Linear layout): gate
@@ -153,9 +157,8 @@ class LoraMoe {
   std::array<std::pair<int, int>, 6> lora_shapes() const;
 
  private:
-  struct Shard {
-    std::vector<PackedWeight> gate, up, down;  // forward: [len x H], [len x H], [H x len]
-    std::vector<PackedWeight> gu_t, down_t;     // backward: [H x 2 len], [len x H]
+  struct BackwardPacks {
+    std::vector<PackedWeight> gu_t, down_t;  // per expert: [H x 2 len], [len x H]
   };
   struct Scratch;
   friend class SftTask;
@@ -168,8 +171,8 @@ class LoraMoe {
   SftOptions options_;
   int layer_;
   const KernelTable* kt_;
-  std::vector<int> slices_;
-  std::vector<Shard> shards_;
+  std::unique_ptr<core::ExpertPacks> packs_;  // forward: gate and up apart (LoRA adds before the SiLU)
+  std::vector<BackwardPacks> back_;           // per subpool
   bool loaded_ = false, backward_ready_ = false;
   std::unique_ptr<Scratch> scratch_;
 };

@@ -1,0 +1,322 @@
+#include "expert_core.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "tandem/error.h"
+#include "tandem/trace.h"
+
+namespace tandem::core {
+
+// ---- packs -------------------------------------------------------------------------
+
+ExpertPacks::ExpertPacks(const MoeShape& shape, const PackOptions& format, int subpools, Layout layout)
+    : shape_(shape), format_(format), layout_(layout), slices_(intermediate_slices(shape.inter, subpools, format)),
+      shards_(subpools) {
+  for (auto& sh : shards_)
+    for (auto* v : {&sh.gate_up, &sh.gate, &sh.up, &sh.down}) v->resize(shape.experts);
+}
+
+void ExpertPacks::pack_slice(int s, int e, const ExpertSource& src) {
+  check_expert_source(src, shape_, e);
+  const auto [i0, i1] = slice(s);
+  if (i0 == i1) return;
+  const int H = shape_.hidden;
+  Shard& sh = shards_[s];
+  if (layout_ == Layout::fused) {
+    sh.gate_up[e] = pack_gate_up(sub_view(src.gate, i0, i1 - i0, 0, H), sub_view(src.up, i0, i1 - i0, 0, H), format_);
+  } else {
+    sh.gate[e] = pack(sub_view(src.gate, i0, i1 - i0, 0, H), format_);
+    sh.up[e] = pack(sub_view(src.up, i0, i1 - i0, 0, H), format_);
+  }
+  sh.down[e] = pack(sub_view(src.down, 0, H, i0, i1 - i0), format_);
+}
+
+void ExpertPacks::load(Pool& pool, const std::function<ExpertSource(int)>& source, const Progress& progress) {
+  TANDEM_CHECK(static_cast<bool>(source), Errc::invalid_argument, "experts: load without a weight source");
+  TANDEM_CHECK(pool.subpools() == subpools(), Errc::internal, "experts: packs for ", subpools(), " subpools, pool of ",
+               pool.subpools());
+  const std::function<void(int, int)> pack_one = [&](int s, int e) {
+    if (!skipped(e)) pack_slice(s, e, source(e));
+  };
+  for_each_item(pool, shape_.experts, pack_one, progress);
+}
+
+void ExpertPacks::load_here(const std::function<ExpertSource(int)>& source) {
+  TANDEM_CHECK(static_cast<bool>(source), Errc::invalid_argument, "experts: load without a weight source");
+  for (int e = 0; e < shape_.experts; ++e)
+    if (!skipped(e)) {
+      const ExpertSource src = source(e);
+      for (int s = 0; s < subpools(); ++s) pack_slice(s, e, src);
+    }
+}
+
+std::function<ExpertSource(int)> ExpertPacks::checkpoint_source(const Checkpoint& ckpt, int layer,
+                                                                const ExpertNaming& naming) {
+  auto sources = std::make_shared<std::vector<ExpertSource>>(shape_.experts);
+  for (int e = 0; e < shape_.experts; ++e)
+    if (!skipped(e)) (*sources)[e] = checkpoint_expert(ckpt, layer, e, naming, shape_);
+  return [sources](int e) { return (*sources)[e]; };
+}
+
+void ExpertPacks::drop() {
+  for (auto& sh : shards_)
+    for (auto* v : {&sh.gate_up, &sh.gate, &sh.up, &sh.down})
+      for (auto& w : *v) w = {};
+}
+
+const PackedWeight& ExpertPacks::gate_up_layout(int e) const {
+  for (const auto& sh : shards_) {
+    const PackedWeight& w = layout_ == Layout::fused ? sh.gate_up[e] : sh.gate[e];
+    if (w.panels) return w;
+  }
+  return layout_ == Layout::fused ? shards_[0].gate_up[e] : shards_[0].gate[e];
+}
+
+size_t ExpertPacks::bytes() const {
+  size_t b = 0;
+  for (const auto& sh : shards_)
+    for (int e = 0; e < shape_.experts; ++e)
+      b += sh.gate_up[e].bytes() + sh.gate[e].bytes() + sh.up[e].bytes() + sh.down[e].bytes();
+  return b;
+}
+
+std::array<std::vector<float>, 3> ExpertPacks::dequantized(int e) const {
+  const int H = shape_.hidden, I = shape_.inter;
+  std::array<std::vector<float>, 3> w{std::vector<float>(size_t(I) * H), std::vector<float>(size_t(I) * H),
+                                      std::vector<float>(size_t(H) * I)};
+  for (int s = 0; s < subpools(); ++s) {
+    const auto [i0, i1] = slice(s);
+    const int l = i1 - i0;
+    if (!l) continue;
+    const Shard& sh = shards_[s];
+    if (layout_ == Layout::fused) {
+      const std::vector<float> gu = unpack(sh.gate_up[e]);  // gate rows, then up rows
+      std::copy_n(gu.begin(), size_t(l) * H, w[0].begin() + size_t(i0) * H);
+      std::copy_n(gu.begin() + size_t(l) * H, size_t(l) * H, w[1].begin() + size_t(i0) * H);
+    } else {
+      const std::vector<float> g = unpack(sh.gate[e]), u = unpack(sh.up[e]);
+      std::copy(g.begin(), g.end(), w[0].begin() + size_t(i0) * H);
+      std::copy(u.begin(), u.end(), w[1].begin() + size_t(i0) * H);
+    }
+    const std::vector<float> d = unpack(sh.down[e]);
+    for (int j = 0; j < H; ++j) std::copy_n(d.begin() + size_t(j) * l, l, w[2].begin() + size_t(j) * I + i0);
+  }
+  return w;
+}
+
+// ---- planner, gather, products, merge -----------------------------------------------
+
+WorkRuns WorkRuns::plan(int n, int weights, int panels, size_t panel_bytes, int threads) {
+  WorkRuns r;
+  r.panels = panels;
+  r.weights = weights;
+  int c = static_cast<int>(std::max<size_t>(1, kItemBytes / std::max<size_t>(1, panel_bytes)));
+  c = std::min(c, std::max(1, n * weights * panels / (4 * std::max(1, threads))));
+  r.chunk = std::max(1, std::min(c, panels));
+  r.per = (panels + r.chunk - 1) / r.chunk;
+  return r;
+}
+
+void gather_rows(const MoeInput& in, const TokenGroups& g, int i, int r0, int r1, int H, bf16_t* xg, QuantizedActs* qa,
+                 const KernelTable& kt) {
+  for (int r = r0; r < r1; ++r) {
+    const int t = g.rows_token[g.offset[i] + r];
+    const bf16_t* xb = in.x ? in.x + static_cast<size_t>(t) * H : nullptr;
+    const float* xf = in.x_f32 ? in.x_f32 + static_cast<size_t>(t) * H : nullptr;
+    if (xg) {
+      bf16_t* dst = xg + static_cast<size_t>(r) * H;
+      if (xb)
+        std::memcpy(dst, xb, sizeof(bf16_t) * H);
+      else
+        fp32_to_bf16(xf, dst, H);
+    }
+    if (qa) {
+      // The experts see x as bf16 in every format and path (the bf16 kernels round it,
+      // the training layer saves it so): fp32 rows are rounded before quantizing too.
+      thread_local std::vector<bf16_t> row;
+      if (!xb) {
+        if (xg) {
+          xb = xg + static_cast<size_t>(r) * H;
+        } else {
+          row.resize(H);
+          fp32_to_bf16(xf, row.data(), H);
+          xb = row.data();
+        }
+      }
+      const int groups = qa->k_pad / qa->group;
+      kt.quantize(xb, nullptr, 1, H, H, qa->k_pad, qa->group, qa->q.data() + static_cast<size_t>(r) * qa->k_pad,
+                  qa->scale.data() + r, qa->sums.data() + static_cast<size_t>(r) * groups);
+    }
+  }
+}
+
+namespace {
+// The input and panel range of a kernel call (GemmArgs or GateUpArgs).
+template <typename Args>
+Args product_args(const PackedWeight& w, int m, int begin, int end, const bf16_t* a, const QuantizedActs* qa, int lda) {
+  Args g;
+  if (w.format == WeightFormat::bf16)
+    g.a = a;
+  else
+    g.qa = qa;
+  g.m = m;
+  g.lda = lda;
+  g.panel_begin = begin;
+  g.panel_end = end;
+  return g;
+}
+}  // namespace
+
+void run_gemm(const KernelTable& kt, const PackedWeight& w, int m, int begin, int end, const bf16_t* a,
+              const QuantizedActs* qa, int lda, float* c, int ldc) {
+  GemmArgs g = product_args<GemmArgs>(w, m, begin, end, a, qa, lda);
+  g.c = c;
+  g.ldc = ldc;
+  kt.of(w.format).pick(m).gemm(w, g);
+}
+
+void run_gate_up(const KernelTable& kt, const PackedWeight& w, int m, int begin, int end, const bf16_t* a,
+                 const QuantizedActs* qa, int lda, bf16_t* h, int ldh) {
+  GateUpArgs g = product_args<GateUpArgs>(w, m, begin, end, a, qa, lda);
+  g.h_bf16 = h;
+  g.ldh = ldh;
+  kt.of(w.format).pick(m).gate_up(w, g);
+}
+
+void merge_block(float* out, bool accumulate, int t, int K, const int* slot_row, const float* weights,
+                 const float* const* y, int subpools, int H, int j0, int j1) {
+  float* o = out + static_cast<size_t>(t) * H;
+  if (!accumulate) std::fill(o + j0, o + j1, 0.0f);
+  alignas(64) float sum[kMergeCols];
+  for (int k = 0; k < K; ++k) {
+    const int r = slot_row[static_cast<size_t>(t) * K + k];
+    if (r < 0) continue;
+    std::fill(sum, sum + (j1 - j0), 0.0f);
+    for (int q = 0; q < subpools; ++q) {
+      const float* ys = y[q];
+      if (!ys) continue;
+      const float* yr = ys + static_cast<size_t>(r) * H;
+      for (int j = j0; j < j1; ++j) sum[j - j0] += yr[j];
+    }
+    const float w = weights ? weights[static_cast<size_t>(t) * K + k] : 1.0f;
+    for (int j = j0; j < j1; ++j) o[j] += w * sum[j - j0];
+  }
+}
+
+// ---- the inference forward ------------------------------------------------------------
+
+namespace {
+constexpr const char* kPhaseNames[] = {"gather", "gate_up", "act", "down", "merge"};
+}
+
+ExpertForward::ExpertForward(const ExpertPacks& packs, ForwardScratch& scratch, const KernelTable& kernels,
+                             std::vector<int> threads, int layer, const MoeInput& in, TokenGroups groups)
+    : TokenGroups(std::move(groups)), P(packs), sc(scratch), kt(kernels), threads_(std::move(threads)), layer_(layer),
+      in_(in), gu_runs_(threads_.size()), dn_runs_(threads_.size()) {}
+
+int ExpertForward::items(int phase, int s) {
+  const int S = P.subpools(), n = static_cast<int>(active.size());
+  const bool quant = P.format().format != WeightFormat::bf16;
+  const int len = P.len(s);
+  switch (phase) {
+    case kGather:
+      if (s == 0) {
+        begin_ns_ = trace::now_ns();
+        prepare();
+      }
+      return n / S + (s < n % S ? 1 : 0);  // active expert i goes to subpool i % S
+    case kGateUp:
+      if (!len || !n) return 0;
+      gu_runs_[s] = WorkRuns::plan(n, 1, (len + kPanel - 1) / kPanel, 2 * P.gate_up(s, active[0]).panel_stride, threads_[s]);
+      return gu_runs_[s].items(n);
+    case kAct: return quant && len ? n : 0;
+    case kDown:
+      if (!len || !n) return 0;
+      dn_runs_[s] = WorkRuns::plan(n, 1, (P.shape().hidden + kPanel - 1) / kPanel, P.down(s, active[0]).panel_stride,
+                                   threads_[s]);
+      return dn_runs_[s].items(n);
+    case kMerge: {
+      const int64_t total = static_cast<int64_t>(in_.tokens) * merge_blocks(P.shape().hidden);
+      return static_cast<int>(total * (s + 1) / S - total * s / S);
+    }
+  }
+  return 0;
+}
+
+void ExpertForward::prepare() {
+  const int S = P.subpools(), n = static_cast<int>(active.size());
+  const bool quant = P.format().format != WeightFormat::bf16;
+  if (quant) {
+    sc.qin.resize(n);
+    for (int i = 0; i < n; ++i) sc.qin[i].prepare(P.gate_up_layout(active[i]), count[i]);
+  } else {
+    sc.xg.get(static_cast<size_t>(total_rows) * P.shape().hidden);
+  }
+  sc.h.resize(S);
+  sc.y.resize(S);
+  sc.qmid.resize(S);
+  ys_.assign(S, nullptr);
+  for (int s = 0; s < S; ++s) {
+    if (!P.len(s)) continue;
+    sc.h[s].get(static_cast<size_t>(total_rows) * P.len(s));
+    ys_[s] = sc.y[s].get(static_cast<size_t>(total_rows) * P.shape().hidden);
+    if (quant) {
+      sc.qmid[s].resize(n);
+      for (int i = 0; i < n; ++i) sc.qmid[s][i].prepare(P.down(s, active[i]), count[i]);
+    }
+  }
+}
+
+void ExpertForward::run(int phase, int s, int item, int) {
+  trace::Span span(kPhaseNames[phase], {layer_, static_cast<int>(active.size()), in_.tokens});
+  const int H = P.shape().hidden, len = P.len(s);
+  const bool quant = P.format().format != WeightFormat::bf16;
+  switch (phase) {
+    case kGather: {
+      const int i = s + item * P.subpools();
+      gather_rows(in_, *this, i, 0, count[i], H, quant ? nullptr : sc.xg.data() + size_t(offset[i]) * H,
+                  quant ? &sc.qin[i] : nullptr, kt);
+      break;
+    }
+    case kGateUp: {
+      const auto it = gu_runs_[s].item(item);
+      run_gate_up(kt, P.gate_up(s, active[it.i]), count[it.i], it.begin, it.end,
+                  quant ? nullptr : sc.xg.data() + size_t(offset[it.i]) * H,
+                  quant ? &sc.qin[it.i] : nullptr, H, sc.h[s].data() + size_t(offset[it.i]) * len, len);
+      break;
+    }
+    case kAct:
+      quantize_activations(sc.qmid[s][item], sc.h[s].data() + size_t(offset[item]) * len, len, 0, count[item], &kt);
+      break;
+    case kDown: {
+      const auto it = dn_runs_[s].item(item);
+      run_gemm(kt, P.down(s, active[it.i]), count[it.i], it.begin, it.end, sc.h[s].data() + size_t(offset[it.i]) * len,
+               quant ? &sc.qmid[s][it.i] : nullptr, len, sc.y[s].data() + size_t(offset[it.i]) * H, H);
+      break;
+    }
+    case kMerge: {
+      const int S = P.subpools(), blocks = merge_blocks(H);
+      const int64_t total = static_cast<int64_t>(in_.tokens) * blocks;
+      const int idx = static_cast<int>(total * s / S) + item;
+      const int t = idx / blocks, j0 = (idx % blocks) * kMergeCols;
+      merge_block(in_.out, in_.accumulate, t, in_.top_k, slot_row.data(), in_.weights, ys_.data(), S, H, j0,
+                  std::min(H, j0 + kMergeCols));
+      break;
+    }
+  }
+}
+
+void ExpertForward::finished() {
+  trace::record("moe_layer", begin_ns_, trace::now_ns(), {layer_, static_cast<int>(active.size()), in_.tokens});
+}
+
+void run_inline(Task& task) {
+  for (int p = 0; p < task.phases(); ++p) {
+    const int n = task.items(p, 0);
+    for (int i = 0; i < n; ++i) task.run(p, 0, i, 0);
+  }
+  task.finished();
+}
+
+}  // namespace tandem::core

@@ -1,0 +1,182 @@
+// runtime/expert_core.h (internal, not installed): the one CPU expert core that every
+// "run routed experts on the CPU" path is built from: the inference layer (MoeLayer),
+// the training layer (LoraMoe) and the host stream's hot experts (HostExperts).
+//
+//   ExpertPacks     a layer's experts packed per subpool slice of the intermediate
+//                   dimension, gate/up fused (inference) or apart (training adds LoRA
+//                   to the pre-activations), loaded from views or a checkpoint
+//   Scratch         uninitialized grow-only buffers, first touched by their writers
+//   WorkRuns        the work-item planner: runs of ~512 KB of one expert's panels
+//   gather_rows     a group's input rows copied to bf16 and / or quantized
+//   run_gemm, run_gate_up   one run of panels of one expert's product on its rows
+//   merge_block     the deterministic weighted merge over top-k slots and subpools
+//   ExpertForward   the inference forward as a pool task (gather, gate_up, act, down,
+//                   merge), run on a pool (MoeLayer) or inline on one thread (host stream)
+// The SiLU is the kernel table's (kernels.h: silu_mul, the gate_up epilogue's own code),
+// so a training forward whose LoRA adds nothing gives the inference forward's bits.
+#pragma once
+
+#include <array>
+#include <functional>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "tandem/experts.h"
+#include "tandem/kernels.h"
+#include "tandem/moe.h"
+#include "tandem/pool.h"
+
+namespace tandem::core {
+
+// An uninitialized, grow-only array: pages are first touched by whoever writes them (a
+// subpool's own threads), not by the allocating thread. Reused by a layer's tasks, which
+// run one at a time.
+template <typename T>
+struct Scratch {
+  std::unique_ptr<T[]> p;
+  size_t cap = 0;
+  T* get(size_t n) {
+    if (n > cap) {
+      p.reset(new T[n]);
+      cap = n;
+    }
+    return p.get();
+  }
+  T* data() const { return p.get(); }
+  T& operator[](size_t i) const { return p[i]; }
+};
+
+class ExpertPacks {
+ public:
+  enum class Layout { fused, separate };  // gate and up: one pack (panels alternate) or two
+  ExpertPacks(const MoeShape& shape, const PackOptions& format, int subpools, Layout layout);
+
+  // Experts not held here (placed elsewhere): load skips them. Empty: all held.
+  void set_skipped(std::vector<uint8_t> skipped) { skipped_ = std::move(skipped); }
+  bool skipped(int e) const { return !skipped_.empty() && skipped_[e]; }
+
+  // Packs subpool s's slice of expert e from src (checked against the shape first).
+  void pack_slice(int s, int e, const ExpertSource& src);
+  // Every held expert, each subpool its slices on its own threads (first touch on its node).
+  void load(Pool& pool, const std::function<ExpertSource(int)>& source, const Progress& progress = {});
+  // Every held expert on the calling thread (one subpool, e.g. a stream's executor).
+  void load_here(const std::function<ExpertSource(int)>& source);
+  // Every held expert's checkpoint views, resolved up front so a missing key fails before
+  // any packing.
+  std::function<ExpertSource(int)> checkpoint_source(const Checkpoint& ckpt, int layer, const ExpertNaming& naming);
+  void drop();  // frees every pack
+
+  const MoeShape& shape() const { return shape_; }
+  const PackOptions& format() const { return format_; }
+  Layout layout() const { return layout_; }
+  int subpools() const { return static_cast<int>(shards_.size()); }
+  std::pair<int, int> slice(int s) const { return {slices_[s], slices_[s + 1]}; }
+  int len(int s) const { return slices_[s + 1] - slices_[s]; }
+  const PackedWeight& gate_up(int s, int e) const { return shards_[s].gate_up[e]; }  // fused
+  const PackedWeight& gate(int s, int e) const { return shards_[s].gate[e]; }        // separate
+  const PackedWeight& up(int s, int e) const { return shards_[s].up[e]; }
+  const PackedWeight& down(int s, int e) const { return shards_[s].down[e]; }
+  // A pack of expert e whose layout the gate/up input must be quantized for.
+  const PackedWeight& gate_up_layout(int e) const;
+  size_t bytes() const;
+  // Expert e's weights as packed, dequantized to fp32 in nn.Linear layout: gate and up
+  // [inter x hidden], down [hidden x inter].
+  std::array<std::vector<float>, 3> dequantized(int e) const;
+
+ private:
+  struct Shard {
+    std::vector<PackedWeight> gate_up, gate, up, down;
+  };
+  MoeShape shape_;
+  PackOptions format_;
+  Layout layout_;
+  std::vector<int> slices_;
+  std::vector<Shard> shards_;
+  std::vector<uint8_t> skipped_;
+};
+
+// Work items that are runs of `chunk` panels of one active expert's weight(s): about
+// kItemBytes of weights each (one panel of a small expert is too little to amortize an
+// item's fixed cost and the prefetcher's ramp), but at least 4 items per thread.
+struct WorkRuns {
+  static constexpr size_t kItemBytes = 512 << 10;
+  int panels = 0, chunk = 1, per = 1, weights = 1;  // per = ceil(panels / chunk)
+  // n active experts, `weights` weights of `panels` panels of panel_bytes each per expert.
+  static WorkRuns plan(int n, int weights, int panels, size_t panel_bytes, int threads);
+  int items(int n) const { return panels ? n * weights * per : 0; }
+  struct Item {
+    int i, w, begin, end;  // active expert, which weight, panel range
+  };
+  Item item(int k) const {
+    const int b = (k % per) * chunk;
+    return {k / (per * weights), (k / per) % weights, b, std::min(panels, b + chunk)};
+  }
+};
+
+// Rows [r0, r1) of active expert i's group: the input rows as bf16 into xg (the group's
+// first row, row stride hidden; null: not wanted) and / or quantized into qa (null: not
+// wanted). The experts see x as bf16 in every format: fp32 input is rounded to bf16
+// before it is quantized, as the bf16 kernels round it and the training layer saves it.
+void gather_rows(const MoeInput& in, const TokenGroups& g, int i, int r0, int r1, int hidden, bf16_t* xg,
+                 QuantizedActs* qa, const KernelTable& kt);
+
+// c (ldc) = the rows of active expert i (a, lda: their bf16 rows, or qa) . w^T over
+// panels [begin, end).
+void run_gemm(const KernelTable& kt, const PackedWeight& w, int m, int begin, int end, const bf16_t* a,
+              const QuantizedActs* qa, int lda, float* c, int ldc);
+// h (ldh, bf16) = silu(a . Wg^T) * (a . Wu^T) over gate panels [begin, end) of a fused pack.
+void run_gate_up(const KernelTable& kt, const PackedWeight& w, int m, int begin, int end, const bf16_t* a,
+                 const QuantizedActs* qa, int lda, bf16_t* h, int ldh);
+
+// out[t, j0:j1] (+)= sum_k w[t, k] * sum_s y_s[slot_row[t, k], j0:j1] (w null: 1), the
+// slots in order and, inside each, the subpools in order: the same bits on every run
+// and every thread count. y[s] null: subpool s has nothing.
+inline constexpr int kMergeCols = 512;
+inline int merge_blocks(int hidden) { return (hidden + kMergeCols - 1) / kMergeCols; }
+void merge_block(float* out, bool accumulate, int t, int top_k, const int* slot_row, const float* weights,
+                 const float* const* y, int subpools, int hidden, int j0, int j1);
+
+// Scratch of the inference forward, kept by its owner between calls.
+struct ForwardScratch {
+  Scratch<bf16_t> xg;                          // gathered input rows (bf16 weights)
+  std::vector<QuantizedActs> qin;              // per active expert (integer weights)
+  std::vector<Scratch<bf16_t>> h;              // per subpool: [rows x slice]
+  std::vector<std::vector<QuantizedActs>> qmid;  // per subpool, per active expert
+  std::vector<Scratch<float>> y;               // per subpool: [rows x hidden]
+};
+
+// The inference forward of one layer's experts (fused gate/up packs) as a pool task:
+//   gather   tokens grouped per expert (and quantized, for int8 / int4 weights)
+//   gate_up  silu(x Wg^T) * (x Wu^T) per (expert, run of panels of the slice)
+//   act      the intermediate activations quantized (int8 / int4 only)
+//   down     each subpool's partial y_s = h_s Wd_s^T per (expert, run of panels of hidden)
+//   merge    out[t] (+)= sum_k w[t,k] * sum_s y_s[e_k][t], per block of tokens x hidden
+class ExpertForward : public Task, public TokenGroups {
+ public:
+  // threads[s]: subpool s's thread count (planning only).
+  ExpertForward(const ExpertPacks& packs, ForwardScratch& scratch, const KernelTable& kt, std::vector<int> threads,
+                int layer, const MoeInput& in, TokenGroups groups);
+  int phases() const override { return kPhases; }
+  int items(int phase, int s) override;
+  void run(int phase, int s, int item, int worker) override;
+  void finished() override;
+
+ private:
+  enum Phase { kGather, kGateUp, kAct, kDown, kMerge, kPhases };
+  void prepare();
+  const ExpertPacks& P;
+  ForwardScratch& sc;
+  const KernelTable& kt;
+  std::vector<int> threads_;
+  int layer_;
+  MoeInput in_;
+  int64_t begin_ns_ = 0;
+  std::vector<WorkRuns> gu_runs_, dn_runs_;
+  std::vector<const float*> ys_;  // per subpool: its partial y, null for an empty slice
+};
+
+// Runs a task's phases in order on the calling thread, as a pool of one subpool would.
+void run_inline(Task& task);
+
+}  // namespace tandem::core
