@@ -3,24 +3,18 @@
 // the activation's sign; |q_a| is the unsigned operand; no pair can saturate). One
 // token row at a time: a row's 64 outputs are eight ymm accumulators.
 // Compiled with -mavx2 -mfma -mf16c.
-#include <immintrin.h>
-
-#include "gemm_q_driver.h"
+#include "gemm_q_ymm.h"
 
 namespace tandem {
 namespace {
-
-inline __m256i bcast(const int8_t* p) { return _mm256_set1_epi32(load_i32(p)); }
-
-// Accumulator type without __m256i's may_alias attribute, so GCC keeps arrays of
-// them in registers (see gemm_q_avx512vnni.cpp).
-using acc_t = int __attribute__((vector_size(32)));
-inline __m256i as_m256i(acc_t v) { return reinterpret_cast<__m256i>(v); }
 
 inline acc_t dot4(acc_t acc, __m256i u, __m256i s) {
   return reinterpret_cast<acc_t>(
       _mm256_add_epi32(as_m256i(acc), _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))));
 }
+struct Avx2Dot {
+  static acc_t apply(acc_t acc, __m256i u, __m256i s) { return dot4(acc, u, s); }
+};
 
 template <int MR>
 struct Int8Avx2 {
@@ -48,47 +42,9 @@ struct Int8Avx2 {
   }
 };
 
-template <int MR>
-struct Int4Avx2 {
-  static_assert(MR == 1);
-  static void run(const QuantInput& in, int r0, const PackedWeight& w, const std::byte* panel, float* t) {
-    // The fp32 sums live in t (L1) between groups: 16 ymm cannot hold them and the
-    // integer accumulators at once.
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
-#pragma GCC unroll 8
-    for (int b = 0; b < 8; ++b) _mm256_store_ps(t + 8 * b, _mm256_setzero_ps());
-    for (int gi = 0; gi < in.groups; ++gi) {
-      const std::byte* gb = int4_group(w, panel, gi);
-      const __m256i* wp = reinterpret_cast<const __m256i*>(gb);
-      const int8_t* a = in.row(r0) + gi * w.group;
-      acc_t acc[8];
-#pragma GCC unroll 8
-      for (int b = 0; b < 8; ++b) acc[b] = acc_t{};
-      for (int o = 0; o < w.group / 8; ++o) {
-        const __m256i x0 = bcast(a + 8 * o), x1 = bcast(a + 8 * o + 4);
-#pragma GCC unroll 8
-        for (int b = 0; b < 8; ++b) {
-          const __m256i v = _mm256_load_si256(wp + 8 * o + b);
-          acc[b] = dot4(acc[b], _mm256_and_si256(v, low4), x0);
-          acc[b] = dot4(acc[b], _mm256_and_si256(_mm256_srli_epi16(v, 4), low4), x1);
-        }
-      }
-      const uint16_t* sc = int4_scales(w, gb);
-      const uint8_t* zp = int4_zeros(w, gb);
-      const __m256i sum = _mm256_set1_epi32(in.sums[static_cast<size_t>(r0) * in.groups + gi]);
-#pragma GCC unroll 8
-      for (int b = 0; b < 8; ++b) {
-        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 8 * b)));
-        const __m256i z = w.symmetric ? _mm256_set1_epi32(8)
-                                      : _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zp + 8 * b)));
-        const __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(as_m256i(acc[b]), _mm256_mullo_epi32(z, sum)));
-        _mm256_store_ps(t + 8 * b, _mm256_fmadd_ps(v, s, _mm256_load_ps(t + 8 * b)));
-      }
-    }
-  }
-};
-
 using MicroInt8 = RowDispatch<Int8Avx2, 1>;
+template <int MR>
+using Int4Avx2 = Int4Ymm<Avx2Dot, MR>;
 using MicroInt4 = RowDispatch<Int4Avx2, 1>;
 
 }  // namespace

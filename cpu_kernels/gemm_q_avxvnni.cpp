@@ -12,24 +12,18 @@
 // that stream; a second row would need eight more of the sixteen ymm registers).
 // Compiled with -mavx2 -mfma -mf16c -mavxvnni, without AVX-512, so the compiler emits
 // the VEX form (_mm256_dpbusd_avx_epi32), which CPUs without AVX512_VNNI decode.
-#include <immintrin.h>
-
-#include "gemm_q_driver.h"
+#include "gemm_q_ymm.h"
 
 namespace tandem {
 namespace {
-
-inline __m256i bcast(const int8_t* p) { return _mm256_set1_epi32(load_i32(p)); }
-
-// Accumulator type without __m256i's may_alias attribute, so GCC keeps arrays of
-// them in registers (see gemm_q_avx512vnni.cpp).
-using acc_t = int __attribute__((vector_size(32)));
-inline __m256i as_m256i(acc_t v) { return reinterpret_cast<__m256i>(v); }
 
 // int32 lanes += the four u8 x s8 products of each lane.
 inline acc_t dpbusd(acc_t acc, __m256i u, __m256i s) {
   return reinterpret_cast<acc_t>(_mm256_dpbusd_avx_epi32(as_m256i(acc), u, s));
 }
+struct AvxVnniDot {
+  static acc_t apply(acc_t acc, __m256i u, __m256i s) { return dpbusd(acc, u, s); }
+};
 
 template <int MR>
 struct Int8AvxVnni {
@@ -55,46 +49,9 @@ struct Int8AvxVnni {
   }
 };
 
-template <int MR>
-struct Int4AvxVnni {
-  static_assert(MR == 1);
-  static void run(const QuantInput& in, int r0, const PackedWeight& w, const std::byte* panel, float* t) {
-    // As in gemm_q_avx2.cpp, the fp32 sums live in t (L1) between groups.
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
-#pragma GCC unroll 8
-    for (int b = 0; b < 8; ++b) _mm256_store_ps(t + 8 * b, _mm256_setzero_ps());
-    for (int gi = 0; gi < in.groups; ++gi) {
-      const std::byte* gb = int4_group(w, panel, gi);
-      const __m256i* wp = reinterpret_cast<const __m256i*>(gb);
-      const int8_t* a = in.row(r0) + gi * w.group;
-      acc_t acc[8];
-#pragma GCC unroll 8
-      for (int b = 0; b < 8; ++b) acc[b] = acc_t{};
-      for (int o = 0; o < w.group / 8; ++o) {
-        const __m256i x0 = bcast(a + 8 * o), x1 = bcast(a + 8 * o + 4);
-#pragma GCC unroll 8
-        for (int b = 0; b < 8; ++b) {
-          const __m256i v = _mm256_load_si256(wp + 8 * o + b);
-          acc[b] = dpbusd(acc[b], _mm256_and_si256(v, low4), x0);
-          acc[b] = dpbusd(acc[b], _mm256_and_si256(_mm256_srli_epi16(v, 4), low4), x1);
-        }
-      }
-      const uint16_t* sc = int4_scales(w, gb);
-      const uint8_t* zp = int4_zeros(w, gb);
-      const __m256i sum = _mm256_set1_epi32(in.sums[static_cast<size_t>(r0) * in.groups + gi]);
-#pragma GCC unroll 8
-      for (int b = 0; b < 8; ++b) {
-        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 8 * b)));
-        const __m256i z = w.symmetric ? _mm256_set1_epi32(8)
-                                      : _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zp + 8 * b)));
-        const __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(as_m256i(acc[b]), _mm256_mullo_epi32(z, sum)));
-        _mm256_store_ps(t + 8 * b, _mm256_fmadd_ps(v, s, _mm256_load_ps(t + 8 * b)));
-      }
-    }
-  }
-};
-
 using MicroInt8 = RowDispatch<Int8AvxVnni, 1>;
+template <int MR>
+using Int4AvxVnni = Int4Ymm<AvxVnniDot, MR>;
 using MicroInt4 = RowDispatch<Int4AvxVnni, 1>;
 
 }  // namespace
