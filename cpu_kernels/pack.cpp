@@ -213,6 +213,9 @@ PackedWeight layout(const PackOptions& o, int n, int k, int stored_per_panel) {
 [[noreturn]] void non_finite(const WeightView& w, const char* what, int r, const float* row) {
   int c = 0;
   while (c < w.k && std::isfinite(row[c])) ++c;
+  if (w.name)
+    TANDEM_FAIL(Errc::bad_format, "tensor ", w.name, w.file ? " of " : "", w.file ? w.file : "", ": element [",
+                w.row0 + r, ", ", w.col0 + c, "] is ", row[c], "; non-finite weights are refused (fix the checkpoint)");
   TANDEM_FAIL(Errc::bad_format, "pack: ", what, " [", r, ", ", c, "] is ", row[c],
               "; integer formats cannot hold NaN or Inf (pack it as bf16, or fix the checkpoint)");
 }

@@ -80,10 +80,22 @@ void Engine::load_layer(int i, const std::function<ExpertSource(int)>& source, c
 }
 
 void Engine::load(const Checkpoint& ckpt, const ExpertNaming& naming, const Progress& progress) {
-  load_checkpoint_layers(
-      ckpt, spec_.layers, naming, spec_.shape,
-      [this](int i, const std::function<ExpertSource(int)>& source, const Progress& p) { load_layer(i, source, p); },
-      progress);
+  std::vector<int> begun;  // layers this call started: what a failure rolls back
+  try {
+    load_checkpoint_layers(
+        ckpt, spec_.layers, naming, spec_.shape,
+        [&](int i, const std::function<ExpertSource(int)>& source, const Progress& p) {
+          if (i >= 0 && i < moe_layers() && !layers_[i]->loaded()) begun.push_back(i);
+          load_layer(i, source, p);
+        },
+        progress);
+  } catch (...) {  // e.g. a non-finite weight found while packing: nothing stays half loaded
+    for (int i : begun) {
+      layers_[i]->unload();
+      hybrid_->set_hot(i, {}, {});
+    }
+    throw;
+  }
 }
 
 bool Engine::loaded() const {

@@ -1,7 +1,10 @@
 #include "expert_core.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <initializer_list>
+#include <string>
 
 #include "tandem/error.h"
 #include "tandem/trace.h"
@@ -10,12 +13,69 @@ namespace tandem::core {
 
 // ---- packs -------------------------------------------------------------------------
 
-ExpertPacks::ExpertPacks(const MoeShape& shape, const PackOptions& format, int subpools, Layout layout)
-    : shape_(shape), format_(format), layout_(layout), slices_(intermediate_slices(shape.inter, subpools, format)),
+ExpertPacks::ExpertPacks(const MoeShape& shape, const PackOptions& format, int subpools, Layout layout, int layer)
+    : shape_(shape), format_(format), layout_(layout), layer_(layer), slices_(intermediate_slices(shape.inter, subpools, format)),
       shards_(subpools) {
   for (auto& sh : shards_)
     for (auto* v : {&sh.gate_up, &sh.gate, &sh.up, &sh.down}) v->resize(shape.experts);
 }
+
+namespace {
+
+struct Source {
+  const WeightView* w;
+  std::string where;  // "layer 3, expert 5 gate"
+};
+
+// The first non-finite element of the sources, as an error naming it (its tensor and file
+// when known); without one, `cause` (a packing error) said of the first source's place.
+[[noreturn]] void refuse_non_finite(std::initializer_list<Source> sources, const Error* cause = nullptr) {
+  for (const Source& s : sources) {
+    const WeightView& w = *s.w;
+    std::vector<float> row(w.k);
+    for (int r = 0; r < w.n; ++r) {
+      decode_rows(w, r, 1, row.data());
+      for (int c = 0; c < w.k; ++c) {
+        if (std::isfinite(row[c])) continue;
+        if (w.name)
+          TANDEM_FAIL(Errc::bad_format, s.where, ": tensor ", w.name, w.file ? " of " : "", w.file ? w.file : "",
+                      ": element [", w.row0 + r, ", ", w.col0 + c, "] is ", row[c],
+                      "; non-finite weights are refused (fix the checkpoint)");
+        TANDEM_FAIL(Errc::bad_format, s.where, ": element [", w.row0 + r, ", ", w.col0 + c, "] is ", row[c],
+                    "; non-finite weights are refused");
+      }
+    }
+  }
+  if (cause) TANDEM_FAIL(cause->code(), sources.begin()->where, ": ", cause->message());
+  TANDEM_FAIL(Errc::internal, sources.begin()->where, ": a packed weight holds a non-finite value its source does not");
+}
+
+// A bf16 pack holds its source's values as they are: NaN / Inf there is refused like the
+// integer packs refuse it (one pass over the pack just written; the sources only on error).
+bool finite_bf16(const PackedWeight& p) {
+  if (p.format != WeightFormat::bf16) return true;
+  const auto* v = reinterpret_cast<const uint16_t*>(p.data.data());
+  uint16_t bad = 0;
+  for (size_t i = 0; i < p.data.size / 2; ++i) bad |= static_cast<uint16_t>((v[i] & 0x7f80) == 0x7f80);
+  return !bad;
+}
+
+// Runs make() (a pack of the sources); errors come out naming the layer, expert and
+// projection, and for checkpoints the tensor and file.
+template <class Make>
+PackedWeight packed(std::initializer_list<Source> sources, Make&& make) {
+  PackedWeight p;
+  try {
+    p = make();
+  } catch (const Error& err) {
+    if (err.code() != Errc::bad_format) throw;
+    refuse_non_finite(sources, &err);  // the integer packs refuse NaN / Inf: say exactly where
+  }
+  if (!finite_bf16(p)) refuse_non_finite(sources);
+  return p;
+}
+
+}  // namespace
 
 void ExpertPacks::pack_slice(int s, int e, const ExpertSource& src) {
   check_expert_source(src, shape_, e);
@@ -23,13 +83,19 @@ void ExpertPacks::pack_slice(int s, int e, const ExpertSource& src) {
   if (i0 == i1) return;
   const int H = shape_.hidden;
   Shard& sh = shards_[s];
+  const WeightView g = sub_view(src.gate, i0, i1 - i0, 0, H), u = sub_view(src.up, i0, i1 - i0, 0, H),
+                   d = sub_view(src.down, 0, H, i0, i1 - i0);
+  auto where = [&](const char* proj) {
+    return layer_ >= 0 ? str_cat("layer ", layer_, ", expert ", e, " ", proj) : str_cat("expert ", e, " ", proj);
+  };
+  const Source sg{&g, where("gate")}, su{&u, where("up")}, sd{&d, where("down")};
   if (layout_ == Layout::fused) {
-    sh.gate_up[e] = pack_gate_up(sub_view(src.gate, i0, i1 - i0, 0, H), sub_view(src.up, i0, i1 - i0, 0, H), format_);
+    sh.gate_up[e] = packed({sg, su}, [&] { return pack_gate_up(g, u, format_); });
   } else {
-    sh.gate[e] = pack(sub_view(src.gate, i0, i1 - i0, 0, H), format_);
-    sh.up[e] = pack(sub_view(src.up, i0, i1 - i0, 0, H), format_);
+    sh.gate[e] = packed({sg}, [&] { return pack(g, format_); });
+    sh.up[e] = packed({su}, [&] { return pack(u, format_); });
   }
-  sh.down[e] = pack(sub_view(src.down, 0, H, i0, i1 - i0), format_);
+  sh.down[e] = packed({sd}, [&] { return pack(d, format_); });
 }
 
 void ExpertPacks::load(Pool& pool, const std::function<ExpertSource(int)>& source, const Progress& progress) {

@@ -50,13 +50,17 @@ struct Scratch {
 class ExpertPacks {
  public:
   enum class Layout { fused, separate };  // gate and up: one pack (panels alternate) or two
-  ExpertPacks(const MoeShape& shape, const PackOptions& format, int subpools, Layout layout);
+  // layer: the model layer, for error messages (-1: not a model layer's, e.g. a stream's
+  // hot set).
+  ExpertPacks(const MoeShape& shape, const PackOptions& format, int subpools, Layout layout, int layer = -1);
 
   // Experts not held here (placed elsewhere): load skips them. Empty: all held.
   void set_skipped(std::vector<uint8_t> skipped) { skipped_ = std::move(skipped); }
   bool skipped(int e) const { return !skipped_.empty() && skipped_[e]; }
 
   // Packs subpool s's slice of expert e from src (checked against the shape first).
+  // Non-finite weights are refused in every format, the error naming the layer, expert,
+  // projection and element (and the tensor and file when src comes from a checkpoint).
   void pack_slice(int s, int e, const ExpertSource& src);
   // Every held expert, each subpool its slices on its own threads (first touch on its node).
   void load(Pool& pool, const std::function<ExpertSource(int)>& source, const Progress& progress = {});
@@ -91,6 +95,7 @@ class ExpertPacks {
   MoeShape shape_;
   PackOptions format_;
   Layout layout_;
+  int layer_;
   std::vector<int> slices_;
   std::vector<Shard> shards_;
   std::vector<uint8_t> skipped_;

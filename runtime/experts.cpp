@@ -66,6 +66,8 @@ WeightView checkpoint_view(const Checkpoint& ckpt, const std::string& name, int 
   v.data = t.data;
   v.n = n;
   v.k = k;
+  v.name = t.info->name.c_str();
+  v.file = ckpt.file_of(name).path().c_str();
   switch (t.info->dtype) {
     case Dtype::F32: v.type = SourceType::f32; break;
     case Dtype::BF16: v.type = SourceType::bf16; break;
@@ -73,7 +75,12 @@ WeightView checkpoint_view(const Checkpoint& ckpt, const std::string& name, int 
     case Dtype::F8_E4M3: {
       v.type = SourceType::f8_e4m3;
       const std::string sname = name + "_scale_inv";
-      if (ckpt.contains(sname)) {
+      // Without its block scales an FP8 weight is off by the scale (often 100x and more):
+      // never run it unscaled.
+      TANDEM_CHECK(ckpt.contains(sname), Errc::bad_format, "checkpoint ", ckpt.root().string(), ": ", name, " (file ",
+                   ckpt.file_of(name).path().string(), ") is F8_E4M3 but has no ", sname,
+                   " (its block scales); FP8 expert weights need them");
+      {
         const TensorView st = ckpt.tensor(sname);
         const int bn = static_cast<int>(st.info->shape.size() == 2 ? st.info->shape[0] : 0);
         const int bk = static_cast<int>(st.info->shape.size() == 2 ? st.info->shape[1] : 0);

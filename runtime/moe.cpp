@@ -18,7 +18,7 @@ MoeLayer::MoeLayer(Pool& pool, MoeShape shape, PackOptions format, int layer_ind
                  "moe: int4 group ", format.group, " must divide hidden (", shape.hidden, ") and intermediate (",
                  shape.inter, ")");
   }
-  packs_ = std::make_unique<core::ExpertPacks>(shape, format, pool.subpools(), core::ExpertPacks::Layout::fused);
+  packs_ = std::make_unique<core::ExpertPacks>(shape, format, pool.subpools(), core::ExpertPacks::Layout::fused, layer_index);
 }
 
 MoeLayer::~MoeLayer() = default;
@@ -52,6 +52,11 @@ void MoeLayer::load(const std::function<ExpertSource(int)>& source, const Progre
   TANDEM_CHECK(static_cast<bool>(source), Errc::invalid_argument, "moe: load without a weight source");
   packs_->load(pool_, source, progress);
   loaded_ = true;
+}
+
+void MoeLayer::unload() {
+  packs_->drop();
+  loaded_ = false;
 }
 
 void MoeLayer::load(const Checkpoint& ckpt, int layer, const ExpertNaming& naming, const Progress& progress) {

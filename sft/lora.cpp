@@ -161,7 +161,7 @@ LoraMoe::LoraMoe(Pool& pool, MoeShape shape, SftOptions options, int layer_index
                  Errc::invalid_argument, "lora: int4 group ", options.format.group, " must divide hidden (", shape.hidden,
                  ") and intermediate (", shape.inter, ")");
   scratch_->id = next_layer_id.fetch_add(1);
-  packs_ = std::make_unique<core::ExpertPacks>(shape, options.format, pool.subpools(), core::ExpertPacks::Layout::separate);
+  packs_ = std::make_unique<core::ExpertPacks>(shape, options.format, pool.subpools(), core::ExpertPacks::Layout::separate, layer_index);
   back_.resize(pool.subpools());
   for (auto& b : back_)
     for (auto* v : {&b.gu_t, &b.down_t}) v->resize(shape.experts);
@@ -171,12 +171,17 @@ std::pair<int, int> LoraMoe::slice(int subpool) const { return packs_->slice(sub
 
 LoraMoe::~LoraMoe() = default;
 
-void LoraMoe::load(const std::function<ExpertSource(int)>& source, const Progress& progress) {
-  TANDEM_CHECK(static_cast<bool>(source), Errc::invalid_argument, "lora: load without a weight source");
+void LoraMoe::unload() {
   loaded_ = backward_ready_ = false;
+  packs_->drop();
   for (auto& b : back_)
     for (auto* v : {&b.gu_t, &b.down_t})
       for (auto& w : *v) w = {};
+}
+
+void LoraMoe::load(const std::function<ExpertSource(int)>& source, const Progress& progress) {
+  TANDEM_CHECK(static_cast<bool>(source), Errc::invalid_argument, "lora: load without a weight source");
+  unload();
   packs_->load(pool_, source, progress);
   loaded_ = true;
 }

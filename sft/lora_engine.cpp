@@ -44,10 +44,15 @@ void LoraEngine::load_layer(int i, const std::function<ExpertSource(int)>& sourc
 }
 
 void LoraEngine::load(const Checkpoint& ckpt, const ExpertNaming& naming, const Progress& progress) {
-  load_checkpoint_layers(
-      ckpt, spec_.layers, naming, spec_.shape,
-      [this](int i, const std::function<ExpertSource(int)>& source, const Progress& p) { load_layer(i, source, p); },
-      progress);
+  try {
+    load_checkpoint_layers(
+        ckpt, spec_.layers, naming, spec_.shape,
+        [this](int i, const std::function<ExpertSource(int)>& source, const Progress& p) { load_layer(i, source, p); },
+        progress);
+  } catch (...) {  // e.g. a non-finite weight found while packing: nothing stays half loaded
+    for (auto& l : layers_) l->unload();
+    throw;
+  }
 }
 
 bool LoraEngine::loaded() const {

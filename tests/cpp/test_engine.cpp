@@ -544,6 +544,44 @@ TEST(Engine, CheckpointErrorsNameTheTensor) {
   }
 }
 
+// A non-finite weight is found while packing (reading every weight twice to find it up
+// front would double a model's load time), so late in the load: it is refused naming the
+// layer, expert, projection, tensor, file and element, in every format, and the layers
+// loaded before it are given back, hot experts included.
+TEST(Engine, NonFiniteWeightsAreRefusedAndNothingStaysLoaded) {
+  std::mt19937_64 rng(test_seed());
+  const Weights w(rng);
+  const std::string bad = expert_key(kLayers[1], 2, "up");
+  for (const std::string fmt : {"bf16", "int8", "int4"})
+    for (const float v : {std::nanf(""), -INFINITY}) {
+      SCOPED_TRACE(fmt + " " + std::to_string(v));
+      test::ScratchDir dir;
+      std::vector<test::Entry> es = checkpoint_entries(w, "F32");
+      for (auto& x : es)
+        if (x.name == bad) std::memcpy(x.bytes.data() + (size_t(1) * kH + 2) * 4, &v, 4);
+      const Checkpoint ckpt = write_checkpoint(dir, es);
+      Engine e(parse_config("version: 1\ncpu: {format: " + fmt +
+                                ", virtual_subpools: 2, threads: 1}\ngpu: {device: none, hot_experts: {count: 1}}\n",
+                            "engine.yaml"),
+               spec());
+      Errc code{};
+      const std::string msg = test::error_of([&] { e.load(ckpt, ExpertNaming::qwen3()); }, &code);
+      EXPECT_EQ(code, Errc::bad_format) << msg;
+      EXPECT_NE(msg.find(str_cat("expert 2 up: tensor ", bad, " of ")), std::string::npos) << msg;
+      EXPECT_NE(msg.find("model.safetensors: element [1, 2] is "), std::string::npos) << msg;
+      EXPECT_NE(msg.find("non-finite weights are refused"), std::string::npos) << msg;
+      EXPECT_FALSE(e.layer(0).loaded());
+      EXPECT_FALSE(e.layer(1).loaded());
+      EXPECT_EQ(e.cpu_bytes(), 0u);
+      EXPECT_EQ(e.device_bytes(), 0u);
+      // The fixed checkpoint then loads into the same engine.
+      test::ScratchDir dir2;
+      const Checkpoint good = write_checkpoint(dir2, checkpoint_entries(w, "F32"));
+      e.load(good, ExpertNaming::qwen3());
+      EXPECT_TRUE(e.loaded());
+    }
+}
+
 TEST(Engine, MisuseGetsAClearError) {
   std::mt19937_64 rng(test_seed());
   const Weights w(rng);

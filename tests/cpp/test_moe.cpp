@@ -286,6 +286,23 @@ TEST(MoeEngineApi, BadInputIsRefusedAndOutputUntouched) {
             "moe: expert 0 up is [32 x 64], the layer needs [64 x 64]");
   EXPECT_EQ(test::error_of([&] { MoeLayer l(*pool, {4, 64, 48}, {WeightFormat::int4, 32}); }),
             "moe: int4 group 32 must divide hidden (64) and intermediate (48)");
+  // Non-finite weights from memory (offload's torch tensors) are refused in every format,
+  // naming the layer, expert, projection and element of the full matrix (subpool slices
+  // are views into it).
+  for (const WeightFormat f : {WeightFormat::bf16, WeightFormat::int8}) {
+    MoeLayer l(*pool, {4, 64, 64}, {f}, 7);
+    std::vector<float> gate(g), down(g);
+    down[size_t(40) * 64 + 50] = -INFINITY;
+    EXPECT_EQ(test::error_of([&] {
+                l.load([&](int e) {
+                  WeightView v{g.data(), SourceType::f32, 64, 64}, d{(e == 3 ? down : g).data(), SourceType::f32, 64, 64};
+                  return ExpertSource{v, v, d};
+                });
+              }),
+              "layer 7, expert 3 down: element [40, 50] is -inf; non-finite weights are refused")
+        << format_name(f);
+    EXPECT_FALSE(l.loaded());
+  }
 }
 
 std::string bytes_of(const void* p, size_t n) { return std::string(static_cast<const char*>(p), n); }

@@ -103,7 +103,8 @@ struct Entry {
 
 // The bad checkpoints every expert loader must refuse by name, made from a good entry
 // list: `missing` removed, `reshaped` (bf16) given rows x cols where the layer needs
-// need_rows x cols, `retyped` given dtype I16. `needle` is what the error must contain.
+// need_rows x cols, `retyped` given dtype I16, then (the same tensor) dtype F8_E4M3 without
+// its `_scale_inv` block scales. `needle` is what the error must contain.
 struct CheckpointDefect {
   std::string what, needle;
   Errc code;
@@ -126,6 +127,12 @@ inline std::vector<CheckpointDefect> checkpoint_defects(const std::string& missi
          it->bytes.resize(static_cast<size_t>(rows * cols) * 2);
        }},
       {"wrong dtype", retyped + " has dtype I16", Errc::unsupported, [=](auto& es) { find(es, retyped)->dtype = "I16"; }},
+      {"fp8 without its scales", retyped + "_scale_inv (its block scales)", Errc::bad_format,
+       [=](auto& es) {
+         auto it = find(es, retyped);
+         it->dtype = "F8_E4M3";
+         it->bytes.resize(it->bytes.size() / 2, '\x38');  // 1.0 in E4M3
+       }},
   };
 }
 

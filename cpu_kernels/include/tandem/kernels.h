@@ -74,6 +74,10 @@ struct WeightView {
   // A view into part of a block-scaled weight starts at (row0, col0) of the full matrix,
   // whose block-scale rows hold scale_ld entries (0: ceil(k / block_k)).
   int row0 = 0, col0 = 0, scale_ld = 0;
+  // Where the weight comes from, for error messages (null: unknown): a checkpoint
+  // tensor's name and file. Errors about an element give its (row0 + r, col0 + c).
+  const char* name = nullptr;
+  const char* file = nullptr;
 };
 // Rows [r0, r0 + rows) x columns [c0, c0 + cols) of w, as a view of its own.
 WeightView sub_view(const WeightView& w, int r0, int rows, int c0, int cols);

@@ -78,6 +78,8 @@ class MoeLayer {
   // read in place, no full-size intermediate copy). Errors name the missing key or the
   // shape / dtype that does not fit.
   void load(const Checkpoint& ckpt, int layer, const ExpertNaming& naming, const Progress& progress = {});
+  // Frees every pack: the layer is as before load() (a failed model load rolls back).
+  void unload();
 
   // Validates (errors name the problem and leave out untouched), then queues the layer
   // on the pool and returns; x, ids, weights, mask and out must stay valid until

@@ -123,6 +123,8 @@ class LoraMoe {
   // subpool its slice on its own threads. Errors name the key / shape that does not fit.
   void load(const std::function<ExpertSource(int expert)>& source, const Progress& progress = {});
   void load(const Checkpoint& ckpt, int layer, const ExpertNaming& naming, const Progress& progress = {});
+  // Frees every pack, forward and backward: the layer is as before load().
+  void unload();
   // Builds the backward packs now (otherwise the first backward does).
   void prepare_backward(const Progress& progress = {});
   bool loaded() const { return loaded_; }
