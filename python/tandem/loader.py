@@ -68,13 +68,26 @@ class _Reader:
         self.ckpt = ckpt
         self._files: dict[str, Any] = {}
 
+    def file(self, name: str) -> str:
+        return self.ckpt.info(name)[2]
+
     def get(self, name: str) -> torch.Tensor:
-        file = self.ckpt.info(name)[2]
+        file = self.file(name)
         if file not in self._files:
             self._files[file] = self._open(file, framework="pt")
         t = self._files[file].get_tensor(name)
-        if t.dtype == torch.float8_e4m3fn and f"{name}_scale_inv" in self.ckpt:
+        if t.dtype == torch.float8_e4m3fn:
+            # Without its block scales an FP8 weight is off by the scale: never use it unscaled.
+            if f"{name}_scale_inv" not in self.ckpt:
+                raise ValueError(f"{file}: tensor {name!r} is F8_E4M3 but the checkpoint has no "
+                                 f"{name + '_scale_inv'!r} (its block scales); FP8 weights need them")
             t = _dequantize_fp8(t, self.get(f"{name}_scale_inv"))
+        if t.is_floating_point():
+            bad = ~torch.isfinite(t)
+            if bool(bad.any()):
+                where = [int(i) for i in bad.nonzero()[0]]
+                raise ValueError(f"{file}: tensor {name!r} element {where} is {t[tuple(where)].item()}; non-finite "
+                                 "weights are refused (fix the checkpoint)")
         return t
 
 
@@ -122,7 +135,10 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ValueError(f"{path}: no config.json (expected a transformers checkpoint directory)")
-    hf_config = AutoConfig.from_pretrained(path)
+    try:
+        hf_config = AutoConfig.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 (any failure to read it is about config.json: one line naming it)
+        raise ValueError(f"{path / 'config.json'}: {type(e).__name__}: {_first_line(e)}") from e
     if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"{path}: model_type {hf_config.model_type!r} is not supported "
                          f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
@@ -134,9 +150,14 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
     ckpt = _C.Checkpoint(str(path))
+    _check_config_against_checkpoint(path, hf_config, ckpt)
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError, RuntimeError) as e:
+        raise ValueError(f"{path / 'config.json'}: transformers cannot build the model from it: "
+                         f"{type(e).__name__}: {_first_line(e)}") from e
     blocks = find_moe_blocks(model)
     # What the experts classes compute: their structure, and their own forward run on
     # random weights (the meta model has none; the checkpoint's go straight to C++).
@@ -194,14 +215,25 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
         # transformers' rule: the meta model's dtype (built under `dtype`), fp32 where kept.
         target = torch.float32 if t.dtype.is_floating_point and keep_fp32(name) else t.dtype
         _set_tensor(model, name, value.to(device=device, dtype=target), name in params)
+    _init_non_persistent_buffers(model, device)
+    if tied:
+        model.tie_weights()
+        # A tied tensor the checkpoint also holds is the one it is tied to: it must hold the
+        # same values, or the checkpoint's would be silently dropped.
+        for name in sorted(tied):
+            key = _checkpoint_key(hf_config.model_type, name, ckpt)
+            if key is None or key in used:
+                continue
+            now = model.get_parameter(name)
+            if not torch.equal(reader.get(key).to(device=now.device, dtype=now.dtype), now.detach()):
+                raise ValueError(f"{path}: config.json ties {name!r} to another weight (tie_word_embeddings), but "
+                                 f"the checkpoint's {key!r} holds different values; fix config.json or the checkpoint")
+            used.update((key, key + "_scale_inv"))
     extra = [k for k in ckpt.names() if k not in used and k not in expert_keys and not _ignored(k, hf_config)]
     if extra:
         more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
         raise ValueError(f"{path}: checkpoint has tensors the model does not use: "
                          f"{', '.join(repr(k) for k in extra[:5])}{more}")
-    _init_non_persistent_buffers(model, device)
-    if tied:
-        model.tie_weights()
     meta = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.device.type == "meta"]
     if meta:
         raise ValueError(f"{path}: these tensors were not loaded: {', '.join(meta[:5])}")
@@ -253,9 +285,60 @@ def _init_non_persistent_buffers(model: nn.Module, device: torch.device) -> None
 
 
 def _ignored(key: str, hf_config: Any) -> bool:
-    """Checkpoint tensors transformers also ignores: rotary caches of old checkpoints, and layers
-    past num_hidden_layers (DeepSeek-V3's multi-token-prediction layer)."""
+    """Checkpoint tensors transformers also ignores: rotary caches of old checkpoints, and the
+    multi-token-prediction layers DeepSeek-V3 stores right after its num_hidden_layers
+    (num_nextn_predict_layers of them). Any other layer past num_hidden_layers is not
+    ignored: a config.json naming fewer layers than the checkpoint holds is an error."""
     if key.endswith("rotary_emb.inv_freq"):
         return True
     m = re.match(r"model\.layers\.(\d+)\.", key)
-    return bool(m) and int(m.group(1)) >= hf_config.num_hidden_layers
+    if not m:
+        return False
+    n = hf_config.num_hidden_layers
+    return n <= int(m.group(1)) < n + int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+# Sane upper bounds for config.json's sizes, checked before anything is built: a value in
+# the billions would otherwise make transformers build (or try to) a model that size.
+_CONFIG_BOUNDS = {
+    "num_hidden_layers": 4096, "hidden_size": 1 << 18, "intermediate_size": 1 << 20,
+    "moe_intermediate_size": 1 << 20, "vocab_size": 1 << 24, "num_attention_heads": 4096,
+    "num_key_value_heads": 4096, "head_dim": 1 << 14, "num_experts": 1 << 16, "n_routed_experts": 1 << 16,
+    "num_local_experts": 1 << 16, "num_experts_per_tok": 1 << 16, "n_shared_experts": 1 << 10,
+    "max_position_embeddings": 1 << 24, "first_k_dense_replace": 4096, "num_nextn_predict_layers": 64,
+}
+
+
+def _check_config_against_checkpoint(path: Path, hf_config: Any, ckpt: _C.Checkpoint) -> None:
+    """config.json's sizes within sane bounds, and its layer count the checkpoint's."""
+    where = path / "config.json"
+    for key, hi in _CONFIG_BOUNDS.items():
+        v = getattr(hf_config, key, None)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or not (0 <= v <= hi) or \
+                (v == 0 and key in ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads")):
+            raise ValueError(f"{where}: {key} = {v!r} is not a valid size (expected an integer in "
+                             f"[{0 if key not in ('num_hidden_layers', 'hidden_size') else 1}, {hi}])")
+    experts = [getattr(hf_config, k, None) for k in ("num_experts", "n_routed_experts", "num_local_experts")]
+    top_k = getattr(hf_config, "num_experts_per_tok", None)
+    for e in experts:
+        if e is not None and top_k is not None and top_k > e:
+            raise ValueError(f"{where}: num_experts_per_tok = {top_k} is more than the {e} experts")
+    layers = {int(m.group(1)) for k in ckpt.names() if (m := re.match(r"model\.layers\.(\d+)\.", k))}
+    n = hf_config.num_hidden_layers
+    missing = sorted(set(range(n)) - layers)
+    if missing:
+        shown = ", ".join(map(str, missing[:5])) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(f"{where}: num_hidden_layers = {n}, but the checkpoint has no tensors of layer {shown}")
+    nextn = int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0)
+    extra = sorted(i for i in layers if i >= n + nextn)
+    if extra:
+        raise ValueError(f"{where}: num_hidden_layers = {n}"
+                         f"{f' (+ {nextn} multi-token-prediction layers)' if nextn else ''}, but the checkpoint "
+                         f"holds layers up to {extra[-1]}: config.json describes a smaller model than the checkpoint")
