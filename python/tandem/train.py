@@ -15,21 +15,31 @@ checkpoint into the CPU pools), PEFT LoRA goes on every linear layer torch holds
 ``mlp.experts.gate_up_proj`` / ``down_proj``), and a plain torch loop trains it: AdamW,
 gradient clipping, warmup. Written to ``--out``: ``adapter/`` (a stock PEFT adapter),
 ``checkpoint/`` (adapter + optimizer + step + RNG, for ``--resume``), ``loss.csv`` and
-``loss.png``. Every save is atomic: a crash leaves the previous copy.
+``loss.png``. Every save is atomic: a crash leaves the previous copy, and the temporary
+folders a killed save leaves (``.checkpoint.tmp-PID``, ``.adapter.tmp-PID``) are removed by
+the next save or ``--resume`` (``remove_stale_temp_dirs``).
+
+The data file is read as a stream (``tandem.data_reader``): a record (a .jsonl line, a .txt
+paragraph) longer than ``--max-record-bytes`` (default 16 MiB), bytes that are not UTF-8 and
+malformed lines are errors naming FILE:LINE, checked before the model is loaded.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
+import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
+
+from .data_reader import DEFAULT_MAX_RECORD_BYTES, count_texts, format_size, iter_texts, parse_size
+from .data_reader import read_texts  # noqa: F401 (tandem.train.read_texts, as before the reader had its module)
 
 DEMO_DATA = Path(__file__).resolve().parent / "data" / "demo_sft.jsonl"
 STATE_FILE = "training_state.pt"
+RAISE_LIMIT = "--max-record-bytes N"  # how a data error tells the user to raise the record size limit
 
 
 # ---- atomic saving ---------------------------------------------------------------------
@@ -46,22 +56,103 @@ def _fsync_tree(path: Path) -> None:
         os.close(fd)
 
 
+# Test hook: seconds to sleep after writing a save's temporary copy and again between its
+# two renames, so that a test can kill `tandem train` in the middle of a save. Unset: no effect.
+SAVE_DELAY_ENV = "TANDEM_TEST_SAVE_DELAY"
+
+
+def _test_save_delay() -> None:
+    delay = os.environ.get(SAVE_DELAY_ENV)
+    if delay:
+        time.sleep(float(delay))
+
+
+def _process_start(pid: int) -> tuple[str, float] | None:
+    """(state, start time as a Unix time) of process `pid` from /proc (Linux), or None."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        btime = next(int(l.split()[1]) for l in Path("/proc/stat").read_text().splitlines() if l.startswith("btime "))
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state is field 3, starttime 22
+        return fields[0], btime + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _writer_may_be_alive(pid: int, modified: float) -> bool:
+    """Whether process `pid` may still be writing a temporary folder last modified at `modified`."""
+    if pid <= 0 or pid == os.getpid():  # this process writes only the folder it is about to make
+        return False
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:
+        pass  # alive, another user's
+    proc = _process_start(pid)
+    if proc is None:
+        return True
+    state, started = proc
+    # A zombie writes nothing; a process that started after the folder's last change is not
+    # its writer but a later one given the same pid (containers reuse small pids on every run).
+    # /proc's boot time is whole seconds: a second of margin.
+    return state not in ("Z", "X") and started <= modified + 1.0
+
+
+def remove_stale_temp_dirs(final: str | os.PathLike) -> list[Path]:
+    """Removes the temporary folders that interrupted ``atomic_dir(final)`` calls left next to
+    `final` (``.NAME.tmp-PID`` in its directory) and returns them.
+
+    Only folders of exactly that name are candidates (nothing else in the directory is ever
+    touched, nor anything outside it), and only those whose writer is gone: no live process
+    has that pid, or the one that has it is a zombie or started after the folder was last
+    modified (a reused pid). A live writer's folder is kept: another process saving the same
+    directory at this moment (data-parallel ranks that all call save_training_state, a second
+    job started on the same --out). Why the pid and not the age ("older than this save"): a
+    concurrent save that began a moment earlier is older too, and its folder would be deleted
+    under it; the pid is in the name already. The cost of the rule: a folder whose pid now
+    belongs to a process that was already running when the folder was last changed is kept by
+    mistake, which costs disk space until a later save, never data. Writers on another machine
+    sharing the directory are not told apart (their pids mean nothing here)."""
+    final = Path(final)
+    pattern = re.compile(re.escape(f".{final.name}.tmp-") + r"(\d{1,10})")
+    removed = []
+    try:
+        entries = list(os.scandir(final.parent))
+    except FileNotFoundError:
+        return removed
+    for e in entries:
+        m = pattern.fullmatch(e.name)
+        if not m or not e.is_dir(follow_symlinks=False):
+            continue
+        try:
+            modified = e.stat(follow_symlinks=False).st_mtime
+        except FileNotFoundError:
+            continue
+        if not _writer_may_be_alive(int(m.group(1)), modified):
+            shutil.rmtree(e.path, ignore_errors=True)
+            removed.append(Path(e.path))
+    return removed
+
+
 def atomic_dir(final: str | os.PathLike, write) -> Path:
     """Calls write(tmp_dir), then puts tmp_dir in place of `final` so that `final` is always
     either the old complete copy or the new complete one (a crash in between leaves
-    ``final.old`` complete, which ``resolve_dir`` picks up)."""
+    ``final.old`` complete, which ``resolve_dir`` picks up). Temporary folders of earlier,
+    killed saves of `final` are removed first (``remove_stale_temp_dirs``)."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     old = final.with_name(f"{final.name}.old")
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_stale_temp_dirs(final)  # ours included, if an earlier process had this pid
     tmp.mkdir()
     try:
         write(tmp)
+        _test_save_delay()
         _fsync_tree(tmp)
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)
             final.rename(old)
+            _test_save_delay()
         tmp.rename(final)
         shutil.rmtree(old, ignore_errors=True)
     finally:
@@ -127,40 +218,12 @@ def load_training_state(path: str | os.PathLike, model, optimizer=None, schedule
 
 # ---- data ------------------------------------------------------------------------------
 
-def read_texts(path: str | os.PathLike) -> list[str]:
-    """Texts of a .jsonl file (one {"text": ...} per line; or "prompt" + "completion") or of a
-    .txt file (paragraphs separated by blank lines)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{path}: no such data file")
-    if path.suffix == ".jsonl":
-        texts = []
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
-            if isinstance(row, dict) and isinstance(row.get("text"), str):
-                texts.append(row["text"])
-            elif isinstance(row, dict) and isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
-                texts.append(row["prompt"] + row["completion"])
-            else:
-                raise ValueError(f"{path}:{n}: expected an object with a string \"text\" (or \"prompt\" and "
-                                 f"\"completion\"), got keys {sorted(row) if isinstance(row, dict) else type(row).__name__}")
-    else:
-        texts = [t.strip() for t in path.read_text(encoding="utf-8").split("\n\n") if t.strip()]
-    if not texts:
-        raise ValueError(f"{path}: no texts")
-    return texts
-
-
 class PackedDataset:
-    """Texts tokenized, joined with EOS and cut into [seq] blocks; batch(step) is a pure
-    function of (seed, step), so a resumed run sees the batches the first run would have."""
+    """Texts (a list, or ``iter_texts(file)`` read as they are tokenized) tokenized, joined
+    with EOS and cut into [seq] blocks; batch(step) is a pure function of (seed, step), so a
+    resumed run sees the batches the first run would have."""
 
-    def __init__(self, texts: list[str], tokenizer, seq: int, seed: int = 0):
+    def __init__(self, texts: Iterable[str], tokenizer, seq: int, seed: int = 0):
         import torch
 
         ids: list[int] = []
@@ -230,10 +293,24 @@ def plot_loss(losses: list[float], out: Path, title: str) -> None:
     tmp.replace(out)
 
 
+def _byte_count(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint directory (default: the config's model.path, else the built-in "
                                    "demo model)")
-    p.add_argument("--data", help=".jsonl ({\"text\": ...} per line) or .txt file (default: the bundled demo dataset)")
+    p.add_argument("--data", help=".jsonl ({\"text\": ...} or {\"prompt\": ..., \"completion\": ...} per line) "
+                                  "or .txt file (paragraphs separated by empty lines), UTF-8 (default: the "
+                                  "bundled demo dataset)")
+    p.add_argument("--max-record-bytes", type=_byte_count, default=DEFAULT_MAX_RECORD_BYTES, metavar="N",
+                   help="the longest line of a .jsonl data file (paragraph of a .txt one) accepted, in bytes or "
+                        "with a K, M or G suffix (1024-based); a longer one is an error naming its line, found "
+                        "without reading that line whole (default: "
+                        f"{format_size(DEFAULT_MAX_RECORD_BYTES).replace(' ', '')})")
     p.add_argument("--config", help="placement YAML (default: configs/demo.yaml for the demo model, else the "
                                     "defaults)")
     p.add_argument("--out", default="tandem-train", help="output directory (default: ./tandem-train)")
@@ -262,7 +339,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_arguments(args: argparse.Namespace):
     """Everything that can be checked without the model; returns (model / config selection,
-    the data's texts, the trace path or None)."""
+    the data file (read through once: every record checked, none kept), the trace path or
+    None)."""
     from . import tracing
     from .cli_checks import (InputError, check_output_file, check_resume, check_train_out,
                              select_model_and_config)
@@ -272,8 +350,11 @@ def check_arguments(args: argparse.Namespace):
             raise InputError(f"--{name} must be at least 1, got {getattr(args, name)}")
     if not (args.lr > 0 and math.isfinite(args.lr)):
         raise InputError(f"--lr must be a positive number, got {args.lr}")
+    if args.max_record_bytes < 1:
+        raise InputError(f"--max-record-bytes must be at least 1, got {args.max_record_bytes}")
     sel = select_model_and_config(args)
-    texts = read_texts(Path(args.data) if args.data else DEMO_DATA)
+    data = Path(args.data) if args.data else DEMO_DATA
+    count_texts(data, args.max_record_bytes, RAISE_LIMIT)
     out = Path(args.out)
     check_train_out(out, args.resume, args.overwrite)
     if args.resume:
@@ -283,11 +364,11 @@ def check_arguments(args: argparse.Namespace):
     trace_path = args.trace or tracing.config_trace_path(sel.cfg)
     if trace_path and not args.trace:
         check_output_file(trace_path, f"{sel.config}: trace.path")
-    return sel, texts, trace_path
+    return sel, data, trace_path
 
 
 def train(args: argparse.Namespace) -> int:
-    sel, texts, trace_path = check_arguments(args)
+    sel, data, trace_path = check_arguments(args)
 
     import resource
 
@@ -304,7 +385,6 @@ def train(args: argparse.Namespace) -> int:
     check_device(args.device, sel, train=True)
     progress = not args.no_progress
     model_dir = sel.model or str(demo.ensure_demo_model(progress=progress))
-    data = Path(args.data) if args.data else DEMO_DATA
     out = Path(args.out)
     print(describe(sel, model_dir), flush=True)
 
@@ -318,7 +398,7 @@ def train(args: argparse.Namespace) -> int:
     tracing.cancel_pending()  # this command writes its trace itself, at its end: see below
     tandem.trace.enable(was_tracing)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    dataset = PackedDataset(texts, tok, args.seq, args.seed)
+    dataset = PackedDataset(iter_texts(data, args.max_record_bytes, RAISE_LIMIT), tok, args.seq, args.seed)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = get_peft_model(model, peft_config(model, args.rank, args.alpha))
@@ -329,6 +409,8 @@ def train(args: argparse.Namespace) -> int:
     trainable = sum(p.numel() for p in params)
     start, losses = 0, []
     if args.resume:
+        for name in ("checkpoint", "adapter"):  # what killed saves of the run left
+            remove_stale_temp_dirs(out / name)
         ckpt = resolve_dir(out / "checkpoint")
         try:
             start, extra = load_training_state(ckpt, model, opt, sched)

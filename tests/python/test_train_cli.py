@@ -60,7 +60,7 @@ def test_demo_job_learns_and_writes_adapter_checkpoint_and_plot(run60):
         assert (run60 / f).is_file(), f
     cfg = json.loads((run60 / "adapter" / "adapter_config.json").read_text())
     assert sorted(cfg["target_parameters"]) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
-    assert not [p for p in run60.parent.glob(".*tmp*")], "no temporary directories left behind"
+    assert not [p for p in run60.glob(".*tmp*")], "no temporary directories left behind"
 
 
 def test_resume_continues_with_the_same_next_step_loss(run60, tmp_path):
@@ -164,7 +164,8 @@ def _fake_checkpoint(d, rank: int, alpha: float):
 
 
 @pytest.mark.parametrize("case", ["existing-run", "resume-and-overwrite", "resume-rank", "resume-incomplete",
-                                  "trace-dir", "config-model-path", "device", "data"])
+                                  "trace-dir", "config-model-path", "device", "data", "data-not-utf8",
+                                  "data-huge-line", "data-bad-json", "max-record-bytes"])
 def test_train_checks_its_inputs_before_loading_a_model(case, tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
     argv = ["train", "--steps", "2", "--out", str(out), *SHORT]
@@ -195,10 +196,27 @@ def test_train_checks_its_inputs_before_loading_a_model(case, tmp_path, monkeypa
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
         argv += ["--device", "cuda:0"]
         message = "--device cuda:0: torch sees no CUDA device"
-    else:
+    elif case == "data":
         (tmp_path / "d.txt").write_text("\n\n  \n")
         argv += ["--data", str(tmp_path / "d.txt")]
         message = f"{tmp_path / 'd.txt'}: no texts"
+    elif case == "data-not-utf8":  # before: a bare UnicodeDecodeError, without the file
+        (tmp_path / "d.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "latin-1: \xe9t\xe9"}\n')
+        argv += ["--data", str(tmp_path / "d.jsonl")]
+        message = f"{tmp_path / 'd.jsonl'}:2: not UTF-8 text at byte offset 34 (0xe9: invalid continuation byte)"
+    elif case == "data-huge-line":  # before: read whole, however long
+        with open(tmp_path / "d.jsonl", "wb") as f:
+            f.write(b'{"text": "' + b"x" * 3 * 2**20 + b'"}\n')
+        argv += ["--data", str(tmp_path / "d.jsonl"), "--max-record-bytes", "1M"]
+        message = (f"{tmp_path / 'd.jsonl'}:1: line longer than 1 MiB, the limit on one record; raise it with "
+                   "--max-record-bytes N if the data really has records this long")
+    elif case == "data-bad-json":
+        (tmp_path / "d.jsonl").write_text('{"text": "ok"}\n\n{"text": "no end}\n')
+        argv += ["--data", str(tmp_path / "d.jsonl")]
+        message = f"{tmp_path / 'd.jsonl'}:3: not JSON (Unterminated string starting at, column 10)"
+    else:
+        argv += ["--max-record-bytes", "0"]
+        message = "--max-record-bytes must be at least 1, got 0"
     monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "cache"))
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
@@ -237,3 +255,158 @@ def test_train_uses_the_configs_model_path_and_trace_then_overwrite(cache, tmp_p
     assert len(losses(out)) == 1
     assert torch.load(out / "checkpoint" / "training_state.pt", weights_only=False)["step"] == 1
     assert json.loads(trace.read_text())["traceEvents"]
+
+
+def test_max_record_bytes_raises_the_limit(tmp_path):
+    from tandem.train import DEFAULT_MAX_RECORD_BYTES, check_arguments
+
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "' + "x" * 3000 + '"}\n')
+    parser = cli.build_parser()
+
+    def check(*flags):
+        return check_arguments(parser.parse_args(["train", "--data", str(data), "--out", str(tmp_path / "o"), *flags]))
+
+    assert parser.parse_args(["train"]).max_record_bytes == DEFAULT_MAX_RECORD_BYTES == 16 * 2**20
+    assert check()[1] == data
+    with pytest.raises(ValueError, match=r"d.jsonl:1: line longer than 2 KiB, .*raise it with --max-record-bytes N"):
+        check("--max-record-bytes", "2K")
+    assert check("--max-record-bytes", "4K")[1] == data
+    assert check("--max-record-bytes", "3012")[1] == data  # the line's bytes, without its \n
+
+
+# ---- atomic saves: temporary folders of killed saves ------------------------------------
+
+def test_stale_temp_folders_and_nothing_else_are_removed(tmp_path):
+    import subprocess
+    import time
+
+    from tandem.train import atomic_dir, remove_stale_temp_dirs
+
+    def process_state(pid):
+        return open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0]
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    zombie = subprocess.Popen(["true"])  # exits and is not reaped until wait()
+    for _ in range(500):
+        if process_state(zombie.pid) == "Z":
+            break
+        time.sleep(0.01)
+    live = subprocess.Popen(["sleep", "60"])  # a writer saving at this moment (started before its folder)
+    try:
+        final = tmp_path / "checkpoint"
+        stale = [f".checkpoint.tmp-{dead.pid}", f".checkpoint.tmp-{zombie.pid}", f".checkpoint.tmp-{os.getpid()}"]
+        kept = [f".checkpoint.tmp-{live.pid}",      # a live writer's
+                f".adapter.tmp-{dead.pid}",         # another name's (removed by that name's next save)
+                f"checkpoint.tmp-{dead.pid}", f".checkpoint.tmp-{dead.pid}x", ".checkpoint.tmp-", ".checkpoint.tmp-abc",
+                f".checkpoint.old.tmp-{dead.pid}", "checkpoint.old", "notes"]
+        for name in stale + kept:
+            (tmp_path / name).mkdir()
+            (tmp_path / name / "adapter_model.safetensors").write_bytes(b"partial")
+        (tmp_path / "sub").mkdir()
+        (tmp_path / "sub" / f".checkpoint.tmp-{dead.pid}").mkdir()      # not in the output directory
+        (tmp_path / ".checkpoint.tmp-999999991").write_text("a file")  # tandem's temps are folders
+        elsewhere = tmp_path / "sub" / "target"
+        elsewhere.mkdir()
+        (elsewhere / "keep").write_text("x")
+        (tmp_path / ".checkpoint.tmp-999999992").symlink_to(elsewhere, target_is_directory=True)
+        before = sorted(p.name for p in tmp_path.iterdir())
+
+        assert sorted(p.name for p in remove_stale_temp_dirs(final)) == sorted(stale)
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(set(before) - set(stale))
+        assert (elsewhere / "keep").is_file() and (tmp_path / "sub" / f".checkpoint.tmp-{dead.pid}").is_dir()
+
+        # The live process's folder, modified before that process started: not its folder but
+        # one of an earlier process that had the same pid.
+        old = time.time() - 3600
+        os.utime(tmp_path / f".checkpoint.tmp-{live.pid}", (old, old))
+        (tmp_path / f".checkpoint.tmp-{dead.pid}").mkdir()
+        atomic_dir(final, lambda d: (d / "f").write_text("saved"))  # a save cleans up first
+        assert (final / "f").read_text() == "saved"
+        after = sorted(p.name for p in tmp_path.iterdir())
+        # (checkpoint.old, the previous copy, goes once the new one is in place, as it always did)
+        assert after == sorted(set(before) - set(stale) - {f".checkpoint.tmp-{live.pid}", "checkpoint.old"}
+                               | {"checkpoint"})
+    finally:
+        live.kill()
+        live.wait()
+        zombie.wait()
+
+
+def test_killed_training_resumes_and_no_temp_folder_survives(cache, tmp_path, seed):
+    """`tandem train` killed (SIGKILL) three times at random moments (a fixed seed), two of them
+    inside a save (the test hook TANDEM_TEST_SAVE_DELAY holds each save open after writing its
+    temporary copy and again between its two renames), then run to the end: after every kill
+    the checkpoint is complete (or there is none yet) and never older than before, the next
+    run resumes from it, and no temporary folder survives the next successful saves."""
+    import random
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from tandem.train import SAVE_DELAY_ENV, resolve_dir
+
+    rng = random.Random(seed)
+    out, delay, steps = tmp_path / "out", 0.3, 12
+    argv = [sys.executable, "-m", "tandem", "train", "--steps", str(steps), "--save-every", "3", "--out", str(out),
+            "--batch", "2", "--seq", "16", "--warmup", "2", "--no-progress"]
+
+    def checkpoint_step():
+        ck = resolve_dir(out / "checkpoint")
+        if not ck.exists():
+            return None
+        files = {f.name for f in ck.iterdir()}
+        assert {"adapter_config.json", "adapter_model.safetensors", "training_state.pt"} <= files, files
+        return torch.load(ck / "training_state.pt", weights_only=False)["step"]
+
+    def temps():
+        return sorted(p.name for p in out.glob(".*.tmp-*")) if out.exists() else []
+
+    left, last_step, kills = set(), 0, []
+    for kind in rng.sample(["save-writing", "save-renaming", "anytime"], 3):
+        step = checkpoint_step()
+        p = subprocess.Popen(argv + (["--resume"] if step is not None else []), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, env=dict(os.environ, **{SAVE_DELAY_ENV: str(delay)}))
+        watchdog = threading.Timer(120, p.kill)  # a hung run fails the test instead of hanging it
+        watchdog.start()
+        try:
+            lines = []
+            for line in p.stdout:  # until training starts
+                lines.append(line)
+                if line.startswith("loaded:"):
+                    break
+            else:
+                pytest.fail(f"tandem train ended before training: {''.join(lines)}")
+            if kind == "anytime":
+                wait = rng.uniform(0.0, 2.0)
+            else:  # this process's own temporary folder appears: a save has begun
+                mine = {f".checkpoint.tmp-{p.pid}", f".adapter.tmp-{p.pid}"}
+                deadline = time.monotonic() + 60
+                while not mine & set(temps()) and p.poll() is None and time.monotonic() < deadline:
+                    time.sleep(0.002)
+                assert mine & set(temps()), "no save began"
+                # writing the copy + the first delay, or the second delay (between the renames)
+                wait = rng.uniform(0, 0.8 * delay) if kind == "save-writing" else rng.uniform(1.1 * delay, 1.9 * delay)
+            time.sleep(wait)
+        finally:
+            watchdog.cancel()
+            p.kill()
+            p.wait()
+            p.stdout.close()
+        left |= set(temps())
+        step = checkpoint_step()
+        kills.append(f"{kind} +{wait:.2f}s: step {step}, {sorted(p.name for p in out.iterdir())}")
+        assert (step or 0) >= last_step
+        last_step = step or 0
+    print("[measure] kills:\n  " + "\n  ".join(kills))
+    assert left, "the killed saves left no temporary folder: the test proves nothing"
+
+    resume = checkpoint_step() is not None
+    r = subprocess.run(argv + (["--resume"] if resume else []), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert ("resuming at step" in r.stdout) == resume
+    assert len(losses(out)) == steps and checkpoint_step() == steps
+    assert sorted(p.name for p in out.iterdir()) == ["adapter", "checkpoint", "loss.csv", "loss.png"], \
+        f"left behind: {sorted(p.name for p in out.iterdir())} (temporary folders of the kills: {sorted(left)})"
