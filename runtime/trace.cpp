@@ -32,14 +32,18 @@ struct Chunk {
   std::atomic<Chunk*> next{nullptr};
 };
 
+// A thread's spans. The first chunk (160 KB) comes with the first span, not with the
+// thread: every pool and stream thread names itself, and an engine made and freed in a
+// loop (tests, notebooks, reload loops) must not keep a chunk per thread it ever had.
 struct ThreadBuffer {
   int tid = 0;
   std::string name;
   int process = 0;
-  Chunk* head = new Chunk;
-  Chunk* tail = head;  // owner only
+  std::atomic<Chunk*> head{nullptr};  // written once by the owner, read by writers of the trace
+  Chunk* tail = nullptr;              // owner only
+  bool empty() const { return head.load(std::memory_order_acquire) == nullptr; }
   ~ThreadBuffer() {
-    for (Chunk* c = head; c;) {
+    for (Chunk* c = head.load(); c;) {
       Chunk* n = c->next.load();
       delete c;
       c = n;
@@ -61,17 +65,30 @@ Registry& registry() {
 
 std::atomic<bool> g_enabled{false};
 
+// A thread's registration: its buffer stays after the thread exits when it holds spans
+// (a trace written later shows them); one without spans is dropped with its thread.
+struct Registration {
+  ThreadBuffer* b = nullptr;
+  ~Registration() {
+    if (!b || !b->empty()) return;
+    auto& r = registry();
+    std::lock_guard<std::mutex> lock(r.mu);
+    std::erase_if(r.buffers, [&](const std::unique_ptr<ThreadBuffer>& x) { return x.get() == b; });
+  }
+};
+
 ThreadBuffer& buffer() {
-  thread_local ThreadBuffer* b = [] {
+  thread_local Registration reg;
+  if (!reg.b) {
     auto& r = registry();
     std::lock_guard<std::mutex> lock(r.mu);
     auto owned = std::make_unique<ThreadBuffer>();
     owned->tid = r.next_tid++;
     owned->name = "thread " + std::to_string(owned->tid);
     r.buffers.push_back(std::move(owned));
-    return r.buffers.back().get();
-  }();
-  return *b;
+    reg.b = r.buffers.back().get();
+  }
+  return *reg.b;
 }
 
 std::string json_escape(const std::string& s) {
@@ -126,8 +143,15 @@ void name_thread(const std::string& name, int process, const std::string& proces
 }
 
 void record(const char* name, int64_t begin_ns, int64_t end_ns, const Args& args) noexcept {
+  if (!enabled()) return;
   ThreadBuffer& b = buffer();
   Chunk* c = b.tail;
+  if (!c) {
+    c = new (std::nothrow) Chunk;
+    if (!c) return;  // out of memory: drop the span, never crash the work
+    b.tail = c;
+    b.head.store(c, std::memory_order_release);
+  }
   size_t n = c->count.load(std::memory_order_relaxed);
   if (n == kChunk) {
     Chunk* fresh = new (std::nothrow) Chunk;
@@ -145,7 +169,7 @@ size_t span_count() {
   std::lock_guard<std::mutex> lock(r.mu);
   size_t total = 0;
   for (auto& b : r.buffers)
-    for (Chunk* c = b->head; c; c = c->next.load(std::memory_order_acquire)) total += c->count.load(std::memory_order_acquire);
+    for (Chunk* c = b->head.load(std::memory_order_acquire); c; c = c->next.load(std::memory_order_acquire)) total += c->count.load(std::memory_order_acquire);
   return total;
 }
 
@@ -173,7 +197,7 @@ void write(const std::filesystem::path& path) {
     for (auto& b : r.buffers) {
       emit(str_cat("{\"ph\": \"M\", \"name\": \"thread_name\", \"pid\": ", pid * 100 + b->process, ", \"tid\": ", b->tid,
                    ", \"args\": {\"name\": \"", json_escape(b->name), "\"}}"));
-      for (Chunk* c = b->head; c; c = c->next.load(std::memory_order_acquire)) {
+      for (Chunk* c = b->head.load(std::memory_order_acquire); c; c = c->next.load(std::memory_order_acquire)) {
         const size_t n = c->count.load(std::memory_order_acquire);
         for (size_t i = 0; i < n; ++i) {
           const Event& e = c->events[i];

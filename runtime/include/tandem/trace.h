@@ -30,7 +30,8 @@ void name_thread(const std::string& name, int process = 0, const std::string& pr
 
 int64_t now_ns() noexcept;  // steady clock
 
-// Records [begin, end) on the calling thread.
+// Records [begin, end) on the calling thread when recording is on (otherwise nothing:
+// no buffer is made for the thread).
 void record(const char* name, int64_t begin_ns, int64_t end_ns, const Args& args = {}) noexcept;
 
 class Span {
