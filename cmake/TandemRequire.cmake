@@ -1,7 +1,7 @@
 # tandem_require(FOUND_VAR WHAT PACKAGES): stop the configure step, naming what is
 # missing and the Debian / Ubuntu package(s) that provide it, when FOUND_VAR is false.
-#   tandem_require(yaml-cpp_FOUND "yaml-cpp (placement configs)" libyaml-cpp-dev)
-# -> CMake Error: tandem needs yaml-cpp (placement configs): apt-get install libyaml-cpp-dev
+#   tandem_require(YAML_FOUND "libyaml (placement configs)" libyaml-dev)
+# -> CMake Error: tandem needs libyaml (placement configs): apt-get install libyaml-dev
 #    (or set CMAKE_PREFIX_PATH to where it is installed)
 macro(tandem_require found what packages)
   if(NOT ${found})

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The checks tandem's CPU-only test run cannot do, on a machine with an NVIDIA GPU
 # (H100 / H200: CUDA 13, Python with torch, transformers, peft, pybind11, cmake, ninja),
-# which may lack tandem's system libraries (oneDNN, hwloc, libnuma, yaml-cpp) and network.
+# which may lack tandem's system libraries (oneDNN, hwloc, libnuma, libyaml) and network.
 #
 #   scripts/gpu_check.sh [--build-dir DIR] [--no-python] [--no-bench] [--no-run]
 #
@@ -137,7 +137,7 @@ if [[ -x $BUILD/tests/tandem_tests ]]; then
   fi
 else
   BUILD=build-gpu-local
-  log "no prebuilt build dir: configuring $BUILD/ (needs oneDNN, hwloc, libnuma, yaml-cpp, nlohmann-json, GoogleTest)"
+  log "no prebuilt build dir: configuring $BUILD/ (needs oneDNN, hwloc, libnuma, libyaml, nlohmann-json, GoogleTest)"
   if cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTANDEM_CUDA=ON -DTANDEM_CUDA_ARCHS="$arch" \
        -DTANDEM_TESTS=ON -DTANDEM_BENCH=ON -DTANDEM_PYTHON=OFF >"$LOGS/build.log" 2>&1 &&
      cmake --build "$BUILD" -j "$(nproc)" --target tandem_tests bench_hybrid >>"$LOGS/build.log" 2>&1; then
@@ -212,7 +212,7 @@ else
     [[ -n $d ]] && { cuda_link+=("$d/$lib"); rpath="$rpath:$d"; }
   done
   carried=()
-  for lib in "$BUILD"/lib/libdnnl.so.* "$BUILD"/lib/libhwloc.so.* "$BUILD"/lib/libnuma.so.* "$BUILD"/lib/libyaml-cpp.so.*; do
+  for lib in "$BUILD"/lib/libdnnl.so.* "$BUILD"/lib/libhwloc.so.* "$BUILD"/lib/libnuma.so.* "$BUILD"/lib/libyaml-0.so.*; do
     [[ -e $lib ]] && carried+=("$lib")
   done
   log "building tandem._C for $("$PY" --version)"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds, on this (build) machine, what scripts/gpu_check.sh needs on a GPU machine that
 # has CUDA, Python and torch but none of tandem's system libraries (oneDNN, hwloc, libnuma,
-# yaml-cpp) and no network: a small, self-contained build-gpu/ to carry there.
+# libyaml) and no network: a small, self-contained build-gpu/ to carry there.
 #
 #   scripts/pack_gpu_build.sh            # -> build-gpu/ (the CMake tree stays in build-gpu-work/)
 #   TANDEM_GPU_ARCHS="90" ...            # device code (default 90: H100 / H200)
@@ -12,7 +12,7 @@
 #   bench/bench_hybrid     the hybrid scheduler benchmark, stripped
 #   libtandem.a            the library (debug info stripped), to link the Python module there
 #   lib/                   the shared libraries ldd names that a bare CUDA machine lacks:
-#                          oneDNN, hwloc, libnuma, yaml-cpp, OpenMP and their own dependencies;
+#                          oneDNN, hwloc, libnuma, libyaml, OpenMP and their own dependencies;
 #                          not glibc / libstdc++ / libgcc (any Linux has them; this machine's
 #                          glibc is the oldest one the binaries need) and not CUDA's libraries
 #                          (cuBLAS, NCCL, the driver: the GPU machine's toolkit or torch has them)
@@ -58,7 +58,7 @@ for bin in "$OUT/tests/tandem_tests" "$OUT/bench/bench_hybrid"; do
   done < <(ldd "$bin")
 done
 # libtandem.a links these too (the Python module built on the GPU machine needs them by name).
-for name in libdnnl.so.2 libhwloc.so.15 libnuma.so.1; do
+for name in libdnnl.so.2 libhwloc.so.15 libnuma.so.1 libyaml-0.so.2; do
   [[ -e "$OUT/lib/$name" ]] || log "warning: $name is not among the libraries ldd named"
 done
 chmod 644 "$OUT"/lib/*

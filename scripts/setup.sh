@@ -19,7 +19,7 @@ APT_PACKAGES=(
   ccache                      # the C++ build and the Python extension share objects
   libhwloc-dev hwloc          # topology, thread pinning
   libnuma-dev numactl         # NUMA memory binding
-  libyaml-cpp-dev             # placement config
+  libyaml-dev                 # placement config (libyaml: the C YAML parser)
   nlohmann-json3-dev          # safetensors header, Chrome trace
   pybind11-dev                # C++ side of the Python module
   libgtest-dev libgmock-dev   # C++ tests

@@ -6,6 +6,12 @@
 
 #include <sys/stat.h>
 
+#include <chrono>
+#include <future>
+#include <memory>
+#include <set>
+#include <thread>
+
 #include "tandem/config.h"
 #include "test_util.h"
 
@@ -183,6 +189,242 @@ TEST(Config, ShippedExamplesParse) {
     ++n;
   }
   EXPECT_GE(n, 3);
+}
+
+// ---- hostile inputs: each is refused (or read) in bounded time and memory ------------------
+
+// Generous for any machine: every input below takes milliseconds.
+constexpr auto kBound = std::chrono::seconds(5);
+
+struct Outcome {
+  bool finished = false;  // within kBound
+  bool parsed = false;
+  Errc code{};
+  std::string message;
+};
+
+// Parses each input on a thread of its own and waits at most kBound for all of them: a
+// parser that loops fails the test instead of hanging the suite (the stuck thread is left
+// behind). An exception other than tandem::Error reaches the test through the future.
+std::vector<Outcome> parse_all_within(std::vector<std::string> inputs, const ConfigLimits& limits = {}) {
+  auto task = std::make_shared<std::packaged_task<std::vector<Outcome>()>>([inputs = std::move(inputs), limits] {
+    std::vector<Outcome> out(inputs.size());
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      out[i].finished = true;
+      try {
+        parse_config(inputs[i], "p.yaml", {}, limits);
+        out[i].parsed = true;
+      } catch (const Error& e) {
+        out[i].code = e.code();
+        out[i].message = e.message();
+      }
+    }
+    return out;
+  });
+  std::future<std::vector<Outcome>> done = task->get_future();
+  std::thread([task] { (*task)(); }).detach();
+  if (done.wait_for(kBound) != std::future_status::ready) return {};
+  return done.get();
+}
+
+Outcome parse_within(std::string yaml, const ConfigLimits& limits = {}) {
+  std::vector<Outcome> o = parse_all_within({std::move(yaml)}, limits);
+  return o.empty() ? Outcome{} : o[0];
+}
+
+// The error an input gets within kBound ("<no answer>" when it took longer, "<parsed>" when
+// it was accepted).
+std::string bounded_err(std::string yaml, const ConfigLimits& limits = {}) {
+  const Outcome o = parse_within(std::move(yaml), limits);
+  if (!o.finished) return "<no answer within the bound>";
+  if (o.parsed) return "<parsed>";
+  EXPECT_EQ(o.code, Errc::invalid_argument) << o.message;
+  return o.message;
+}
+
+// yaml-cpp 0.7 looped forever (taking gigabytes) on exactly these among the 1- and 2-
+// character printable ASCII files: "," alone, "," followed by any character, " ," and "!,".
+TEST(ConfigHostile, InputsThatHungYamlCpp) {
+  std::vector<std::string> inputs = {",", " ,", "!,"};
+  for (char c = ' '; c <= '~'; ++c) inputs.push_back(std::string{',', c});
+  ASSERT_EQ(inputs.size(), 98u);
+  const std::vector<Outcome> out = parse_all_within(inputs);
+  ASSERT_EQ(out.size(), inputs.size()) << "the parser did not return within the bound";
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    SCOPED_TRACE("input '" + inputs[i] + "'");
+    EXPECT_FALSE(out[i].parsed);
+    EXPECT_EQ(out[i].code, Errc::invalid_argument);
+    EXPECT_EQ(out[i].message.rfind("p.yaml:1:", 0), 0u) << out[i].message;
+    EXPECT_NE(out[i].message.find(": YAML syntax error: "), std::string::npos) << out[i].message;
+  }
+  EXPECT_EQ(out[0].message,
+            "p.yaml:1:1: YAML syntax error: did not find expected node content (while parsing a block node at 1:1)");
+}
+
+// Every file of one or two printable characters gets an answer (a config or an error).
+TEST(ConfigHostile, EveryShortInputReturns) {
+  std::vector<std::string> inputs;
+  for (char a = ' '; a <= '~'; ++a) {
+    inputs.push_back(std::string(1, a));
+    for (char b = ' '; b <= '~'; ++b) inputs.push_back(std::string{a, b});
+  }
+  const std::vector<Outcome> out = parse_all_within(inputs);
+  ASSERT_EQ(out.size(), inputs.size()) << "the parser did not return within the bound";
+  for (size_t i = 0; i < inputs.size(); ++i)
+    if (!out[i].parsed) EXPECT_EQ(out[i].message.rfind("p.yaml:", 0), 0u) << "'" << inputs[i] << "': " << out[i].message;
+}
+
+// Anchors and aliases are refused where they appear: a placement never needs them, and a
+// few lines of them expand into a tree of any size ("billion laughs").
+TEST(ConfigHostile, AnchorsAndAliasesAreRefused) {
+  std::string laughs = "a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n";
+  for (int i = 1; i < 10; ++i) {
+    laughs += str_cat("a", i, ": &a", i, " [");
+    for (int j = 0; j < 10; ++j) laughs += str_cat(j ? ", " : "", "*a", i - 1);
+    laughs += "]\n";
+  }
+  laughs += "gpu: {hot_experts: {layers: {0: *a9}}}\n";
+  EXPECT_EQ(bounded_err(laughs), "p.yaml:1:5: a0: YAML anchors are not supported (&a0); write the value out where it is used");
+  EXPECT_EQ(bounded_err("gpu:\n  hot_experts:\n    layers: {0: &ids [1, 2], 1: *ids}\n"),
+            "p.yaml:3:17: gpu.hot_experts.layers.0: YAML anchors are not supported (&ids); write the value out where it is used");
+  EXPECT_EQ(bounded_err("cpu:\n  numa_nodes: [0, &n 1]\n"),
+            "p.yaml:2:19: cpu.numa_nodes[1]: YAML anchors are not supported (&n); write the value out where it is used");
+  EXPECT_EQ(bounded_err("cpu: *settings\n"), "p.yaml:1:6: cpu: YAML aliases are not supported (*settings); write the value out");
+}
+
+TEST(ConfigHostile, DeepNestingIsRefused) {
+  const std::string path32 = [] {
+    std::string p;
+    for (int i = 0; i < 32; ++i) p += "[0]";
+    return p;
+  }();
+  const std::string over = ": nested more than 32 levels deep, over the limit (TANDEM_CONFIG_MAX_DEPTH raises it)";
+  const int n = 200000;
+  EXPECT_EQ(bounded_err(std::string(n, '[') + std::string(n, ']')), "p.yaml:1:33: " + path32 + over);
+  EXPECT_EQ(bounded_err(std::string(n, '[')), "p.yaml:1:33: " + path32 + over);  // never closed
+  std::string block;
+  for (int i = 0; i < 1000; ++i) block += std::string(2 * i, ' ') + "a:\n";
+  const std::string a32 = "a.a.a.a.a.a.a.a.a.a.a.a.a.a.a.a.a.a.a.a.a.a.a.a.a.a.a.a.a.a.a.a";
+  EXPECT_EQ(bounded_err(block), "p.yaml:33:65: " + a32 + over);
+  std::string flow_maps;
+  for (int i = 0; i < n; ++i) flow_maps += "{a: ";
+  EXPECT_EQ(bounded_err(flow_maps), "p.yaml:1:129: " + a32 + over);
+  // The schema's own depth (4: gpu.hot_experts.layers.N) is far inside the limit.
+  ConfigLimits tight;
+  tight.max_depth = 3;
+  EXPECT_EQ(bounded_err("gpu:\n  hot_experts:\n    layers: {0: [1]}\n", tight),
+            "p.yaml:3:13: gpu.hot_experts.layers: nested more than 3 levels deep, over the limit (TANDEM_CONFIG_MAX_DEPTH raises it)");
+}
+
+TEST(ConfigHostile, HugeDocumentsAreRefused) {
+  // Bytes: checked before anything is parsed.
+  EXPECT_EQ(bounded_err("# " + std::string(2 << 20, 'x') + "\n"),
+            "p.yaml: the config is 2097155 bytes, over the limit of 1048576 bytes (TANDEM_CONFIG_MAX_BYTES raises it)");
+  // Nodes: a list of 300000 one-character items fits in 1 MiB but not in 2^18 nodes.
+  std::string many = "cpu:\n  numa_nodes: [";
+  for (int i = 0; i < 300000; ++i) many += "0,";
+  many += "]\n";
+  ASSERT_LT(many.size(), size_t(1) << 20);
+  const std::string nodes = bounded_err(many);
+  EXPECT_EQ(nodes.rfind("p.yaml:2:", 0), 0u) << nodes;
+  EXPECT_NE(nodes.find(": more than 262144 YAML nodes, over the limit (TANDEM_CONFIG_MAX_NODES raises it)"), std::string::npos)
+      << nodes;
+  // A file is refused by its size without being read: 64 GiB here (sparse, nothing written).
+  test::ScratchDir dir;
+  const auto big = dir / "big.yaml";
+  test::write_file(big, "version: 1\n");
+  std::filesystem::resize_file(big, uint64_t(64) << 30);
+  auto task = std::make_shared<std::packaged_task<std::string()>>([big] { return test::error_of([&] { load_config(big); }); });
+  std::future<std::string> done = task->get_future();
+  std::thread([task] { (*task)(); }).detach();
+  ASSERT_EQ(done.wait_for(kBound), std::future_status::ready) << "load_config read a 64 GiB file";
+  EXPECT_EQ(done.get(), big.string() +
+                            ": the config is 68719476736 bytes, over the limit of 1048576 bytes (TANDEM_CONFIG_MAX_BYTES raises it)");
+}
+
+// What a large real placement may hold, explicit lists for 256 layers x 256 experts
+// (300 KB, 2^16 ids), is well inside the limits and quick.
+TEST(ConfigHostile, LargeValidConfigParsesQuickly) {
+  std::string yaml = "gpu:\n  hot_experts:\n    layers:\n";
+  for (int l = 0; l < 256; ++l) {
+    yaml += str_cat("      ", l, ": [");
+    for (int e = 0; e < 256; ++e) yaml += str_cat(e ? ", " : "", e);
+    yaml += "]\n";
+  }
+  ASSERT_TRUE(parse_within(yaml).parsed);
+  const Config c = parse_config(yaml);
+  ASSERT_EQ(c.gpu.hot_experts.layers.size(), 256u);
+  EXPECT_EQ(c.gpu.hot_experts.layers.at(255).size(), 256u);
+  EXPECT_EQ(c.gpu.hot_experts.layers.at(255).back(), 255);
+}
+
+TEST(ConfigHostile, LimitsComeFromTheEnvironment) {
+  const std::string yaml = "gpu:\n  hot_experts:\n    layers: {0: [1, 2, 3]}\n";
+  {
+    test::ScopedEnv env("TANDEM_CONFIG_MAX_DEPTH", "2");
+    EXPECT_EQ(err(yaml), "p.yaml:3:5: gpu.hot_experts: nested more than 2 levels deep, over the limit (TANDEM_CONFIG_MAX_DEPTH raises it)");
+  }
+  {
+    test::ScopedEnv env("TANDEM_CONFIG_MAX_NODES", "8");
+    EXPECT_EQ(err(yaml), "p.yaml:3:17: more than 8 YAML nodes, over the limit (TANDEM_CONFIG_MAX_NODES raises it)");
+  }
+  {
+    test::ScopedEnv env("TANDEM_CONFIG_MAX_BYTES", "20");
+    EXPECT_EQ(err(yaml), "p.yaml: the config is 47 bytes, over the limit of 20 bytes (TANDEM_CONFIG_MAX_BYTES raises it)");
+  }
+  for (const char* bad : {"0", "-1", "lots", "12k"}) {
+    test::ScopedEnv env("TANDEM_CONFIG_MAX_BYTES", bad);
+    EXPECT_EQ(err(yaml), str_cat("TANDEM_CONFIG_MAX_BYTES='", bad, "' is not a positive integer"));
+  }
+  test::ScopedEnv env("TANDEM_CONFIG_MAX_NODES", "1000000");  // raised: 300001 nodes pass
+  std::string many = "cpu:\n  numa_nodes: [";
+  for (int i = 0; i < 300000; ++i) many += "0,";
+  EXPECT_EQ(err(many + "]\n"), "p.yaml:2:18: cpu.numa_nodes[1]: 0 is listed twice");
+}
+
+// A config names files by their bytes (a Linux path need not be UTF-8): bytes that are not
+// UTF-8 come through unchanged, keys with them are unknown keys like any other.
+TEST(ConfigHostile, BytesThatAreNotUtf8PassThrough) {
+  EXPECT_EQ(parse_config("model:\n  path: /m/a\xff\xfe" "b\n").model.path, "/m/a\xff\xfe" "b");
+  EXPECT_EQ(parse_config("model:\n  path: \"/m/\xc3\xa9\xc3\"\n").model.path, "/m/\xc3\xa9\xc3");
+  EXPECT_EQ(err("\xff: 1\n"), "p.yaml:1:1: \xff: unknown key; allowed here: version, model, cpu, gpu, buffers, trace");
+  // The characters that carry such bytes through libyaml are refused when written.
+  EXPECT_EQ(err("model:\n  path: \xf4\x8f\xbf\xbf\n"), "p.yaml:2:9: YAML syntax error: character U+10FFFF is not allowed in a config");
+  EXPECT_EQ(err("cpu:\n  format: b\x01\n"), "p.yaml:2:12: YAML syntax error: control characters are not allowed (character 1)");
+}
+
+// The shipped examples read as they did with yaml-cpp (compared once, value by value, with
+// its output when the parser was replaced). A change to a shipped config updates this table.
+TEST(Config, ShippedExamplesKeepTheirValues) {
+  auto summary = [](const Config& c) {
+    std::string layers;
+    for (const auto& [l, ids] : c.gpu.hot_experts.layers) {
+      layers += str_cat(" ", l, ":");
+      for (int id : ids) layers += str_cat(id, ",");
+    }
+    return str_cat(c.version, " model='", c.model.path.string(), "' cpu ", c.cpu.format, "/", c.cpu.group_size, "/",
+                   c.cpu.zero_point, " nodes=", c.cpu.numa_nodes.size(), " vsp=", c.cpu.virtual_subpools,
+                   " threads=", c.cpu.threads, " isa=", c.cpu.isa, " gpu ", c.gpu.device, " hot=",
+                   hot_policy_name(c.gpu.hot_experts.policy), "/", c.gpu.hot_experts.count, "/",
+                   c.gpu.hot_experts.statistics.string(), layers, " deferred=", c.gpu.deferred_experts, " buffers ",
+                   c.buffers.pinned_slots, "x", c.buffers.max_tokens, " trace ", c.trace.path.string(), "/", c.trace.enabled);
+  };
+  const std::map<std::string, std::string> want = {
+      {"deepseek-v3.yaml", "1 model='' cpu int4/128/0 nodes=0 vsp=1 threads=0 isa=auto gpu cuda:0 hot=none/0/ deferred=2 buffers 2x4096 trace tandem_trace.json/0"},
+      {"demo.yaml", "1 model='' cpu bf16/128/0 nodes=0 vsp=2 threads=0 isa=auto gpu auto hot=none/0/ deferred=0 buffers 2x4096 trace tandem_trace.json/0"},
+      {"mixtral-8x7b.yaml", "1 model='' cpu int8/128/0 nodes=0 vsp=1 threads=0 isa=auto gpu cuda:0 hot=explicit/0/ 0:0,1, 1:2, deferred=0 buffers 2x4096 trace tandem_trace.json/0"},
+      {"qwen3-235b-a22b.yaml", "1 model='' cpu int8/128/0 nodes=0 vsp=1 threads=0 isa=auto gpu cuda:0 hot=uniform/4/ deferred=2 buffers 2x1024 trace tandem_trace.json/0"},
+      {"qwen3-30b-a3b.yaml", "1 model='' cpu bf16/128/0 nodes=0 vsp=1 threads=0 isa=auto gpu cuda:0 hot=uniform/16/ deferred=1 buffers 2x1024 trace tandem_trace.json/0"},
+  };
+  std::set<std::string> seen;
+  for (const auto& e : std::filesystem::directory_iterator(TANDEM_SOURCE_DIR "/configs")) {
+    if (e.path().extension() != ".yaml") continue;
+    const std::string name = e.path().filename().string();
+    seen.insert(name);
+    ASSERT_TRUE(want.count(name)) << name << " is not in this test's table: add what it should parse to";
+    EXPECT_EQ(summary(load_config(e.path())), want.at(name)) << name;
+  }
+  EXPECT_EQ(seen.size(), want.size());
 }
 
 }  // namespace

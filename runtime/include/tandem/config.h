@@ -33,6 +33,7 @@
 //     enabled: false
 #pragma once
 
+#include <cstddef>
 #include <filesystem>
 #include <map>
 #include <string>
@@ -96,10 +97,25 @@ struct Config {
 
 std::string_view hot_policy_name(HotExpertsConfig::Policy p) noexcept;
 
+// What the parser reads at most, so that no file makes it run long or take much memory
+// (a placement config is a few KB: tens of keys, 4 levels deep, or explicit expert
+// lists of some 10^4 ids). Going over one is an error naming the file and the limit.
+// YAML anchors and aliases are refused outright, so the tree is never larger than the
+// text. Each limit can be raised (or lowered) through the environment variable beside it.
+struct ConfigLimits {
+  size_t max_bytes = size_t(1) << 20;  // TANDEM_CONFIG_MAX_BYTES: the file's size
+  int max_depth = 32;                  // TANDEM_CONFIG_MAX_DEPTH: nested lists / mappings
+  size_t max_nodes = size_t(1) << 18;  // TANDEM_CONFIG_MAX_NODES: scalars, lists and mappings (keys included)
+  // The defaults above, with each variable that is set taking their place (an error
+  // naming the variable when it is not a positive integer).
+  static ConfigLimits from_env();
+};
+
 // Parse a file; relative paths inside it are resolved against its directory.
-Config load_config(const std::filesystem::path& path);
+Config load_config(const std::filesystem::path& path, const ConfigLimits& limits = ConfigLimits::from_env());
 // Parse text; `origin` names it in errors; relative paths resolve against `base_dir`.
 Config parse_config(std::string_view yaml, std::string_view origin = "<string>",
-                    const std::filesystem::path& base_dir = {});
+                    const std::filesystem::path& base_dir = {},
+                    const ConfigLimits& limits = ConfigLimits::from_env());
 
 }  // namespace tandem
