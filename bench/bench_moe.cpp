@@ -7,7 +7,9 @@
 // the bare kernels: the same 8 experts' gate_up + down called directly with OpenMP
 // threads splitting the panels (bench_kernels' harness), i.e. what scheduling costs.
 // The compute peak is that of the instruction the layer's kernel variant runs for the
-// batch's average rows per expert (bench/peak.h); "n/a" where none is measured (AMX).
+// batch's average rows per expert (bench/peak.h; AMX: tdpbf16ps / tdpbsud), and %roof
+// compares the time with the roofline max(weight bytes / bandwidth, ops / that peak).
+// TANDEM_BENCH_TRACE=PREFIX writes one traced forward per token count to PREFIX.T.json.
 //
 //   build/bench/bench_moe [--shape qwen3-235b|deepseek-v3|all] [--format bf16|int8|int4]
 //                         [--tokens 1,4,16,64,256,1024] [--reps R] [--budget-gb G]
@@ -16,6 +18,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <set>
@@ -92,8 +95,8 @@ int main(int argc, char** argv) {
     std::printf("trace: a span costs %.1f ns disabled, %.1f ns recording\n", off, on);
   }
   ReadBandwidth bw(size_t(1) << 30, threads);
-  std::printf("%-12s %6s %5s | %10s %8s %8s | %6s %6s | %s\n", "shape", "tokens", "exp", "us/layer", "GB/s", "GFLOP/s",
-              "%bw", "%peak", "vs bare kernels (decode)");
+  std::printf("%-12s %6s %5s | %10s %8s %8s | %6s %6s %6s | %s\n", "shape", "tokens", "exp", "us/layer", "GB/s",
+              "GFLOP/s", "%bw", "%peak", "%roof", "vs bare kernels (decode)");
   for (const char* name : {"qwen3-235b", "deepseek-v3"}) {
     if (which != "all" && which != name) continue;
     const ModelShape& s = *find_model_shape(name);
@@ -160,7 +163,11 @@ int main(int argc, char** argv) {
         layer.forward(in);
       };
       auto timed = [](auto f) { return time_per_call(f, 0.3); };
-      std::vector<double> ts, rb, rp;
+      // The roofline: the layer cannot take less than reading its distinct experts' packed
+      // weights once at the measured bandwidth, nor less than its products at the
+      // measured peak of the instruction its kernel runs; %roof = that bound / the time.
+      std::vector<double> ts, rb, rp, rr;
+      const double ops = 2.0 * 3 * s.hidden * s.inter * T * s.top_k;
       const int rows_per_expert = static_cast<int>(std::lround(double(T) * s.top_k / std::max(1.0, distinct)));
       const PeakChoice pc = peak_for_variant(fk.pick(rows_per_expert).name, opt.format);
       for (int rep = 0; rep < reps; ++rep) {
@@ -169,13 +176,16 @@ int main(int argc, char** argv) {
         const double c_peak = measure_peak(pc.insn, threads);  // 0: none measured
         ts.push_back(t);
         rb.push_back(distinct * per_expert / t / 1e9 / c_bw);
-        if (c_peak > 0) rp.push_back(2.0 * 3 * s.hidden * s.inter * T * s.top_k / t / 1e9 / c_peak);
+        if (c_peak > 0) {
+          rp.push_back(ops / t / 1e9 / c_peak);
+          rr.push_back(std::max(distinct * per_expert / (c_bw * 1e9), ops / (c_peak * 1e9)) / t);
+        }
       }
       const double t = median(ts);
       const double gbs = distinct * per_expert / t / 1e9;
-      std::printf("%-12s %6d %5.0f | %10.1f %8.1f %8.1f | %6s %6s", s.name, T, distinct, t * 1e6, gbs,
-                  2.0 * 3 * s.hidden * s.inter * T * s.top_k / t / 1e9, percent_of(median(rb), 1).c_str(),
-                  rp.empty() ? "n/a" : percent_of(median(rp), 1).c_str());
+      std::printf("%-12s %6d %5.0f | %10.1f %8.1f %8.1f | %6s %6s %6s", s.name, T, distinct, t * 1e6, gbs, ops / t / 1e9,
+                  percent_of(median(rb), 1).c_str(), rp.empty() ? "n/a" : percent_of(median(rp), 1).c_str(),
+                  rr.empty() ? "n/a" : percent_of(median(rr), 1).c_str());
       if (T == 1 && pool.subpools() == 1) {
         // The bare kernels on the same packs: 8 experts, panels split over OpenMP threads.
         QuantizedActs q_in, q_mid;
@@ -200,6 +210,12 @@ int main(int argc, char** argv) {
       }
       std::printf("\n");
       std::fflush(stdout);
+      if (const char* tp = std::getenv("TANDEM_BENCH_TRACE")) {  // one traced forward per token count
+        trace::enable(true);
+        forward();
+        trace::enable(false);
+        trace::write(std::string(tp) + "." + std::to_string(T) + ".json");
+      }
     }
   }
   return 0;

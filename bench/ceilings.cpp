@@ -126,6 +126,19 @@ double peak_dpbusd_ymm(int threads) {
   return peak(threads, 64.0 * 10, [](long n) { dpbusd_ymm_loop(n); });
 }
 
+void tdpbf16ps_loop(long iters);
+void tdpbsud_loop(long iters);
+
+double peak_tdpbf16ps(int threads) {
+  if (!cpu_features().amx_bf16) return 0;
+  return peak(threads, 4.0 * 16 * 16 * 32 * 2, [](long n) { tdpbf16ps_loop(n); });
+}
+
+double peak_tdpbsud(int threads) {
+  if (!cpu_features().amx_int8) return 0;
+  return peak(threads, 4.0 * 16 * 16 * 64 * 2, [](long n) { tdpbsud_loop(n); });
+}
+
 double measure_peak(PeakInsn insn, int threads) {
   switch (insn) {
     case PeakInsn::none: return 0;
@@ -136,6 +149,8 @@ double measure_peak(PeakInsn insn, int threads) {
     case PeakInsn::maddubs_zmm: return peak_maddubs(threads);
     case PeakInsn::dpbusd_zmm: return peak_dpbusd(threads);
     case PeakInsn::dpbusd_ymm: return peak_dpbusd_ymm(threads);
+    case PeakInsn::amx_bf16: return peak_tdpbf16ps(threads);
+    case PeakInsn::amx_int8: return peak_tdpbsud(threads);
   }
   return 0;
 }

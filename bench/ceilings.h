@@ -40,6 +40,8 @@ double peak_dpbusd(int threads);      // vpdpbusd zmm: 128 OP/instruction
 double peak_maddubs(int threads);     // vpmaddubsw + vpmaddwd + vpaddd zmm: 128 OP/sequence
 double peak_maddubs_ymm(int threads); // the same on ymm: 64 OP/sequence
 double peak_dpbusd_ymm(int threads);  // {vex} vpdpbusd ymm (AVX-VNNI): 64 OP/instruction
+double peak_tdpbf16ps(int threads);   // AMX tdpbf16ps, 16x16x32: 16384 FLOP/instruction
+double peak_tdpbsud(int threads);     // AMX tdpbsud, 16x16x64: 32768 OP/instruction
 // The peak of `insn` (bench/peak.h: the one a kernel variant runs); 0 for
 // PeakInsn::none or an instruction this CPU lacks.
 double measure_peak(PeakInsn insn, int threads);

@@ -8,7 +8,8 @@
 //         with TANDEM_ISA lowered, that is the peak.
 //   INT8/INT4  "avx512_vnni" vpdpbusd zmm; "avx_vnni" the VEX vpdpbusd ymm; "avx512" /
 //         "avx2" the pre-VNNI sequence vpmaddubsw + vpmaddwd + vpaddd (zmm / ymm).
-//   "amx_*"  AMX tiles: no AMX peak is measured here, so no ratio is printed.
+//   "amx_bf16" tdpbf16ps; "amx_int8" / "amx_int4" tdpbsud (INT4 nibbles are unpacked to
+//         int8 tiles), register-resident tile products in the kernels' 2 x 2 blocking.
 //   "scalar" no vector peak.
 // A ratio whose peak is missing, zero or not finite prints as "n/a", never inf or nan.
 #pragma once
@@ -22,7 +23,9 @@
 
 namespace tandem::bench {
 
-enum class PeakInsn { none, fma_f32_ymm, fma_f32_zmm, dpbf16_zmm, maddubs_ymm, maddubs_zmm, dpbusd_zmm, dpbusd_ymm };
+enum class PeakInsn {
+  none, fma_f32_ymm, fma_f32_zmm, dpbf16_zmm, maddubs_ymm, maddubs_zmm, dpbusd_zmm, dpbusd_ymm, amx_bf16, amx_int8
+};
 
 struct PeakChoice {
   PeakInsn insn = PeakInsn::none;
@@ -31,7 +34,8 @@ struct PeakChoice {
 
 inline PeakChoice peak_for_variant(std::string_view variant, WeightFormat format) {
   const bool integer = format != WeightFormat::bf16;
-  if (variant.starts_with("amx")) return {PeakInsn::none, std::string(variant) + ": AMX peak not measured"};
+  if (variant == "amx_bf16" && !integer) return {PeakInsn::amx_bf16, "AMX tdpbf16ps"};
+  if ((variant == "amx_int8" || variant == "amx_int4") && integer) return {PeakInsn::amx_int8, "AMX tdpbsud"};
   if (variant == "avx512_bf16" && !integer) return {PeakInsn::dpbf16_zmm, "vdpbf16ps zmm"};
   if (variant == "avx512_vnni" && integer) return {PeakInsn::dpbusd_zmm, "vpdpbusd zmm"};
   if (variant == "avx_vnni" && integer) return {PeakInsn::dpbusd_ymm, "{vex} vpdpbusd ymm"};

@@ -1,18 +1,40 @@
-// AMX kernels (Sapphire Rapids and later) for prefill-sized m: BF16 (tdpbf16ps) and
-// INT8 (tdpbsud: signed activations x unsigned weights). The packed layouts are AMX's
-// B operand already: 16 k-pair (bf16) or k-quad (int8) rows of a panel, 64 bytes each
-// at a stride of 256 bytes, are one B tile of 16 outputs. A tile is up to 16 token rows
-// of 32 bf16 or 64 int8 values, loaded straight from the activations.
+// AMX kernels (Sapphire Rapids and later): BF16 (tdpbf16ps), INT8 and INT4 (tdpbsud:
+// signed activations x unsigned weights).
 //
-// Tiles: 0-3 accumulate the panel's 64 outputs (16 each), 4 holds A, 5 and 6 take B
-// in turn. The configuration (rows = the block's token count) is loaded per call and
-// released at its end; the kernel runs on the calling thread, whose AMX permission
-// cpu_features.cpp requested (arch_prctl ARCH_REQ_XCOMP_PERM).
+// The packed layouts are AMX's B operand already: 16 k-pair (bf16) or k-quad (int8) rows
+// of a panel, 64 bytes each at a stride of 256 bytes, are one B tile of 16 outputs. INT4
+// groups are unpacked, once per block of k and call, into that same int8 layout (nibbles
+// 0..15; the zero point is subtracted afterwards through the activation sums).
 //
-// Not executed on machines without AMX (the tests skip there); the BF16 kernel needs
-// k % 32 == 0 and otherwise hands the call to the AVX512_BF16 kernel.
+// Register blocking (8 tiles): two A tiles (32 token rows) times two B tiles (32 of the
+// panel's 64 outputs) into four accumulators, so every tile loaded serves two products;
+// each step loads its four tiles first and then runs the four products (interleaving
+// them measured three times slower). Work order per call (one work item: a run of panels
+// of one expert, all its rows), in amx_run:
+//   rows in chunks of up to kChunkRows; panels in groups whose accumulators (fp32, or
+//   int32 until the end of the k or of a group) fit about kAccBytes;
+//   blocks of k (256 k): the chunk's A rows of the block are packed tile by tile
+//   (pack_a: 1 KB tiles, no cache-set conflicts from power-of-two row strides, rows past
+//   m zero), then for each panel of the group, each half of the panel (its B tiles of
+//   the block stay in L1), each row pair: the accumulators are loaded, the block's steps
+//   run, the accumulators are stored;
+//   meanwhile the next block of k of the group's panels is prefetched into L2, a few
+//   lines per step, so the weights stream from DRAM once per call and chunk while the
+//   tile unit works.
+// The tile configuration (every tile 16 rows) is loaded once per call with an ldtilecfg
+// whose 64-byte operand the compiler sees whole, and released at the call's end. The
+// kernel runs on the calling thread, whose AMX permission cpu_features.cpp requested
+// (ARCH_REQ_XCOMP_PERM).
+//
+// Integer results are bit-identical to the VNNI kernels': the dot products are exact in
+// int32, and the scaling (per panel for INT8, per group for INT4, in group order) is the
+// same fp32 arithmetic. BF16 accumulates in fp32 in the tile unit's own order (and it
+// flushes denormals). Not executed on machines without AMX (the tests skip there); BF16
+// needs k % 32 == 0 and otherwise hands the call to the AVX512_BF16 kernel.
 // Compiled with the AVX512_BF16 flags plus -mamx-tile -mamx-bf16 -mamx-int8.
 #include <immintrin.h>
+
+#include <type_traits>
 
 #include "gemm_q_driver.h"
 
@@ -23,6 +45,10 @@ void gate_up_bf16_avx512bf16(const PackedWeight&, const GateUpArgs&);
 
 namespace {
 
+constexpr int kTileRows = 16;
+constexpr int kChunkRows = 512;  // rows of one chunk at most (their k-block of A stays in L2)
+constexpr size_t kRowBytes = 256;  // one packed k-pair / k-quad row of a panel
+
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
   uint8_t start_row = 0;
@@ -30,100 +56,393 @@ struct alignas(64) TileConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
+static_assert(sizeof(TileConfig) == 64);
 
-// C tiles 0-3 and A tile 4: `rows` x 64 bytes; B tiles 5, 6: 16 x 64 bytes.
-inline void configure(int rows) {
+// Tiles 0, 1: A0 x B0, B1; 2, 3: A1 x B0, B1; 4, 5: A0, A1; 6, 7: B0, B1. Every tile
+// has 16 rows; an A row is a_bytes (the k of one step times the element size: 64, or 32
+// for INT4 groups of 32), a B tile a_bytes / 4 rows of 64 bytes.
+void configure(int a_bytes) {
   TileConfig cfg;
-  for (int i = 0; i < 5; ++i) {
-    cfg.rows[i] = static_cast<uint8_t>(rows);
+  for (int i = 0; i < 8; ++i) {
+    cfg.rows[i] = kTileRows;
     cfg.colsb[i] = 64;
   }
-  for (int i = 5; i < 7; ++i) {
-    cfg.rows[i] = 16;
-    cfg.colsb[i] = 64;
-  }
-  _tile_loadconfig(&cfg);
+  cfg.colsb[4] = cfg.colsb[5] = static_cast<uint16_t>(a_bytes);
+  cfg.rows[6] = cfg.rows[7] = static_cast<uint8_t>(a_bytes / 4);
+  // The whole 64-byte operand is an input of the asm: no compiler may drop the stores
+  // that fill it (GCC 12's _tile_loadconfig declares an 8-byte one).
+  asm volatile("ldtilecfg %0" : : "m"(cfg) : "memory");
 }
 
-struct AmxBf16 {
-  static constexpr int kMaxRows = 16;
-  static void run(int mr, const bf16_t* a, int lda, const bf16_t* wp, int k, float* t) {
-    configure(mr);
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    const auto* w = reinterpret_cast<const char*>(wp);
-    for (int c = 0; c < k; c += 32) {
-      _tile_loadd(4, a + c, lda * static_cast<int>(sizeof(bf16_t)));
-      const char* b = w + static_cast<size_t>(c / 2) * 256;
-      _tile_loadd(5, b, 256);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(6, b + 64, 256);
-      _tile_dpbf16ps(1, 4, 6);
-      _tile_loadd(5, b + 128, 256);
-      _tile_dpbf16ps(2, 4, 5);
-      _tile_loadd(6, b + 192, 256);
-      _tile_dpbf16ps(3, 4, 6);
-    }
-    _tile_stored(0, t, kPanel * 4);
-    _tile_stored(1, t + 16, kPanel * 4);
-    _tile_stored(2, t + 32, kPanel * 4);
-    _tile_stored(3, t + 48, kPanel * 4);
-    _tile_release();
+// Spreads prefetches of [p, end) into L2 over the products of the current block.
+struct Prefetch {
+  const char* p = nullptr;
+  const char* end = nullptr;
+  int per_step = 0;  // cache lines per product step
+  void set(const char* begin, size_t bytes, int steps) {
+    p = begin;
+    end = begin + bytes;
+    const size_t lines = (bytes + 63) / 64;
+    per_step = steps > 0 ? static_cast<int>((lines + steps - 1) / steps) : 0;
+  }
+  void step() {
+    for (int i = 0; i < per_step && p < end; ++i, p += 64) _mm_prefetch(p, _MM_HINT_T1);
   }
 };
 
-struct AmxInt8 {
-  static constexpr int kMaxRows = 16;
-  static void run(int mr, const QuantInput& in, int r0, const PackedWeight& w, const std::byte* panel, float* t) {
-    alignas(64) int32_t acc[16 * kPanel];
-    configure(mr);
+// The tile product of a format: GCC's tile intrinsics paste their operands into the
+// assembly text, so the tile numbers must be literals, not template arguments.
+struct Dpbf16 {
+  static constexpr bool integer = false;
+};
+struct Dpbsud {
+  static constexpr bool integer = true;
+};
+#define TANDEM_TDP(Dot, c, a, b)   \
+  do {                             \
+    if constexpr (Dot::integer)    \
+      _tile_dpbsud(c, a, b);       \
+    else                           \
+      _tile_dpbf16ps(c, a, b);     \
+  } while (0)
+
+// One row pair (a1 null: one block) times 32 outputs (b: the first B tile's bytes of the
+// block, 64 more for the second), `steps` steps: A tiles at a0 / a1 + s * a_step (rows
+// a_bytes apart: packed by pack_a), B tiles at b + s * b_step (rows 256 bytes apart);
+// c (4-byte elements, row stride 64) += the products, or = when `first`.
+template <class Dot>
+inline void pair_half(const char* a0, const char* a1, int a_bytes, size_t a_step, const char* b, size_t b_step,
+                      int steps, char* c, bool first, Prefetch& pf) {
+  constexpr size_t ldc = kPanel * 4;
+  char* c1 = c + kTileRows * ldc;
+  if (first) {
     _tile_zero(0);
     _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    const auto* wp = reinterpret_cast<const char*>(panel);
-    const int8_t* a = in.row(r0);
-    for (int c = 0; c < w.k_pad; c += 64) {
-      _tile_loadd(4, a + c, in.ldq);
-      const char* b = wp + static_cast<size_t>(c / 4) * 256;
-      _tile_loadd(5, b, 256);
-      _tile_dpbsud(0, 4, 5);
-      _tile_loadd(6, b + 64, 256);
-      _tile_dpbsud(1, 4, 6);
-      _tile_loadd(5, b + 128, 256);
-      _tile_dpbsud(2, 4, 5);
-      _tile_loadd(6, b + 192, 256);
-      _tile_dpbsud(3, 4, 6);
+  } else {
+    _tile_loadd(0, c, ldc);
+    _tile_loadd(1, c + 64, ldc);
+  }
+  if (a1) {
+    if (first) {
+      _tile_zero(2);
+      _tile_zero(3);
+    } else {
+      _tile_loadd(2, c1, ldc);
+      _tile_loadd(3, c1 + 64, ldc);
     }
-    _tile_stored(0, acc, kPanel * 4);
-    _tile_stored(1, acc + 16, kPanel * 4);
-    _tile_stored(2, acc + 32, kPanel * 4);
-    _tile_stored(3, acc + 48, kPanel * 4);
-    _tile_release();
-    const float* scale = int8_scales(w, panel);
-    for (int r = 0; r < mr; ++r) {
-      const __m512i corr = _mm512_set1_epi32(128 * in.sums[r0 + r]);
+    // All four loads, then the four products: interleaving them (load, product, load,
+    // ...) measured three times slower on Sapphire Rapids.
+    for (int s = 0; s < steps; ++s) {
+      const char* bs = b + s * b_step;
+      _tile_loadd(4, a0 + s * a_step, a_bytes);
+      _tile_loadd(5, a1 + s * a_step, a_bytes);
+      _tile_loadd(6, bs, kRowBytes);
+      _tile_loadd(7, bs + 64, kRowBytes);
+      TANDEM_TDP(Dot, 0, 4, 6);
+      TANDEM_TDP(Dot, 1, 4, 7);
+      TANDEM_TDP(Dot, 2, 5, 6);
+      TANDEM_TDP(Dot, 3, 5, 7);
+      pf.step();
+    }
+    _tile_stored(2, c1, ldc);
+    _tile_stored(3, c1 + 64, ldc);
+  } else {
+    for (int s = 0; s < steps; ++s) {
+      const char* bs = b + s * b_step;
+      _tile_loadd(4, a0 + s * a_step, a_bytes);
+      _tile_loadd(6, bs, kRowBytes);
+      _tile_loadd(7, bs + 64, kRowBytes);
+      TANDEM_TDP(Dot, 0, 4, 6);
+      TANDEM_TDP(Dot, 1, 4, 7);
+      pf.step();
+    }
+  }
+  _tile_stored(0, c, ldc);
+  _tile_stored(1, c + 64, ldc);
+}
+
+// A grow-only, 64-byte aligned per-thread buffer of n T.
+template <typename T>
+T* grow(AlignedBuffer& b, size_t n) {
+  if (b.size < n * sizeof(T)) b = AlignedBuffer::allocate(n * sizeof(T));
+  return reinterpret_cast<T*>(b.data());
+}
+
+// A call's input: m rows of bytes at a stride of ld bytes (bf16 values, or the
+// quantized int8 ones).
+struct Rows {
+  const char* a = nullptr;
+  size_t ld = 0;
+  int m = 0;
+  int blocks() const { return (m + kTileRows - 1) / kTileRows; }
+};
+
+// The chunk's row blocks [b0, b1) of one block of k (bytes [off, off + steps * a_bytes)
+// of each row), tile by tile: [row block][step][16 rows][a_bytes], rows past m zero.
+// A tile is then 1 KB of consecutive bytes: rows of A a power of two apart (8 KB for a
+// hidden size of 4096) would otherwise fall into a few cache sets and evict each other.
+void pack_a(const Rows& in, int b0, int b1, size_t off, int steps, int a_bytes, char* out) {
+  const size_t tile = static_cast<size_t>(kTileRows) * a_bytes;
+  for (int bi = b0; bi < b1; ++bi)
+    for (int r = 0; r < kTileRows; ++r) {
+      const int row = bi * kTileRows + r;
+      char* dst = out + static_cast<size_t>(bi - b0) * steps * tile + static_cast<size_t>(r) * a_bytes;
+      if (row >= in.m) {
+        for (int s = 0; s < steps; ++s) std::memset(dst + s * tile, 0, a_bytes);
+        continue;
+      }
+      const char* src = in.a + static_cast<size_t>(row) * in.ld + off;
+      if (a_bytes == 64) {
+        for (int s = 0; s < steps; ++s) _mm512_store_si512(dst + s * tile, _mm512_loadu_si512(src + s * 64));
+      } else {
+        for (int s = 0; s < steps; ++s) std::memcpy(dst + s * tile, src + s * a_bytes, a_bytes);
+      }
+    }
+}
+
+// Every pair and both halves of a chunk's `nb` packed row blocks (each a_steps steps
+// long), steps [s0, s0 + steps) against B at b.
+template <class Dot>
+void run_rows(const char* a, int nb, int a_steps, int a_bytes, int s0, const char* b, size_t b_step, int steps, char* c,
+              bool first, Prefetch& pf) {
+  const size_t tile = static_cast<size_t>(kTileRows) * a_bytes;
+  // Halves outside, pairs inside: a half's B tiles of the block (16 KB for bf16) stay in
+  // L1 while every pair's A tiles stream from L2.
+  for (int h = 0; h < 2; ++h)
+    for (int bi = 0; bi < nb; bi += 2) {
+      const char* a0 = a + (static_cast<size_t>(bi) * a_steps + s0) * tile;
+      const char* a1 = bi + 1 < nb ? a0 + static_cast<size_t>(a_steps) * tile : nullptr;
+      char* cb = c + static_cast<size_t>(bi) * kTileRows * kPanel * 4 + 128 * h;
+      pair_half<Dot>(a0, a1, a_bytes, tile, b + 128 * h, b_step, steps, cb, first, pf);
+    }
+}
+
+// The formats' parts of a call, each with
+//   a_bytes                  bytes of an A tile row (the k of one step)
+//   blocks()                 blocks of k
+//   a_steps(kb), a_off(kb)   the block's steps, and where its k starts in an A row (bytes)
+//   block_data(panel, kb), block_bytes(kb)   the panel bytes the block reads (prefetch)
+//   begin(acc, rows)         before a panel's first block
+//   run_block(a, nb, panel, kb, acc, pf)     the block's products for nb packed row blocks
+//   finish(panel, acc, r0, rows)             after its last: acc becomes fp32 results
+// acc: one panel's accumulators for the chunk's rows, row stride 64.
+
+struct Bf16Fmt {
+  static constexpr int a_bytes = 64;       // 32 bf16
+  static constexpr int block_steps = 8;    // 256 k: 32 KB of the panel
+  int k = 0;
+  int blocks() const { return (k / 32 + block_steps - 1) / block_steps; }
+  int a_steps(int kb) const { return std::min(block_steps, k / 32 - kb * block_steps); }
+  size_t a_off(int kb) const { return static_cast<size_t>(kb) * block_steps * a_bytes; }
+  const char* block_data(const std::byte* panel, int kb) const {
+    return reinterpret_cast<const char*>(panel) + static_cast<size_t>(kb) * block_steps * 16 * kRowBytes;
+  }
+  size_t block_bytes(int kb) const { return static_cast<size_t>(a_steps(kb)) * 16 * kRowBytes; }
+  void begin(float*, int) {}
+  void run_block(const char* a, int nb, const std::byte* panel, int kb, float* acc, Prefetch& pf) {
+    run_rows<Dpbf16>(a, nb, a_steps(kb), a_bytes, 0, block_data(panel, kb), 16 * kRowBytes, a_steps(kb),
+                     reinterpret_cast<char*>(acc), kb == 0, pf);
+  }
+  void finish(const std::byte*, float*, int, int) {}
+};
+
+struct Int8Fmt {
+  static constexpr int a_bytes = 64;      // 64 int8
+  static constexpr int block_steps = 4;   // 256 k: 16 KB of the panel
+  const PackedWeight* w = nullptr;
+  const QuantInput* in = nullptr;
+  int blocks() const { return (w->k_pad / 64 + block_steps - 1) / block_steps; }
+  int a_steps(int kb) const { return std::min(block_steps, w->k_pad / 64 - kb * block_steps); }
+  size_t a_off(int kb) const { return static_cast<size_t>(kb) * block_steps * a_bytes; }
+  const char* block_data(const std::byte* panel, int kb) const {
+    return reinterpret_cast<const char*>(panel) + static_cast<size_t>(kb) * block_steps * 16 * kRowBytes;
+  }
+  size_t block_bytes(int kb) const {
+    return static_cast<size_t>(a_steps(kb)) * 16 * kRowBytes + (kb + 1 == blocks() ? kPanel * 4 : 0);  // + the scales
+  }
+  void begin(float*, int) {}
+  // The sums accumulate as int32 in the panel's own buffer, turned into fp32 by finish.
+  void run_block(const char* a, int nb, const std::byte* panel, int kb, float* acc, Prefetch& pf) {
+    run_rows<Dpbsud>(a, nb, a_steps(kb), a_bytes, 0, block_data(panel, kb), 16 * kRowBytes, a_steps(kb),
+                     reinterpret_cast<char*>(acc), kb == 0, pf);
+  }
+  // acc = scale[j] * (sum - 128 * sum(q_a)), in place: the VNNI kernel's arithmetic.
+  void finish(const std::byte* panel, float* acc, int r0, int rows) {
+    const float* scale = int8_scales(*w, panel);
+    for (int r = 0; r < rows; ++r) {
+      const __m512i corr = _mm512_set1_epi32(128 * in->sums[r0 + r]);
       for (int b = 0; b < 4; ++b) {
-        const __m512i v = _mm512_sub_epi32(_mm512_load_si512(acc + r * kPanel + 16 * b), corr);
-        _mm512_store_ps(t + r * kPanel + 16 * b, _mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_loadu_ps(scale + 16 * b)));
+        float* p = acc + r * kPanel + 16 * b;
+        const __m512i v = _mm512_sub_epi32(_mm512_load_si512(p), corr);
+        _mm512_store_ps(p, _mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_loadu_ps(scale + 16 * b)));
       }
     }
   }
 };
 
+struct Int4Fmt {
+  const PackedWeight* w = nullptr;
+  const QuantInput* in = nullptr;
+  int32_t* acc32 = nullptr;    // one group's int32 sums for the chunk's rows
+  int8_t* unpacked = nullptr;  // one block of k in the INT8 layout: [k/4][64][4]
+  int a_bytes = 64;            // 32 for groups of 32
+  int groups_per_block = 1;
+  int r0 = 0, rows = 0;        // the chunk's rows (set by begin's caller through chunk())
+  int blocks() const { return (w->groups() + groups_per_block - 1) / groups_per_block; }
+  int groups(int kb) const { return std::min(groups_per_block, w->groups() - kb * groups_per_block); }
+  int a_steps(int kb) const { return groups(kb) * w->group / a_bytes; }
+  size_t a_off(int kb) const { return static_cast<size_t>(kb) * groups_per_block * w->group; }
+  const char* block_data(const std::byte* panel, int kb) const {
+    return reinterpret_cast<const char*>(int4_group(*w, panel, kb * groups_per_block));
+  }
+  size_t block_bytes(int kb) const { return static_cast<size_t>(groups(kb)) * w->group_stride; }
+  void begin(float* acc, int n) { std::memset(acc, 0, sizeof(float) * n * kPanel); }
+  // Low nibbles of packed row o are k-quad 2o (k = 8o + e), high nibbles k-quad 2o + 1.
+  void unpack(const std::byte* group, int8_t* out) const {
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    for (int o = 0; o < w->group / 8; ++o)
+      for (int b = 0; b < 4; ++b) {
+        const __m512i v = _mm512_loadu_si512(group + o * kRowBytes + 64 * b);
+        _mm512_store_si512(out + (2 * o) * kRowBytes + 64 * b, _mm512_and_si512(v, low4));
+        _mm512_store_si512(out + (2 * o + 1) * kRowBytes + 64 * b, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+      }
+  }
+  void run_block(const char* a, int nb, const std::byte* panel, int kb, float* acc, Prefetch& pf) {
+    const int g0 = kb * groups_per_block, ng = groups(kb), steps = w->group / a_bytes;
+    const size_t group_unpacked = static_cast<size_t>(w->group) * kPanel;
+    for (int i = 0; i < ng; ++i) unpack(int4_group(*w, panel, g0 + i), unpacked + i * group_unpacked);
+    for (int i = 0; i < ng; ++i) {
+      const int gi = g0 + i;
+      run_rows<Dpbsud>(a, nb, a_steps(kb), a_bytes, i * steps, reinterpret_cast<const char*>(unpacked + i * group_unpacked),
+                       static_cast<size_t>(a_bytes / 4) * kRowBytes, steps, reinterpret_cast<char*>(acc32), true, pf);
+      // acc += scale[j] * (sum - zero[j] * sum_g(q_a)): the VNNI kernel's arithmetic, in group order.
+      const std::byte* gb = int4_group(*w, panel, gi);
+      const uint16_t* sc = int4_scales(*w, gb);
+      const uint8_t* zp = int4_zeros(*w, gb);
+      const int32_t* sums = in->sums + static_cast<size_t>(r0) * in->groups + gi;
+      for (int b = 0; b < 4; ++b) {
+        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 16 * b)));
+        const __m512i z = w->symmetric ? _mm512_set1_epi32(8)
+                                       : _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zp + 16 * b)));
+        for (int r = 0; r < rows; ++r) {  // rows past m: padding, dropped
+          const __m512i corr = _mm512_mullo_epi32(z, _mm512_set1_epi32(sums[static_cast<size_t>(r) * in->groups]));
+          const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(acc32 + r * kPanel + 16 * b), corr));
+          float* tr = acc + r * kPanel + 16 * b;
+          _mm512_store_ps(tr, _mm512_fmadd_ps(v, s, _mm512_load_ps(tr)));
+        }
+      }
+    }
+  }
+  void finish(const std::byte*, float*, int, int) {}
+};
+
+// The driver (the order is described at the top of the file): `slots` panels
+// (panel(i)); out(i, acc(i), acc(i-1), r0, rows) takes each panel's results for a chunk
+// (a group holds whole gate/up pairs: its size is even).
+constexpr size_t kAccBytes = 512 << 10;
+
+template <class Fmt, class PanelAt, class Out>
+void amx_run(Fmt& f, const Rows& in, int slots, PanelAt panel, Out out) {
+  const int nblocks = in.blocks();
+  if (slots <= 0 || nblocks == 0) return;
+  const int kblocks = f.blocks();
+  const int chunk_blocks = std::min(nblocks + (nblocks & 1), kChunkRows / kTileRows);  // even: whole pairs
+  const size_t stride = static_cast<size_t>(chunk_blocks) * kTileRows * kPanel;        // floats per slot
+  const int group = std::min(slots, std::max(2, static_cast<int>(kAccBytes / (stride * sizeof(float))) & ~1));
+  thread_local AlignedBuffer acc_buf, a_buf;
+  float* acc = grow<float>(acc_buf, stride * group);
+  int max_steps = 0;
+  for (int kb = 0; kb < kblocks; ++kb) max_steps = std::max(max_steps, f.a_steps(kb));
+  char* a = grow<char>(a_buf, static_cast<size_t>(chunk_blocks) * max_steps * kTileRows * f.a_bytes);
+  configure(f.a_bytes);
+  for (int s0 = 0; s0 < slots; s0 += group) {
+    const int ns = std::min(group, slots - s0);
+    for (int c0 = 0; c0 < nblocks; c0 += chunk_blocks) {
+      const int c1 = std::min(nblocks, c0 + chunk_blocks), nb = c1 - c0;
+      const int r0 = c0 * kTileRows, rows = std::min(in.m, c1 * kTileRows) - r0;
+      if constexpr (requires { f.r0; }) f.r0 = r0, f.rows = rows;
+      for (int i = 0; i < ns; ++i) f.begin(acc + i * stride, nb * kTileRows);
+      for (int kb = 0; kb < kblocks; ++kb) {
+        pack_a(in, c0, c1, f.a_off(kb), f.a_steps(kb), f.a_bytes, a);
+        for (int i = 0; i < ns; ++i) {
+          Prefetch pf;  // the next block in this order, spread over this one's products
+          const int work = 2 * ((nb + 1) / 2) * f.a_steps(kb);
+          if (i + 1 < ns) pf.set(f.block_data(panel(s0 + i + 1), kb), f.block_bytes(kb), work);
+          else if (kb + 1 < kblocks) pf.set(f.block_data(panel(s0), kb + 1), f.block_bytes(kb + 1), work);
+          else if (s0 + ns < slots && c1 == nblocks) pf.set(f.block_data(panel(s0 + ns), 0), f.block_bytes(0), work);
+          f.run_block(a, nb, panel(s0 + i), kb, acc + i * stride, pf);
+        }
+      }
+      for (int i = 0; i < ns; ++i) {
+        f.finish(panel(s0 + i), acc + i * stride, r0, rows);
+        out(s0 + i, acc + i * stride, i > 0 ? acc + (i - 1) * stride : nullptr, r0, rows);
+      }
+    }
+  }
+  _tile_release();
+}
+
+template <class Fmt, class Args>
+void amx_call(Fmt& f, const Rows& in, const PackedWeight& w, const Args& g, const float* act_scale) {
+  const int pb = g.panel_begin, pe = g.panel_end < 0 ? w.panels : g.panel_end;
+  if constexpr (std::is_same_v<Args, GateUpArgs>) {
+    amx_run(f, in, 2 * (pe - pb), [&](int i) { return w.panel_data(2 * pb + i); },
+            [&](int i, float* acc, float* gate, int r0, int rows) {
+              if (i % 2 == 0) return;  // gate: taken with its up panel
+              const int n0 = (pb + i / 2) * kPanel;
+              store_silu_rows(g, gate, acc, rows, r0, n0, std::min(kPanel, w.n - n0), act_scale);
+            });
+  } else {
+    amx_run(f, in, pe - pb, [&](int i) { return w.panel_data(pb + i); },
+            [&](int i, float* acc, float*, int r0, int rows) {
+              const int n0 = (pb + i) * kPanel;
+              store_rows(g, acc, rows, r0, n0, std::min(kPanel, w.n - n0), act_scale);
+            });
+  }
+}
+
+template <class Args>
+void bf16_call(const PackedWeight& w, const Args& g) {
+  int lda;
+  const bf16_t* a = bf16_input(g, w.k, lda);  // a_f32 rounded to bf16 first
+  Bf16Fmt f{w.k};
+  amx_call(f, {reinterpret_cast<const char*>(a), static_cast<size_t>(lda) * 2, g.m}, w, g, nullptr);
+}
+
+template <class Args>
+void int8_call(const PackedWeight& w, const Args& g) {
+  const QuantInput in = quantize_input(w, g);
+  Int8Fmt f{&w, &in};
+  amx_call(f, {reinterpret_cast<const char*>(in.q), static_cast<size_t>(in.ldq), g.m}, w, g, in.scale);
+}
+
+template <class Args>
+void int4_call(const PackedWeight& w, const Args& g) {
+  const QuantInput in = quantize_input(w, g);
+  thread_local AlignedBuffer acc32, unpacked;
+  Int4Fmt f;
+  f.w = &w;
+  f.in = &in;
+  f.acc32 = grow<int32_t>(acc32, static_cast<size_t>(kChunkRows) * kPanel);
+  f.a_bytes = std::min(w.group, 64);
+  f.groups_per_block = std::max(1, 256 / w.group);  // 256 k per block: 8 KB of the panel
+  f.unpacked = grow<int8_t>(unpacked, static_cast<size_t>(f.groups_per_block) * w.group * kPanel);
+  amx_call(f, {reinterpret_cast<const char*>(in.q), static_cast<size_t>(in.ldq), g.m}, w, g, in.scale);
+}
+
 }  // namespace
 
 void gemm_bf16_amx(const PackedWeight& w, const GemmArgs& g) {
   if (w.k % 32 != 0) return gemm_bf16_avx512bf16(w, g);
-  gemm_driver<AmxBf16>(w, g);
+  bf16_call(w, g);
 }
 void gate_up_bf16_amx(const PackedWeight& w, const GateUpArgs& g) {
   if (w.k % 32 != 0) return gate_up_bf16_avx512bf16(w, g);
-  gate_up_driver<AmxBf16>(w, g);
+  bf16_call(w, g);
 }
-void gemm_int8_amx(const PackedWeight& w, const GemmArgs& g) { gemm_q_driver<AmxInt8>(w, g); }
-void gate_up_int8_amx(const PackedWeight& w, const GateUpArgs& g) { gate_up_q_driver<AmxInt8>(w, g); }
+void gemm_int8_amx(const PackedWeight& w, const GemmArgs& g) { int8_call(w, g); }
+void gate_up_int8_amx(const PackedWeight& w, const GateUpArgs& g) { int8_call(w, g); }
+void gemm_int4_amx(const PackedWeight& w, const GemmArgs& g) { int4_call(w, g); }
+void gate_up_int4_amx(const PackedWeight& w, const GateUpArgs& g) { int4_call(w, g); }
 
 }  // namespace tandem

@@ -10,6 +10,8 @@
 // hundreds of times above this bound.
 #include <gtest/gtest.h>
 
+#include <array>
+
 #include <cmath>
 #include <random>
 
@@ -78,11 +80,17 @@ TEST_P(KernelsBf16, GemmMatchesReferenceOverShapes) {
   const int ms[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17, 64};
   const int ns[] = {1, 17, 64, 65, 130};
   const int ks[] = {1, 2, 3, 31, 64, 65, 258};
-  int cases = 0;
+  std::vector<std::array<int, 3>> shapes;
   for (int m : ms)
     for (int n : ns)
-      for (int k : ks) {
-        if ((m * n * k) % 3 == 1 && m > 9) continue;  // thin the largest cases; edges all stay
+      for (int k : ks)
+        if (!((m * n * k) % 3 == 1 && m > 9)) shapes.push_back({m, n, k});  // thin the largest cases; edges all stay
+  // Large batches: the AMX kernels' chunks of 512 rows (600 = 512 + 88) and groups of
+  // panels (5 panels of accumulators for 512 rows exceed one group).
+  shapes.push_back({600, 320, 96});
+  shapes.push_back({600, 320, 100});
+  int cases = 0;
+  for (const auto& [m, n, k] : shapes) {
         Problem p = make(m, n, k, rng, (m + k) % 3);  // odd row strides too
         PackedWeight w = pack_bf16(p.w.data(), n, k, k);
         std::vector<float> c(static_cast<size_t>(m) * (n + 1), -7.f);
@@ -135,9 +143,14 @@ TEST_P(KernelsBf16, AccumulateWithRowScaleAndPanelRange) {
 }
 
 TEST_P(KernelsBf16, GateUpMatchesReference) {
-  for (int m : {1, 3, 6, 7, 20}) {
-    for (int n : {5, 64, 100}) {
-      const int k = 130;
+  // k = 128: the AMX kernel's path (k % 32 == 0); 130: its hand-over to AVX512_BF16.
+  std::vector<std::array<int, 3>> shapes;
+  for (int m : {1, 3, 6, 7, 20, 40})
+    for (int n : {5, 64, 100})
+      for (int k : {130, 128}) shapes.push_back({m, n, k});
+  shapes.push_back({600, 160, 64});  // two chunks of rows, two groups of panels
+  for (const auto& [m, n, k] : shapes) {
+    {
       Problem pg = make(m, n, k, rng), pu = make(m, n, k, rng);
       pu.a = pg.a;  // same activations for both projections
       PackedWeight w = pack_gate_up_bf16(pg.w.data(), pu.w.data(), n, k, k);

@@ -17,6 +17,8 @@
 // (measured: int8 0.0113, int4 g32 sym 0.100, g64 asym 0.094, g128 sym 0.118, g128
 // asym 0.104, each within 3% of the prediction, for N(0, 1) weights and activations).
 #include <gtest/gtest.h>
+
+#include <array>
 #include <omp.h>
 
 #include <cmath>
@@ -136,12 +138,17 @@ class KernelsInt : public ::testing::TestWithParam<Param> {
 TEST_P(KernelsInt, GemmMatchesReferenceOverShapes) {
   const int ms[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 40};
   const int ns[] = {1, 17, 64, 65, 130};
+  std::vector<std::array<int, 3>> shapes;
+  for (int m : ms)
+    for (int n : ns)
+      for (int k : ks())
+        if (!((m * n + k) % 3 != 0 && m > 7)) shapes.push_back({m, n, k});  // thin the larger cases; every m keeps some
+  // Large batches: the AMX kernels' chunks of 512 rows (600 = 512 + 88) and groups of
+  // panels (5 panels of accumulators for 512 rows exceed one group).
+  shapes.push_back({600, 320, ks()[1]});
   int cases = 0;
   for (const KernelVariant* v : variants)
-    for (int m : ms)
-      for (int n : ns)
-        for (int k : ks()) {
-          if ((m * n + k) % 3 != 0 && m > 7) continue;  // thin the larger cases; every m keeps some
+    for (const auto& [m, n, k] : shapes) {
           const int lda = k + (m + k) % 3;
           auto w = random_weights(static_cast<size_t>(n) * k, rng);
           auto a = random_acts(static_cast<size_t>(m) * lda + 1, rng);
@@ -234,8 +241,10 @@ TEST_P(KernelsInt, PrequantizedInputGivesTheSameBits) {
 
 TEST_P(KernelsInt, GateUpMatchesReference) {
   for (const KernelVariant* v : variants)
-    for (int m : {1, 3, 6, 17}) {
-      for (int n : {5, 64, 100}) {
+    for (const auto& [m, n] : std::vector<std::pair<int, int>>{{1, 5}, {1, 64}, {1, 100}, {3, 5}, {3, 64}, {3, 100},
+                                                                {6, 5}, {6, 100}, {17, 64}, {17, 100}, {40, 100},
+                                                                {600, 160}}) {  // 600: two chunks, two panel groups
+      {
         const int k = ks()[1];
         auto wg = random_weights(static_cast<size_t>(n) * k, rng), wu = random_weights(static_cast<size_t>(n) * k, rng);
         auto a = random_acts(static_cast<size_t>(m) * k, rng);
