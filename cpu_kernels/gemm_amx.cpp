@@ -36,6 +36,7 @@
 
 #include <type_traits>
 
+#include "amx_tiles.h"
 #include "gemm_q_driver.h"
 
 namespace tandem {
@@ -48,31 +49,6 @@ namespace {
 constexpr int kTileRows = 16;
 constexpr int kChunkRows = 512;  // rows of one chunk at most (their k-block of A stays in L2)
 constexpr size_t kRowBytes = 256;  // one packed k-pair / k-quad row of a panel
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-static_assert(sizeof(TileConfig) == 64);
-
-// Tiles 0, 1: A0 x B0, B1; 2, 3: A1 x B0, B1; 4, 5: A0, A1; 6, 7: B0, B1. Every tile
-// has 16 rows; an A row is a_bytes (the k of one step times the element size: 64, or 32
-// for INT4 groups of 32), a B tile a_bytes / 4 rows of 64 bytes.
-void configure(int a_bytes) {
-  TileConfig cfg;
-  for (int i = 0; i < 8; ++i) {
-    cfg.rows[i] = kTileRows;
-    cfg.colsb[i] = 64;
-  }
-  cfg.colsb[4] = cfg.colsb[5] = static_cast<uint16_t>(a_bytes);
-  cfg.rows[6] = cfg.rows[7] = static_cast<uint8_t>(a_bytes / 4);
-  // The whole 64-byte operand is an input of the asm: no compiler may drop the stores
-  // that fill it (GCC 12's _tile_loadconfig declares an 8-byte one).
-  asm volatile("ldtilecfg %0" : : "m"(cfg) : "memory");
-}
 
 // Spreads prefetches of [p, end) into L2 over the products of the current block.
 struct Prefetch {
@@ -90,21 +66,13 @@ struct Prefetch {
   }
 };
 
-// The tile product of a format: GCC's tile intrinsics paste their operands into the
-// assembly text, so the tile numbers must be literals, not template arguments.
 struct Dpbf16 {
   static constexpr bool integer = false;
 };
 struct Dpbsud {
   static constexpr bool integer = true;
 };
-#define TANDEM_TDP(Dot, c, a, b)   \
-  do {                             \
-    if constexpr (Dot::integer)    \
-      _tile_dpbsud(c, a, b);       \
-    else                           \
-      _tile_dpbf16ps(c, a, b);     \
-  } while (0)
+#define TANDEM_TDP(Dot, c, a, b) TANDEM_AMX_DOT(Dot::integer, c, a, b)
 
 // One row pair (a1 null: one block) times 32 outputs (b: the first B tile's bytes of the
 // block, 64 more for the second), `steps` steps: A tiles at a0 / a1 + s * a_step (rows
@@ -354,7 +322,7 @@ void amx_run(Fmt& f, const Rows& in, int slots, PanelAt panel, Out out) {
   int max_steps = 0;
   for (int kb = 0; kb < kblocks; ++kb) max_steps = std::max(max_steps, f.a_steps(kb));
   char* a = grow<char>(a_buf, static_cast<size_t>(chunk_blocks) * max_steps * kTileRows * f.a_bytes);
-  configure(f.a_bytes);
+  amx::configure_2x2(f.a_bytes);
   for (int s0 = 0; s0 < slots; s0 += group) {
     const int ns = std::min(group, slots - s0);
     for (int c0 = 0; c0 < nblocks; c0 += chunk_blocks) {
