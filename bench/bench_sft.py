@@ -12,8 +12,11 @@ dL/dw (routing weights) and dL/dA, dL/dB of every expert's gate/up/down LoRA.
 
 Base FLOPs per step = 12 * rows * hidden * inter (forward: gate, up, down; backward: dOut Wd
 and [dg du][Wg; Wu]; LoRA needs no weight gradient of the base), rows = tokens * top_k.
-The ceiling is the machine's vdpbf16ps peak measured by build/bench/bench_ceilings right
-before and after each shape (the higher of the two: an instruction peak is a ceiling) (the machine is shared: the ratio uses the peak measured next to it).
+The ceiling is the peak of the instruction tandem's bf16 kernels run at the level in effect
+(AMX tdpbf16ps on an AMX CPU, where the AMX kernel serves every m; vdpbf16ps otherwise),
+measured by build/bench/bench_ceilings right before and after each shape (the higher of the
+two: an instruction peak is a ceiling; the machine is shared: the ratio uses the peak
+measured next to it).
 
 The PyTorch peer: the experts' base weights in bf16, LoRA A/B fp32 leaf tensors (one per
 expert and matrix, as PEFT's per-expert modules hold them), x bf16 with
@@ -59,15 +62,20 @@ def reset_peak() -> None:
         pass
 
 
-def bf16_peak() -> float | None:
+def bf16_peak() -> tuple[str, float | None]:
+    """(instruction, GFLOP/s): the peak of what the bf16 kernels in effect run."""
+    import tandem
+    amx = tandem.effective_isa() == "amx"
+    name = "AMX tdpbf16ps" if amx else "vdpbf16ps"
     exe = ROOT / "build" / "bench" / "bench_ceilings"
     if not exe.exists():
-        return None
+        return name, None
     out = subprocess.run([str(exe), "--reps", "3"], capture_output=True, text=True).stdout
     # The highest repetition: an instruction peak is a ceiling, and on a shared machine the
     # median can catch a neighbour's load (a run that saw more than the median is proof).
-    m = re.search(r"peak vdpbf16ps zmm \(bf16\)\s+[\d.]+ GFLOP/s\s+\(([\d.]+)\.\.([\d.]+)\)", out)
-    return float(m.group(2)) if m else None
+    row = r"peak AMX tdpbf16ps \(bf16\)" if amx else r"peak vdpbf16ps zmm \(bf16\)"
+    m = re.search(row + r"\s+[\d.]+ GFLOP/s\s+\(([\d.]+)\.\.([\d.]+)\)", out)
+    return name, (float(m.group(2)) if m else None)
 
 
 def make_inputs(torch, shape: dict, tokens: int, seed: int):
@@ -226,9 +234,9 @@ def main() -> int:
     all_results = {}
     for name in args.shapes.split(","):
         shape = SHAPES[name]
-        peak = bf16_peak()
+        peak_name, peak = bf16_peak()
         print(f"\n== {name}: experts {shape['experts']}, hidden {shape['hidden']}, inter {shape['inter']}, "
-              f"top-{shape['top_k']}; base format {args.format}; vdpbf16ps peak {peak} GFLOP/s", flush=True)
+              f"top-{shape['top_k']}; base format {args.format}; {peak_name} peak {peak} GFLOP/s", flush=True)
         res = {}
         for r in args.ranks:
             for T in args.tokens:
@@ -241,7 +249,7 @@ def main() -> int:
                         continue
                     res.setdefault(v, []).append(json.loads(p.stdout.strip().splitlines()[-1]))
                     print(f"  ({v} r={r} tokens={T}: {res[v][-1]['seconds']:.3f} s)", flush=True)
-        peak_after = bf16_peak()
+        peak_after = bf16_peak()[1]
         if peak and peak_after:
             peak = max(peak, peak_after)
         rows = []

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <iterator>
 #include <fstream>
+#include <cstdio>
 #include <filesystem>
 #include <malloc.h>
 #include <cmath>
@@ -629,7 +630,14 @@ TEST(Engine, ReloadLoopLeavesNothingBehind) {
   EXPECT_EQ(count("/proc/self/fd"), fds) << "open files";
   EXPECT_EQ(count("/proc/self/task"), tasks) << "threads";
   EXPECT_LE(lines("/proc/self/maps"), maps + 2) << "mappings";  // the allocator may map an arena
+#if defined(__SANITIZE_THREAD__)
+  // ThreadSanitizer keeps every finished thread's shadow state and allocator cache (each
+  // cycle starts and joins the pool's threads): about 380 KB a cycle with any kernel level,
+  // so its resident memory says nothing about tandem's.
+  std::printf("[ note     ] resident memory not checked under ThreadSanitizer (grew %ld KB)\n", rss_kb() - rss);
+#else
   EXPECT_LE(rss_kb() - rss, 1024) << "resident memory grew by " << rss_kb() - rss << " KB over 20 cycles";
+#endif
 }
 
 TEST(Engine, MisuseGetsAClearError) {
