@@ -170,19 +170,26 @@ void pack_a(const Rows& in, int b0, int b1, size_t off, int steps, int a_bytes, 
 
 // Every pair and both halves of a chunk's `nb` packed row blocks (each a_steps steps
 // long), steps [s0, s0 + steps) against B at b.
-template <class Dot>
+template <class Dot, class After>
 void run_rows(const char* a, int nb, int a_steps, int a_bytes, int s0, const char* b, size_t b_step, int steps, char* c,
-              bool first, Prefetch& pf) {
+              bool first, Prefetch& pf, After after) {
   const size_t tile = static_cast<size_t>(kTileRows) * a_bytes;
   // Halves outside, pairs inside: a half's B tiles of the block (16 KB for bf16) stay in
-  // L1 while every pair's A tiles stream from L2.
+  // L1 while every pair's A tiles stream from L2. after(bi, h) sees each pair's results
+  // for the half while they are in L1.
   for (int h = 0; h < 2; ++h)
     for (int bi = 0; bi < nb; bi += 2) {
       const char* a0 = a + (static_cast<size_t>(bi) * a_steps + s0) * tile;
       const char* a1 = bi + 1 < nb ? a0 + static_cast<size_t>(a_steps) * tile : nullptr;
       char* cb = c + static_cast<size_t>(bi) * kTileRows * kPanel * 4 + 128 * h;
       pair_half<Dot>(a0, a1, a_bytes, tile, b + 128 * h, b_step, steps, cb, first, pf);
+      after(bi, h);
     }
+}
+template <class Dot>
+void run_rows(const char* a, int nb, int a_steps, int a_bytes, int s0, const char* b, size_t b_step, int steps, char* c,
+              bool first, Prefetch& pf) {
+  run_rows<Dot>(a, nb, a_steps, a_bytes, s0, b, b_step, steps, c, first, pf, [](int, int) {});
 }
 
 // The formats' parts of a call, each with
@@ -281,24 +288,35 @@ struct Int4Fmt {
     for (int i = 0; i < ng; ++i) unpack(int4_group(*w, panel, g0 + i), unpacked + i * group_unpacked);
     for (int i = 0; i < ng; ++i) {
       const int gi = g0 + i;
-      run_rows<Dpbsud>(a, nb, a_steps(kb), a_bytes, i * steps, reinterpret_cast<const char*>(unpacked + i * group_unpacked),
-                       static_cast<size_t>(a_bytes / 4) * kRowBytes, steps, reinterpret_cast<char*>(acc32), true, pf);
-      // acc += scale[j] * (sum - zero[j] * sum_g(q_a)): the VNNI kernel's arithmetic, in group order.
+      // acc += scale[j] * (sum - zero[j] * sum_g(q_a)): the VNNI kernel's arithmetic, in
+      // group order; per pair and half right after its products, while they are in L1.
       const std::byte* gb = int4_group(*w, panel, gi);
       const uint16_t* sc = int4_scales(*w, gb);
       const uint8_t* zp = int4_zeros(*w, gb);
-      const int32_t* sums = in->sums + static_cast<size_t>(r0) * in->groups + gi;
+      __m512 scale[4];
+      __m512i zero[4];
       for (int b = 0; b < 4; ++b) {
-        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 16 * b)));
-        const __m512i z = w->symmetric ? _mm512_set1_epi32(8)
-                                       : _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zp + 16 * b)));
-        for (int r = 0; r < rows; ++r) {  // rows past m: padding, dropped
-          const __m512i corr = _mm512_mullo_epi32(z, _mm512_set1_epi32(sums[static_cast<size_t>(r) * in->groups]));
-          const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(acc32 + r * kPanel + 16 * b), corr));
-          float* tr = acc + r * kPanel + 16 * b;
-          _mm512_store_ps(tr, _mm512_fmadd_ps(v, s, _mm512_load_ps(tr)));
-        }
+        scale[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 16 * b)));
+        zero[b] = w->symmetric ? _mm512_set1_epi32(8)
+                               : _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zp + 16 * b)));
       }
+      const int32_t* sums = in->sums + static_cast<size_t>(r0) * in->groups + gi;
+      auto scale_pair = [&](int bi, int h) {
+        const int r_end = std::min(rows, (bi + 2) * kTileRows);  // rows past m: padding, dropped
+        for (int r = bi * kTileRows; r < r_end; ++r) {
+          const int32_t sum = sums[static_cast<size_t>(r) * in->groups];
+          const __m512i sum_v = _mm512_set1_epi32(sum), sym_corr = _mm512_set1_epi32(8 * sum);
+          for (int b = 2 * h; b < 2 * h + 2; ++b) {
+            const __m512i corr = w->symmetric ? sym_corr : _mm512_mullo_epi32(zero[b], sum_v);
+            const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(acc32 + r * kPanel + 16 * b), corr));
+            float* tr = acc + r * kPanel + 16 * b;
+            _mm512_store_ps(tr, _mm512_fmadd_ps(v, scale[b], _mm512_load_ps(tr)));
+          }
+        }
+      };
+      run_rows<Dpbsud>(a, nb, a_steps(kb), a_bytes, i * steps, reinterpret_cast<const char*>(unpacked + i * group_unpacked),
+                       static_cast<size_t>(a_bytes / 4) * kRowBytes, steps, reinterpret_cast<char*>(acc32), true, pf,
+                       scale_pair);
     }
   }
   void finish(const std::byte*, float*, int, int) {}
