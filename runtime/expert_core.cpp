@@ -184,8 +184,19 @@ WorkRuns WorkRuns::plan(int n, int weights, int panels, size_t panel_bytes, int 
   return r;
 }
 
+namespace {
+// Row t of the input as bf16: x itself, or x_f32 rounded into `row`.
+const bf16_t* bf16_row(const MoeInput& in, int t, int H, std::vector<bf16_t>& row) {
+  if (in.x) return in.x + static_cast<size_t>(t) * H;
+  row.resize(H);
+  fp32_to_bf16(in.x_f32 + static_cast<size_t>(t) * H, row.data(), H);
+  return row.data();
+}
+}  // namespace
+
 void gather_rows(const MoeInput& in, const TokenGroups& g, int i, int r0, int r1, int H, bf16_t* xg, QuantizedActs* qa,
-                 const KernelTable& kt) {
+                 const KernelTable& kt, const QuantizedActs* qtok) {
+  const int groups = qa ? qa->k_pad / qa->group : 0;
   for (int r = r0; r < r1; ++r) {
     const int t = g.rows_token[g.offset[i] + r];
     const bf16_t* xb = in.x ? in.x + static_cast<size_t>(t) * H : nullptr;
@@ -197,24 +208,30 @@ void gather_rows(const MoeInput& in, const TokenGroups& g, int i, int r0, int r1
       else
         fp32_to_bf16(xf, dst, H);
     }
-    if (qa) {
-      // The experts see x as bf16 in every format and path (the bf16 kernels round it,
-      // the training layer saves it so): fp32 rows are rounded before quantizing too.
-      thread_local std::vector<bf16_t> row;
-      if (!xb) {
-        if (xg) {
-          xb = xg + static_cast<size_t>(r) * H;
-        } else {
-          row.resize(H);
-          fp32_to_bf16(xf, row.data(), H);
-          xb = row.data();
-        }
-      }
-      const int groups = qa->k_pad / qa->group;
-      kt.quantize(xb, nullptr, 1, H, H, qa->k_pad, qa->group, qa->q.data() + static_cast<size_t>(r) * qa->k_pad,
-                  qa->scale.data() + r, qa->sums.data() + static_cast<size_t>(r) * groups);
+    if (!qa) continue;
+    if (qtok) {  // the token's row, quantized once for all its experts
+      std::memcpy(qa->q.data() + static_cast<size_t>(r) * qa->k_pad, qtok->q.data() + static_cast<size_t>(t) * qa->k_pad,
+                  qa->k_pad);
+      qa->scale[r] = qtok->scale[t];
+      std::memcpy(qa->sums.data() + static_cast<size_t>(r) * groups, qtok->sums.data() + static_cast<size_t>(t) * groups,
+                  sizeof(int32_t) * groups);
+      continue;
     }
+    // The experts see x as bf16 in every format and path (the bf16 kernels round it,
+    // the training layer saves it so): fp32 rows are rounded before quantizing too.
+    thread_local std::vector<bf16_t> row;
+    if (!xb) xb = xg ? xg + static_cast<size_t>(r) * H : bf16_row(in, t, H, row);
+    kt.quantize(xb, nullptr, 1, H, H, qa->k_pad, qa->group, qa->q.data() + static_cast<size_t>(r) * qa->k_pad,
+                qa->scale.data() + r, qa->sums.data() + static_cast<size_t>(r) * groups);
   }
+}
+
+void quantize_token_rows(const MoeInput& in, int t0, int t1, int H, QuantizedActs& qt, const KernelTable& kt) {
+  const int groups = qt.k_pad / qt.group;
+  thread_local std::vector<bf16_t> row;
+  for (int t = t0; t < t1; ++t)
+    kt.quantize(bf16_row(in, t, H, row), nullptr, 1, H, H, qt.k_pad, qt.group, qt.q.data() + static_cast<size_t>(t) * qt.k_pad,
+                qt.scale.data() + t, qt.sums.data() + static_cast<size_t>(t) * groups);
 }
 
 namespace {
@@ -273,7 +290,8 @@ void merge_block(float* out, bool accumulate, int t, int K, const int* slot_row,
 // ---- the inference forward ------------------------------------------------------------
 
 namespace {
-constexpr const char* kPhaseNames[] = {"gather", "gate_up", "act", "down", "merge"};
+constexpr const char* kPhaseNames[] = {"quantize", "gather", "gate_up", "act", "down", "merge"};
+constexpr int kQuantizeTokens = 16;  // tokens per item of the quantize phase
 }
 
 ExpertForward::ExpertForward(const ExpertPacks& packs, ForwardScratch& scratch, const KernelTable& kernels,
@@ -286,12 +304,16 @@ int ExpertForward::items(int phase, int s) {
   const bool quant = P.format().format != WeightFormat::bf16;
   const int len = P.len(s);
   switch (phase) {
-    case kGather:
+    case kQuantize: {
       if (s == 0) {
         begin_ns_ = trace::now_ns();
         prepare();
       }
-      return n / S + (s < n % S ? 1 : 0);  // active expert i goes to subpool i % S
+      if (!quantize_tokens()) return 0;
+      const int blocks = (in_.tokens + kQuantizeTokens - 1) / kQuantizeTokens;
+      return blocks * (s + 1) / S - blocks * s / S;
+    }
+    case kGather: return n / S + (s < n % S ? 1 : 0);  // active expert i goes to subpool i % S
     case kGateUp:
       if (!len || !n) return 0;
       gu_runs_[s] = WorkRuns::plan(n, 1, (len + kPanel - 1) / kPanel, 2 * P.gate_up(s, active[0]).panel_stride, threads_[s]);
@@ -310,9 +332,16 @@ int ExpertForward::items(int phase, int s) {
   return 0;
 }
 
+// Worth it when tokens have several rows (top-k > 1, experts on this CPU); not when most
+// of a batch's experts run elsewhere and fewer rows than tokens are left here.
+bool ExpertForward::quantize_tokens() const {
+  return P.format().format != WeightFormat::bf16 && !active.empty() && total_rows > in_.tokens;
+}
+
 void ExpertForward::prepare() {
   const int S = P.subpools(), n = static_cast<int>(active.size());
   const bool quant = P.format().format != WeightFormat::bf16;
+  if (quantize_tokens()) sc.qtok.prepare(P.gate_up_layout(active[0]), in_.tokens);
   if (quant) {
     sc.qin.resize(n);
     for (int i = 0; i < n; ++i) sc.qin[i].prepare(P.gate_up_layout(active[i]), count[i]);
@@ -339,10 +368,16 @@ void ExpertForward::run(int phase, int s, int item, int) {
   const int H = P.shape().hidden, len = P.len(s);
   const bool quant = P.format().format != WeightFormat::bf16;
   switch (phase) {
+    case kQuantize: {
+      const int S = P.subpools(), blocks = (in_.tokens + kQuantizeTokens - 1) / kQuantizeTokens;
+      const int b = blocks * s / S + item;
+      quantize_token_rows(in_, b * kQuantizeTokens, std::min(in_.tokens, (b + 1) * kQuantizeTokens), H, sc.qtok, kt);
+      break;
+    }
     case kGather: {
       const int i = s + item * P.subpools();
       gather_rows(in_, *this, i, 0, count[i], H, quant ? nullptr : sc.xg.data() + size_t(offset[i]) * H,
-                  quant ? &sc.qin[i] : nullptr, kt);
+                  quant ? &sc.qin[i] : nullptr, kt, quantize_tokens() ? &sc.qtok : nullptr);
       break;
     }
     case kGateUp: {

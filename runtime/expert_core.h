@@ -123,8 +123,13 @@ struct WorkRuns {
 // first row, row stride hidden; null: not wanted) and / or quantized into qa (null: not
 // wanted). The experts see x as bf16 in every format: fp32 input is rounded to bf16
 // before it is quantized, as the bf16 kernels round it and the training layer saves it.
+// qtok (optional): every token already quantized the same way (quantize_token_rows), whose
+// rows are copied into qa instead of quantizing each (token, expert) row again.
 void gather_rows(const MoeInput& in, const TokenGroups& g, int i, int r0, int r1, int hidden, bf16_t* xg,
-                 QuantizedActs* qa, const KernelTable& kt);
+                 QuantizedActs* qa, const KernelTable& kt, const QuantizedActs* qtok = nullptr);
+// Tokens [t0, t1) of the input, rounded to bf16 and quantized into qt (prepared for all
+// the input's tokens): what gather_rows would make of each of their rows.
+void quantize_token_rows(const MoeInput& in, int t0, int t1, int hidden, QuantizedActs& qt, const KernelTable& kt);
 
 // c (ldc) = the rows of active expert i (a, lda: their bf16 rows, or qa) . w^T over
 // panels [begin, end).
@@ -145,6 +150,7 @@ void merge_block(float* out, bool accumulate, int t, int top_k, const int* slot_
 // Scratch of the inference forward, kept by its owner between calls.
 struct ForwardScratch {
   Scratch<bf16_t> xg;                          // gathered input rows (bf16 weights)
+  QuantizedActs qtok;                          // per token, quantized once (integer weights)
   std::vector<QuantizedActs> qin;              // per active expert (integer weights)
   std::vector<Scratch<bf16_t>> h;              // per subpool: [rows x slice]
   std::vector<std::vector<QuantizedActs>> qmid;  // per subpool, per active expert
@@ -152,7 +158,9 @@ struct ForwardScratch {
 };
 
 // The inference forward of one layer's experts (fused gate/up packs) as a pool task:
-//   gather   tokens grouped per expert (and quantized, for int8 / int4 weights)
+//   quantize int8 / int4 weights, when the batch has more (token, expert) rows than
+//            tokens: each token quantized once
+//   gather   tokens grouped per expert (their quantized rows copied, or quantized here)
 //   gate_up  silu(x Wg^T) * (x Wu^T) per (expert, run of panels of the slice)
 //   act      the intermediate activations quantized (int8 / int4 only)
 //   down     each subpool's partial y_s = h_s Wd_s^T per (expert, run of panels of hidden)
@@ -168,7 +176,8 @@ class ExpertForward : public Task, public TokenGroups {
   void finished() override;
 
  private:
-  enum Phase { kGather, kGateUp, kAct, kDown, kMerge, kPhases };
+  enum Phase { kQuantize, kGather, kGateUp, kAct, kDown, kMerge, kPhases };
+  bool quantize_tokens() const;  // quantize each token once, then gather its rows (integer formats)
   void prepare();
   const ExpertPacks& P;
   ForwardScratch& sc;
