@@ -14,6 +14,7 @@ import torch
 
 from tandem import cli, demo
 from tandem.train import PackedDataset, read_texts
+from test_lora_hf import record_choices, replay_choices
 
 SHORT = ["--batch", "4", "--seq", "32", "--no-progress", "--warmup", "5"]
 
@@ -88,11 +89,24 @@ def test_adapter_loads_in_stock_peft_with_the_same_logits(run60, cache):
                                       run60 / "adapter").eval()
     base = tandem.load_model(path, demo.demo_config_path(), dtype=torch.float32, train=True, progress=False)
     ours = PeftModel.from_pretrained(base, run60 / "adapter").eval()
+    # A token whose router scores two experts within rounding of each other picks either,
+    # depending on how earlier layers rounded (tandem rounds the experts' inputs and h to
+    # bf16), and one such flip moved one logit by 1.2e-2 to 5.5e-2 of max|logit| with the
+    # adapters of 60-step runs (which adapter comes out depends on the CPU's kernels). So
+    # tandem replays the stock run's expert choices (its routing weights stay its own).
+    choices, hooks = record_choices(stock)
     with torch.no_grad():
-        ref, got = stock(input_ids=ids).logits, ours(input_ids=ids).logits
+        ref = stock(input_ids=ids).logits
+    for h in hooks:
+        h.remove()
+    hooks = replay_choices(ours, choices)
+    with torch.no_grad():
+        got = ours(input_ids=ids).logits
+    for h in hooks:
+        h.remove()
     # The checkpoint's experts are bf16, so both sides have the same weights; tandem rounds
     # the experts' inputs and h to bf16 (u = 2^-9) over 4 layers: bound 1.5e-2 of max|logit|
-    # (the inference tests' fp32 bound), measured 8.2e-4.
+    # (the inference tests' fp32 bound), measured 7e-4 to 1.1e-3 with expert choices replayed.
     err = (got - ref).abs().max() / ref.abs().max()
     print(f"logits error {float(err):.2e}")
     assert err < 1.5e-2, float(err)
