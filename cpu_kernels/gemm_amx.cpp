@@ -262,7 +262,7 @@ struct Int4Fmt {
   int8_t* unpacked = nullptr;  // one block of k in the INT8 layout: [k/4][64][4]
   int a_bytes = 64;            // 32 for groups of 32
   int groups_per_block = 1;
-  int r0 = 0, rows = 0;        // the chunk's rows (set by begin's caller through chunk())
+  int r0 = 0, rows = 0;        // the current chunk: its first row and real rows (set by amx_run)
   int blocks() const { return (w->groups() + groups_per_block - 1) / groups_per_block; }
   int groups(int kb) const { return std::min(groups_per_block, w->groups() - kb * groups_per_block); }
   int a_steps(int kb) const { return groups(kb) * w->group / a_bytes; }
