@@ -68,6 +68,8 @@ from pathlib import Path
 
 import torch
 
+from bench_sft import random_weights  # this script's folder is first on sys.path
+
 SHAPES = {"235b": dict(name="Qwen3-235B-A22B", experts=128, hidden=4096, inter=1536, top_k=8),
           "30b": dict(name="Qwen3-30B-A3B", experts=128, hidden=2048, inter=768, top_k=8)}
 BYTES_PER_WEIGHT = {"bf16": 2.0, "int8": 1.0, "int4": 0.5}
@@ -116,19 +118,6 @@ def numa_nodes() -> int:
 
 
 # ---------------------------------------------------------------------------- data
-
-def random_weights(shape: dict, E: int):
-    """bf16 gate, up [E x inter x hidden] and down [E x hidden x inter], N(0, 1/fan_in),
-    filled expert by expert (no full-size fp32 temporary)."""
-    g = torch.Generator().manual_seed(0)
-    H, I = shape["hidden"], shape["inter"]
-    W = [torch.empty(E, I, H, dtype=torch.bfloat16), torch.empty(E, I, H, dtype=torch.bfloat16),
-         torch.empty(E, H, I, dtype=torch.bfloat16)]
-    for w in W:
-        for e in range(E):
-            w[e] = torch.randn(w.shape[1], w.shape[2], generator=g) / w.shape[2] ** 0.5
-    return W
-
 
 def make_case(shape: dict, E: int, T: int) -> dict:
     g = torch.Generator().manual_seed(T)
@@ -430,7 +419,7 @@ def main() -> int:
           f"top-{K}; bf16 source {E * expert_b * 2 / 1e9:.2f} GB; tokens {tokens}, {args.reps} samples each", flush=True)
     torch.set_num_threads(max(1, physical_cores()))
     t0 = time.perf_counter()
-    W = random_weights(shape, E)
+    W = random_weights(torch, {**shape, "experts": E})  # bench_sft's: N(0, 1/fan_in), seed 0
     cases = [make_case(shape, E, T) for T in tokens]
     refs = {c["T"]: reference(W, c, min(args.check, c["T"])) for c in cases}
     print(f"weights, inputs and references made in {time.perf_counter() - t0:.1f} s", flush=True)
