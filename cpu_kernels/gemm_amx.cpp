@@ -198,49 +198,46 @@ void run_rows(const char* a, int nb, int a_steps, int a_bytes, int s0, const cha
 //   a_steps(kb), a_off(kb)   the block's steps, and where its k starts in an A row (bytes)
 //   block_data(panel, kb), block_bytes(kb)   the panel bytes the block reads (prefetch)
 //   begin(acc, rows)         before a panel's first block
-//   run_block(a, nb, panel, kb, acc, pf)     the block's products for nb packed row blocks
+//   run_block(a, nb, r0, rows, panel, kb, acc, pf)   the block's products for nb packed
+//                            row blocks, the chunk's rows [r0, r0 + rows) of them real
 //   finish(panel, acc, r0, rows)             after its last: acc becomes fp32 results
 // acc: one panel's accumulators for the chunk's rows, row stride 64.
 
-struct Bf16Fmt {
-  static constexpr int a_bytes = 64;       // 32 bf16
-  static constexpr int block_steps = 8;    // 256 k: 32 KB of the panel
-  int k = 0;
-  int blocks() const { return (k / 32 + block_steps - 1) / block_steps; }
-  int a_steps(int kb) const { return std::min(block_steps, k / 32 - kb * block_steps); }
+// BF16 and INT8: the panel's packed rows are B tiles as they are. A step is 64 bytes of
+// an A row (32 bf16 or 64 int8) against 16 packed rows (4 KB) of the panel; a block of
+// k is block_steps steps, 256 k in both formats. The accumulators stay in the panel's
+// own buffer across blocks (fp32 for BF16, int32 for INT8 until finish).
+template <class Dot>
+struct DirectFmt {
+  static constexpr int a_bytes = 64;
+  static constexpr size_t step_bytes = 16 * kRowBytes;
+  int steps = 0;          // steps over the whole k
+  int block_steps = 0;
+  size_t tail_bytes = 0;  // what follows the last block in the panel (INT8: its scales)
+  int blocks() const { return (steps + block_steps - 1) / block_steps; }
+  int a_steps(int kb) const { return std::min(block_steps, steps - kb * block_steps); }
   size_t a_off(int kb) const { return static_cast<size_t>(kb) * block_steps * a_bytes; }
   const char* block_data(const std::byte* panel, int kb) const {
-    return reinterpret_cast<const char*>(panel) + static_cast<size_t>(kb) * block_steps * 16 * kRowBytes;
+    return reinterpret_cast<const char*>(panel) + static_cast<size_t>(kb) * block_steps * step_bytes;
   }
-  size_t block_bytes(int kb) const { return static_cast<size_t>(a_steps(kb)) * 16 * kRowBytes; }
+  size_t block_bytes(int kb) const { return a_steps(kb) * step_bytes + (kb + 1 == blocks() ? tail_bytes : 0); }
   void begin(float*, int) {}
-  void run_block(const char* a, int nb, const std::byte* panel, int kb, float* acc, Prefetch& pf) {
-    run_rows<Dpbf16>(a, nb, a_steps(kb), a_bytes, 0, block_data(panel, kb), 16 * kRowBytes, a_steps(kb),
-                     reinterpret_cast<char*>(acc), kb == 0, pf);
+  void run_block(const char* a, int nb, int, int, const std::byte* panel, int kb, float* acc, Prefetch& pf) {
+    run_rows<Dot>(a, nb, a_steps(kb), a_bytes, 0, block_data(panel, kb), step_bytes, a_steps(kb),
+                  reinterpret_cast<char*>(acc), kb == 0, pf);
   }
+};
+
+struct Bf16Fmt : DirectFmt<Dpbf16> {
+  explicit Bf16Fmt(int k) : DirectFmt{k / 32, 8} {}  // 256 k: 32 KB of the panel per block
   void finish(const std::byte*, float*, int, int) {}
 };
 
-struct Int8Fmt {
-  static constexpr int a_bytes = 64;      // 64 int8
-  static constexpr int block_steps = 4;   // 256 k: 16 KB of the panel
-  const PackedWeight* w = nullptr;
-  const QuantInput* in = nullptr;
-  int blocks() const { return (w->k_pad / 64 + block_steps - 1) / block_steps; }
-  int a_steps(int kb) const { return std::min(block_steps, w->k_pad / 64 - kb * block_steps); }
-  size_t a_off(int kb) const { return static_cast<size_t>(kb) * block_steps * a_bytes; }
-  const char* block_data(const std::byte* panel, int kb) const {
-    return reinterpret_cast<const char*>(panel) + static_cast<size_t>(kb) * block_steps * 16 * kRowBytes;
-  }
-  size_t block_bytes(int kb) const {
-    return static_cast<size_t>(a_steps(kb)) * 16 * kRowBytes + (kb + 1 == blocks() ? kPanel * 4 : 0);  // + the scales
-  }
-  void begin(float*, int) {}
-  // The sums accumulate as int32 in the panel's own buffer, turned into fp32 by finish.
-  void run_block(const char* a, int nb, const std::byte* panel, int kb, float* acc, Prefetch& pf) {
-    run_rows<Dpbsud>(a, nb, a_steps(kb), a_bytes, 0, block_data(panel, kb), 16 * kRowBytes, a_steps(kb),
-                     reinterpret_cast<char*>(acc), kb == 0, pf);
-  }
+struct Int8Fmt : DirectFmt<Dpbsud> {
+  const PackedWeight* w;
+  const QuantInput* in;
+  Int8Fmt(const PackedWeight& pw, const QuantInput& qi)  // 256 k: 16 KB of the panel per block
+      : DirectFmt{pw.k_pad / 64, 4, kPanel * sizeof(float)}, w(&pw), in(&qi) {}
   // acc = scale[j] * (sum - 128 * sum(q_a)), in place: the VNNI kernel's arithmetic.
   void finish(const std::byte* panel, float* acc, int r0, int rows) {
     const float* scale = int8_scales(*w, panel);
@@ -262,7 +259,6 @@ struct Int4Fmt {
   int8_t* unpacked = nullptr;  // one block of k in the INT8 layout: [k/4][64][4]
   int a_bytes = 64;            // 32 for groups of 32
   int groups_per_block = 1;
-  int r0 = 0, rows = 0;        // the current chunk: its first row and real rows (set by amx_run)
   int blocks() const { return (w->groups() + groups_per_block - 1) / groups_per_block; }
   int groups(int kb) const { return std::min(groups_per_block, w->groups() - kb * groups_per_block); }
   int a_steps(int kb) const { return groups(kb) * w->group / a_bytes; }
@@ -282,7 +278,7 @@ struct Int4Fmt {
         _mm512_store_si512(out + (2 * o + 1) * kRowBytes + 64 * b, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
       }
   }
-  void run_block(const char* a, int nb, const std::byte* panel, int kb, float* acc, Prefetch& pf) {
+  void run_block(const char* a, int nb, int r0, int rows, const std::byte* panel, int kb, float* acc, Prefetch& pf) {
     const int g0 = kb * groups_per_block, ng = groups(kb), steps = w->group / a_bytes;
     const size_t group_unpacked = static_cast<size_t>(w->group) * kPanel;
     for (int i = 0; i < ng; ++i) unpack(int4_group(*w, panel, g0 + i), unpacked + i * group_unpacked);
@@ -346,7 +342,6 @@ void amx_run(Fmt& f, const Rows& in, int slots, PanelAt panel, Out out) {
     for (int c0 = 0; c0 < nblocks; c0 += chunk_blocks) {
       const int c1 = std::min(nblocks, c0 + chunk_blocks), nb = c1 - c0;
       const int r0 = c0 * kTileRows, rows = std::min(in.m, c1 * kTileRows) - r0;
-      if constexpr (requires { f.r0; }) f.r0 = r0, f.rows = rows;
       for (int i = 0; i < ns; ++i) f.begin(acc + i * stride, nb * kTileRows);
       for (int kb = 0; kb < kblocks; ++kb) {
         pack_a(in, c0, c1, f.a_off(kb), f.a_steps(kb), f.a_bytes, a);
@@ -356,7 +351,7 @@ void amx_run(Fmt& f, const Rows& in, int slots, PanelAt panel, Out out) {
           if (i + 1 < ns) pf.set(f.block_data(panel(s0 + i + 1), kb), f.block_bytes(kb), work);
           else if (kb + 1 < kblocks) pf.set(f.block_data(panel(s0), kb + 1), f.block_bytes(kb + 1), work);
           else if (s0 + ns < slots && c1 == nblocks) pf.set(f.block_data(panel(s0 + ns), 0), f.block_bytes(0), work);
-          f.run_block(a, nb, panel(s0 + i), kb, acc + i * stride, pf);
+          f.run_block(a, nb, r0, rows, panel(s0 + i), kb, acc + i * stride, pf);
         }
       }
       for (int i = 0; i < ns; ++i) {
@@ -391,14 +386,14 @@ template <class Args>
 void bf16_call(const PackedWeight& w, const Args& g) {
   int lda;
   const bf16_t* a = bf16_input(g, w.k, lda);  // a_f32 rounded to bf16 first
-  Bf16Fmt f{w.k};
+  Bf16Fmt f(w.k);
   amx_call(f, {reinterpret_cast<const char*>(a), static_cast<size_t>(lda) * 2, g.m}, w, g, nullptr);
 }
 
 template <class Args>
 void int8_call(const PackedWeight& w, const Args& g) {
   const QuantInput in = quantize_input(w, g);
-  Int8Fmt f{&w, &in};
+  Int8Fmt f(w, in);
   amx_call(f, {reinterpret_cast<const char*>(in.q), static_cast<size_t>(in.ldq), g.m}, w, g, in.scale);
 }
 
