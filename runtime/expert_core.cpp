@@ -192,6 +192,13 @@ const bf16_t* bf16_row(const MoeInput& in, int t, int H, std::vector<bf16_t>& ro
   fp32_to_bf16(in.x_f32 + static_cast<size_t>(t) * H, row.data(), H);
   return row.data();
 }
+
+// Row r of qa quantized from the bf16 row x (hidden H) with kt's quantizer.
+void quantize_row(const bf16_t* x, int H, QuantizedActs& qa, int r, const KernelTable& kt) {
+  const size_t groups = static_cast<size_t>(qa.k_pad / qa.group);
+  kt.quantize(x, nullptr, 1, H, H, qa.k_pad, qa.group, qa.q.data() + static_cast<size_t>(r) * qa.k_pad,
+              qa.scale.data() + r, qa.sums.data() + r * groups);
+}
 }  // namespace
 
 void gather_rows(const MoeInput& in, const TokenGroups& g, int i, int r0, int r1, int H, bf16_t* xg, QuantizedActs* qa,
@@ -220,18 +227,14 @@ void gather_rows(const MoeInput& in, const TokenGroups& g, int i, int r0, int r1
     // The experts see x as bf16 in every format and path (the bf16 kernels round it,
     // the training layer saves it so): fp32 rows are rounded before quantizing too.
     thread_local std::vector<bf16_t> row;
-    if (!xb) xb = xg ? xg + static_cast<size_t>(r) * H : bf16_row(in, t, H, row);
-    kt.quantize(xb, nullptr, 1, H, H, qa->k_pad, qa->group, qa->q.data() + static_cast<size_t>(r) * qa->k_pad,
-                qa->scale.data() + r, qa->sums.data() + static_cast<size_t>(r) * groups);
+    quantize_row(xb ? xb : xg ? xg + static_cast<size_t>(r) * H : bf16_row(in, t, H, row), H, *qa, r, kt);
   }
 }
 
 void quantize_token_rows(const MoeInput& in, int t0, int t1, int H, QuantizedActs& qt, const KernelTable& kt) {
-  const int groups = qt.k_pad / qt.group;
+  if (in.x) return quantize_activations(qt, in.x, H, t0, t1, &kt);  // bf16 rows: as they are
   thread_local std::vector<bf16_t> row;
-  for (int t = t0; t < t1; ++t)
-    kt.quantize(bf16_row(in, t, H, row), nullptr, 1, H, H, qt.k_pad, qt.group, qt.q.data() + static_cast<size_t>(t) * qt.k_pad,
-                qt.scale.data() + t, qt.sums.data() + static_cast<size_t>(t) * groups);
+  for (int t = t0; t < t1; ++t) quantize_row(bf16_row(in, t, H, row), H, qt, t, kt);
 }
 
 namespace {
