@@ -27,6 +27,7 @@ struct Int8Avx2 {
     const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
     const int8_t* a = in.row(r0);
     for (int i = 0; i < w.k_pad / 4; ++i) {
+      prefetch_ahead(wp + 8 * i);
       const __m256i x = bcast(a + 4 * i);
       const __m256i ax = _mm256_abs_epi8(x);
 #pragma GCC unroll 8

@@ -32,6 +32,7 @@ struct Int8Avx512 {
     const __m512i* wp = reinterpret_cast<const __m512i*>(panel);
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
     for (int i = 0; i < w.k_pad / 4; ++i) {
+      prefetch_ahead(wp + 4 * i);
       __m512i ws[4];
 #pragma GCC unroll 4
       for (int b = 0; b < 4; ++b) ws[b] = _mm512_xor_si512(_mm512_load_si512(wp + 4 * i + b), flip);  // q + 128 -> q

@@ -31,6 +31,7 @@ struct Int8Vnni {
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) a[r] = in.row(r0 + r);
     for (int i = 0; i < w.k_pad / 4; ++i) {
+      prefetch_ahead(wp + 4 * i);
       const __m512i w0 = _mm512_load_si512(wp + 4 * i), w1 = _mm512_load_si512(wp + 4 * i + 1),
                     w2 = _mm512_load_si512(wp + 4 * i + 2), w3 = _mm512_load_si512(wp + 4 * i + 3);
 #pragma GCC unroll 8

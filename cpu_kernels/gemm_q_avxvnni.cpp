@@ -35,6 +35,7 @@ struct Int8AvxVnni {
     const __m256i* wp = reinterpret_cast<const __m256i*>(panel);
     const int8_t* a = in.row(r0);
     for (int i = 0; i < w.k_pad / 4; ++i) {
+      prefetch_ahead(wp + 8 * i);
       const __m256i x = bcast(a + 4 * i);
 #pragma GCC unroll 8
       for (int b = 0; b < 8; ++b) acc[b] = dpbusd(acc[b], _mm256_load_si256(wp + 8 * i + b), x);

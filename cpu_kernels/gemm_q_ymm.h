@@ -41,6 +41,7 @@ struct Int4Ymm {
 #pragma GCC unroll 8
       for (int b = 0; b < 8; ++b) acc[b] = acc_t{};
       for (int o = 0; o < w.group / 8; ++o) {
+        prefetch_ahead(wp + 8 * o);
         const __m256i x0 = bcast(a + 8 * o), x1 = bcast(a + 8 * o + 4);
 #pragma GCC unroll 8
         for (int b = 0; b < 8; ++b) {

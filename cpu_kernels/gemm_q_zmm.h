@@ -40,6 +40,7 @@ struct Int4Zmm {
         for (int b = 0; b < 4; ++b) acc[r][b] = acc_t{};
       const int c0 = gi * w.group;
       for (int o = 0; o < w.group / 8; ++o) {
+        prefetch_ahead(wp + 4 * o);
         __m512i lo[4], hi[4];
 #pragma GCC unroll 4
         for (int b = 0; b < 4; ++b) {

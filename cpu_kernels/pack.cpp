@@ -3,6 +3,7 @@
 // over panels with OpenMP, and each panel is a pure function of its own rows, so the
 // result does not depend on the thread count.
 #include <omp.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <array>
@@ -82,10 +83,30 @@ std::string_view source_type_name(SourceType t) noexcept {
   return "?";
 }
 
-void AlignedBuffer::Free::operator()(std::byte* p) const noexcept { std::free(p); }
+void AlignedBufferFree::operator()(std::byte* p) const noexcept {
+  if (mapped)
+    ::munmap(p, mapped);
+  else
+    std::free(p);
+}
 
 AlignedBuffer AlignedBuffer::allocate(size_t bytes) {
   AlignedBuffer b;
+  constexpr size_t kHuge = size_t{2} << 20;
+  if (bytes >= kHuge) {
+    const size_t size = (bytes + kHuge - 1) / kHuge * kHuge;
+    void* m = ::mmap(nullptr, size + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    TANDEM_CHECK(m != MAP_FAILED, Errc::io, "out of memory mapping ", bytes, " bytes of packed weights");
+    // Keep the 2 MiB-aligned part only.
+    const auto base = reinterpret_cast<uintptr_t>(m);
+    const uintptr_t start = (base + kHuge - 1) / kHuge * kHuge;
+    if (start > base) ::munmap(m, start - base);
+    if (base + kHuge > start) ::munmap(reinterpret_cast<void*>(start + size), base + kHuge - start);
+    ::madvise(reinterpret_cast<void*>(start), size, MADV_HUGEPAGE);  // advice: failure changes nothing
+    b.ptr = std::unique_ptr<std::byte[], Free>(reinterpret_cast<std::byte*>(start), Free{size});
+    b.size = bytes;
+    return b;
+  }
   const size_t rounded = (bytes + 63) / 64 * 64;
   void* p = std::aligned_alloc(64, rounded ? rounded : 64);
   TANDEM_CHECK(p != nullptr, Errc::io, "out of memory allocating ", bytes, " bytes of packed weights");

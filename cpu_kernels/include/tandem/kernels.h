@@ -91,10 +91,17 @@ struct PackOptions {
 inline constexpr int kPanel = 64;  // output rows per packed panel
 
 // 64-byte aligned, owned bytes.
+// Packed weights and scratch, 64-byte aligned. Buffers of 2 MiB and more are mapped
+// on their own, 2 MiB aligned, and marked for transparent huge pages (MADV_HUGEPAGE:
+// where the kernel's THP mode is "madvise", the default of many distributions, plain
+// allocations get 4 KiB pages, and a kernel streaming weights then misses the TLB
+// every 4 KiB). The pages are still placed by first touch.
+struct AlignedBufferFree {
+  size_t mapped = 0;  // bytes mapped with mmap; 0: from aligned_alloc
+  void operator()(std::byte* p) const noexcept;
+};
 struct AlignedBuffer {
-  struct Free {
-    void operator()(std::byte* p) const noexcept;
-  };
+  using Free = AlignedBufferFree;
   std::unique_ptr<std::byte[], Free> ptr;
   size_t size = 0;
   static AlignedBuffer allocate(size_t bytes);
