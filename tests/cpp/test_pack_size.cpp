@@ -4,6 +4,10 @@
 // with PackedWeight::bytes() of real pack() / pack_gate_up() results.
 #include <gtest/gtest.h>
 
+#include <cstdint>
+#include <fstream>
+#include <sstream>
+#include <string>
 #include <vector>
 
 #include "tandem/kernels.h"
@@ -45,6 +49,54 @@ TEST(PackSize, RefusesWhatPackRefuses) {
             std::string::npos);
   EXPECT_NE(test::error_of([] { packed_bytes({WeightFormat::bf16}, 0, 96); }).find("must be positive"),
             std::string::npos);
+}
+
+// The VmFlags line of the mapping that holds p in /proc/self/smaps ("" if none is found).
+std::string vm_flags_of(const void* p) {
+  std::ifstream in("/proc/self/smaps");
+  const auto addr = reinterpret_cast<uintptr_t>(p);
+  std::string line;
+  bool inside = false;
+  while (std::getline(in, line)) {
+    uintptr_t lo = 0, hi = 0;
+    char dash = 0;
+    std::istringstream head(line);
+    if (head >> std::hex >> lo >> dash >> hi && dash == '-') {
+      inside = lo <= addr && addr < hi;
+    } else if (inside && line.rfind("VmFlags:", 0) == 0) {
+      return line;
+    }
+  }
+  return "";
+}
+
+// Buffers from 2 MiB on are mapped 2 MiB aligned and advised for transparent huge pages;
+// smaller ones come from the heap. Every byte of each is writable and reads back, and
+// freeing them (munmap or free, by the deleter) leaves nothing for ASan to report.
+TEST(AlignedBuffer, LargeBuffersAreHugePageAlignedAndAdvised) {
+  constexpr size_t kHuge = size_t{2} << 20;
+  std::ifstream thp("/sys/kernel/mm/transparent_hugepage/enabled");
+  std::string mode((std::istreambuf_iterator<char>(thp)), std::istreambuf_iterator<char>());
+  const bool thp_available = !mode.empty() && mode.find("[never]") == std::string::npos;
+  for (size_t bytes : {size_t{1}, size_t{100}, kHuge - 1, kHuge, kHuge + 1, 5 * kHuge + 4096}) {
+    SCOPED_TRACE(::testing::Message() << bytes << " bytes");
+    AlignedBuffer b = AlignedBuffer::allocate(bytes);
+    ASSERT_NE(b.data(), nullptr);
+    EXPECT_EQ(b.size, bytes);
+    const auto addr = reinterpret_cast<uintptr_t>(b.data());
+    EXPECT_EQ(addr % 64, 0u);
+    for (size_t i = 0; i < bytes; i += 4096) b.data()[i] = std::byte{static_cast<unsigned char>(i / 4096)};
+    b.data()[bytes - 1] = std::byte{0x5a};
+    for (size_t i = 0; i + 1 < bytes; i += 4096) EXPECT_EQ(b.data()[i], std::byte{static_cast<unsigned char>(i / 4096)});
+    EXPECT_EQ(b.data()[bytes - 1], std::byte{0x5a});
+    if (bytes >= kHuge) {
+      EXPECT_EQ(addr % kHuge, 0u);
+      const std::string flags = vm_flags_of(b.data());
+      ASSERT_FALSE(flags.empty()) << "no mapping holds the buffer in /proc/self/smaps";
+      // "hg": MADV_HUGEPAGE was applied (the kernel refuses it only without THP support).
+      if (thp_available) EXPECT_NE(flags.find(" hg"), std::string::npos) << flags;
+    }
+  }
 }
 
 }  // namespace
