@@ -2,6 +2,9 @@
 // own 2 x 2 blocking (cpu_kernels/amx_tiles.h), four independent products per iteration.
 // Compiled with -mamx-tile -mamx-bf16 -mamx-int8; callers check cpu_features() (which also
 // requested the tile permission) first.
+#include <cstdlib>
+#include <cstring>
+
 #include "amx_tiles.h"
 
 namespace tandem::bench {
@@ -26,7 +29,43 @@ void tile_loop(long iters) {
   }
   _tile_release();
 }
+// The same step with its four tiles loaded first (A0, A1, B0, B1: 4 KB in a row), cycling
+// through a per-thread buffer of `bytes`: what the tile loads cost when one step's operands
+// come from L1 (16 KB) or from L2 (256 KB) rather than from the registers.
+void tile_load_loop(long iters, size_t bytes) {
+  thread_local char* buf = nullptr;
+  thread_local size_t have = 0;
+  if (have < bytes) {
+    std::free(buf);
+    buf = static_cast<char*>(std::aligned_alloc(4096, bytes));
+    std::memset(buf, 0, bytes);  // bf16 zeros: no denormal or NaN can slow the products
+    have = bytes;
+  }
+  amx::configure_2x2(64);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const size_t steps = bytes / 4096;
+  size_t s = 0;
+  for (long i = 0; i < iters; ++i) {
+    const char* p = buf + s * 4096;
+    _tile_loadd(4, p, 64);
+    _tile_loadd(5, p + 1024, 64);
+    _tile_loadd(6, p + 2048, 64);
+    _tile_loadd(7, p + 3072, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+    if (++s == steps) s = 0;
+  }
+  _tile_release();
+}
 }  // namespace
+
+// The 2 x 2 bf16 step with its tiles loaded from a footprint of `bytes` (a multiple of 4 KB).
+void tdpbf16ps_loaded_loop(long iters, size_t bytes) { tile_load_loop(iters, bytes); }
 
 // 4 x 16x16x32 bf16 products per iteration: 65536 FLOP.
 void tdpbf16ps_loop(long iters) { tile_loop<false>(iters); }
