@@ -7,6 +7,8 @@
 #include <pybind11/stl.h>
 #include <pybind11/stl/filesystem.h>
 
+#include <cstring>
+
 #include "tandem/config.h"
 #include "tandem/cpu_features.h"
 #include "tandem/doctor.h"
@@ -105,17 +107,26 @@ PYBIND11_MODULE(_C, m) {
   m.attr("__version__") = version();
 
   py::register_exception_translator([](std::exception_ptr p) {
+    // A message may quote bytes of the user's file that are not UTF-8 (a config key, a
+    // header): they become \xNN escapes, so the error still names the file, instead of
+    // PyErr_SetString's bare UnicodeDecodeError.
+    auto raise = [](PyObject* type, const char* what) {
+      PyObject* msg = PyUnicode_DecodeUTF8(what, static_cast<Py_ssize_t>(std::strlen(what)), "backslashreplace");
+      if (!msg) return;  // the decoder's own error (out of memory) stays set
+      PyErr_SetObject(type, msg);
+      Py_DECREF(msg);
+    };
     try {
       if (p) std::rethrow_exception(p);
     } catch (const Error& e) {
       switch (e.code()) {
         case Errc::invalid_argument:
         case Errc::bad_format:
-        case Errc::unsupported: PyErr_SetString(PyExc_ValueError, e.what()); return;
-        case Errc::io: PyErr_SetString(PyExc_OSError, e.what()); return;
-        case Errc::internal: PyErr_SetString(PyExc_RuntimeError, e.what()); return;
+        case Errc::unsupported: return raise(PyExc_ValueError, e.what());
+        case Errc::io: return raise(PyExc_OSError, e.what());
+        case Errc::internal: return raise(PyExc_RuntimeError, e.what());
       }
-      PyErr_SetString(PyExc_RuntimeError, e.what());
+      raise(PyExc_RuntimeError, e.what());
     }
   });
 

@@ -113,11 +113,11 @@ std::vector<std::string> config_fit(const Config& c, const J& gpu) {
   } catch (const Error& e) {
     problems.push_back(e.message());
   }
-  const Topology& t = topology();
-  std::set<int> have;
-  for (const auto& n : t.nodes) have.insert(n.os_index);
-  for (int n : c.cpu.numa_nodes)
-    if (!have.count(n)) problems.push_back(str_cat("cpu.numa_nodes: node ", n, " does not exist here (nodes: ", t.nodes.size(), ")"));
+  try {  // the pool the engine would start: the same check, the same message as the loaders
+    pool_options(c.cpu);
+  } catch (const Error& e) {
+    problems.push_back(e.message());
+  }
   const int idx = c.gpu_index();
   const size_t ngpu = gpu["devices"].size();
   if (idx >= 0 && static_cast<size_t>(idx) >= ngpu)

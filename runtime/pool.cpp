@@ -7,6 +7,7 @@
 #include <sched.h>
 
 #include <chrono>
+#include <system_error>
 
 #include "tandem/error.h"
 #include "tandem/trace.h"
@@ -26,11 +27,25 @@ Pool::Pool(PoolOptions options) : options_(std::move(options)) {
     for (size_t o = 0; o < subs_.size(); ++o)
       if (o != s && options_.subpools[o].numa_node == options_.subpools[s].numa_node)
         subs_[s].steal_from.push_back(static_cast<int>(o));
-  int worker = 0;
-  for (size_t s = 0; s < subs_.size(); ++s) {
-    const auto& sp = options_.subpools[s];
-    for (int i = 0; i < sp.threads; ++i, ++worker)
-      workers_.emplace_back(&Pool::worker_main, this, static_cast<int>(s), worker, i, sp.cpus.empty() ? -1 : sp.cpus[i]);
+  int worker = 0, total = 0;
+  for (const auto& sp : options_.subpools) total += sp.threads;
+  try {
+    for (size_t s = 0; s < subs_.size(); ++s) {
+      const auto& sp = options_.subpools[s];
+      for (int i = 0; i < sp.threads; ++i, ++worker)
+        workers_.emplace_back(&Pool::worker_main, this, static_cast<int>(s), worker, i,
+                              sp.cpus.empty() ? -1 : sp.cpus[i]);
+    }
+  } catch (const std::system_error& e) {
+    // The system refused a thread (memory, thread limits): stop and join the workers that
+    // did start, so the throw below leaves no joinable std::thread behind (which would be
+    // std::terminate, i.e. SIGABRT, instead of an error the caller can report).
+    stop_.store(true);
+    wake_.fetch_add(1);
+    wake_.notify_all();
+    for (auto& t : workers_) t.join();
+    TANDEM_FAIL(Errc::io, "pool: cannot start worker thread ", worker + 1, " of ", total, " (", e.what(),
+                "); lower cpu.threads or cpu.virtual_subpools, or raise the system's thread / memory limits");
   }
 }
 

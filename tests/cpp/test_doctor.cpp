@@ -68,7 +68,7 @@ TEST(Doctor, ValidatesConfig) {
   EXPECT_EQ(m["config"]["valid"], true);
   EXPECT_FALSE(misfit.ok);
   const auto problems = m["config"]["problems"].dump();
-  EXPECT_NE(problems.find("cpu.numa_nodes: node 7 does not exist here"), std::string::npos) << problems;
+  EXPECT_NE(problems.find("cpu.numa_nodes: node 7 does not exist on this machine"), std::string::npos) << problems;
   EXPECT_NE(problems.find("model.path: '" + (dir / "nowhere").string() + "' does not exist"), std::string::npos) << problems;
 
   test::write_file(dir / "good.yaml", "cpu:\n  format: int8\ngpu:\n  device: none\n");

@@ -1,13 +1,18 @@
 // Worker pools: phased tasks, FIFO order, dynamic items, errors, idle CPU, shutdown.
 #include <gtest/gtest.h>
 #include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
+#include <string>
 #include <thread>
 
 #include "tandem/error.h"
 #include "tandem/pool_config.h"
+#include "tandem/topology.h"
 #include "test_util.h"
 
 namespace tandem {
@@ -118,6 +123,50 @@ double process_cpu_seconds() {
 }
 
 // A resource check, not a speed test: parked workers must not burn CPU.
+// A thread the system refuses (here: an address-space limit that leaves no room for the
+// workers' stacks) is an error naming what to lower, and the workers already started are
+// joined: before, the constructor threw past joinable threads, which is std::terminate.
+// Runs in a forked child, whose limit cannot touch this process.
+TEST(Pool, AThreadTheSystemRefusesIsAnErrorNotAnAbort) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "sanitizers reserve terabytes of address space: no address-space limit can leave them room";
+#else
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    rlimit lim{};
+    getrlimit(RLIMIT_AS, &lim);
+    // What is mapped now plus 64 MB: room for a few 8 MB thread stacks, not for 64.
+    long pages = 0;
+    if (FILE* f = std::fopen("/proc/self/statm", "r")) {
+      if (std::fscanf(f, "%ld", &pages) != 1) pages = 0;
+      std::fclose(f);
+    }
+    lim.rlim_cur = static_cast<rlim_t>(pages) * static_cast<rlim_t>(sysconf(_SC_PAGESIZE)) + (64l << 20);
+    if (pages == 0 || setrlimit(RLIMIT_AS, &lim) != 0) _exit(3);
+    try {
+      PoolOptions o;  // 64 unpinned workers (pool_options refuses more threads than cores)
+      o.subpools.emplace_back();
+      o.subpools[0].threads = 64;
+      Pool pool(std::move(o));
+      _exit(1);  // every thread started: the limit did not bite
+    } catch (const Error& e) {
+      const std::string m = e.what();
+      _exit(m.find("pool: cannot start worker thread") != std::string::npos &&
+                    m.find("lower cpu.threads") != std::string::npos
+                ? 0
+                : 2);
+    } catch (...) {
+      _exit(4);
+    }
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status)) << "the child died of signal " << (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "1: all threads started; 2: wrong message; 3: no limit set; 4: other exception";
+#endif
+}
+
 TEST(Pool, IdlePoolUsesAlmostNoCpu) {
   Pool pool(small_pool(2, 2));
   pool.run(std::make_shared<CountingTask>(2));  // wake everyone once
@@ -137,6 +186,17 @@ TEST(Pool, OptionsComeFromTheConfigAndBadOnesAreNamed) {
   cpu.numa_nodes = {99};
   EXPECT_EQ(test::error_of([&] { pool_options(cpu); }), "cpu.numa_nodes: node 99 does not exist on this machine");
   cpu.numa_nodes = {};
+  int pus = 0;  // logical CPUs of the auto node list's first node: the first with cores
+  for (const auto& n : topology().nodes)
+    if (!n.cores.empty() && pus == 0)
+      for (const auto& core : n.cores) pus += static_cast<int>(core.pus.size());
+  cpu.threads = pus + 1;
+  const std::string more = test::error_of([&] { pool_options(cpu); });
+  EXPECT_EQ(more.rfind(str_cat("cpu.threads = ", pus + 1, " exceeds the ", pus, " logical CPUs of NUMA node "), 0), 0u)
+      << more;
+  cpu.threads = pus;
+  EXPECT_NO_THROW(pool_options(cpu));
+  cpu.threads = 0;
   const PoolOptions o = pool_options(cpu);
   EXPECT_GE(o.subpools.size(), 1u);
   for (const auto& s : o.subpools) EXPECT_EQ(s.cpus.size(), static_cast<size_t>(s.threads));

@@ -91,6 +91,30 @@ def test_doctor_survives_non_utf8_config(tmp_path):
     assert err.startswith(f"{bad}:1:1: ") and "unknown key; allowed here: version, model" in err
 
 
+def test_doctor_reports_the_thread_count_the_pool_refuses(tmp_path):
+    # What doctor accepts, the engine starts; what the engine refuses, doctor reports with
+    # the same words (before: "valid, fits" and then an abort when the threads started).
+    cfg = tmp_path / "threads.yaml"
+    cfg.write_text("cpu:\n  threads: 4096\n  virtual_subpools: 64\ngpu:\n  device: none\n")
+    with pytest.raises(ValueError) as info:
+        tandem._C.Pool(config_text=cfg.read_text())
+    refused = str(info.value).split("  [")[0]  # without the C++ location
+    assert refused.startswith("cpu.threads = 4096 exceeds the "), refused
+    r = run("doctor", "--json", "--config", str(cfg), "--no-gpu-kernel")
+    assert r.returncode == 1, r.stdout
+    assert refused in json.loads(r.stdout)["config"]["problems"]
+
+
+def test_run_names_the_config_whose_bytes_are_not_utf8(tmp_path):
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes(b"\xff: 1\n")
+    r = run("run", "--config", str(bad), "--prompt", "hi")
+    assert r.returncode != 0
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"tandem: error: {bad}:1:1: "), r.stderr
+    assert "codec" not in r.stderr
+
+
 # ---- shipped configs ------------------------------------------------------------------
 
 def test_every_shipped_config_parses_and_names_only_files_that_exist():

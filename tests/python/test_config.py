@@ -46,3 +46,12 @@ def test_unknown_key_is_an_error():
 def test_missing_file_is_oserror(tmp_path):
     with pytest.raises(OSError, match="cannot read config"):
         tandem.load_config(tmp_path / "absent.yaml")
+
+
+def test_a_key_that_is_not_utf8_is_named_with_file_and_line(tmp_path):
+    p = tmp_path / "latin1.yaml"
+    p.write_bytes(b"cpu:\n  format: int8\n\xff: 1\n")
+    with pytest.raises(ValueError) as info:
+        tandem.load_config(p)
+    assert str(info.value).startswith(f"{p}:3:1: ")
+    assert "\\xff" in str(info.value)

@@ -18,3 +18,11 @@ def test_error_mapping(code, exc):
     # Only the mapped type: an io error is not a ValueError and vice versa.
     for other in {ValueError, OSError, RuntimeError} - {exc}:
         assert not isinstance(info.value, other) or issubclass(exc, other)
+
+
+def test_message_bytes_that_are_not_utf8_are_escaped_not_a_decode_error():
+    # A message may quote bytes of the user's file (a config key, a header): the error keeps
+    # its type and text, with \xNN escapes, instead of becoming a bare UnicodeDecodeError.
+    with pytest.raises(ValueError) as info:
+        _C._raise("invalid_argument", b"bad.yaml:1:1: \xff\xfe: unknown key")
+    assert str(info.value).startswith("bad.yaml:1:1: \\xff\\xfe: unknown key  [at python/bindings.cpp:")

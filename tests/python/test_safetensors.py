@@ -78,6 +78,15 @@ def test_hostile_header_length(tmp_path):
         tandem.Checkpoint(path)
 
 
+def test_header_bytes_that_are_not_utf8_name_the_file(tmp_path):
+    path = tmp_path / "latin1.safetensors"
+    header = b'{"w\xff": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}'
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 4)
+    with pytest.raises(ValueError) as info:  # not a UnicodeDecodeError without the file
+        tandem.Checkpoint(path)
+    assert str(info.value).startswith(f"{path}: ")
+
+
 def test_missing_tensor_and_path(tmp_path, tiny_qwen3_moe_dir):
     ckpt = tandem.Checkpoint(tiny_qwen3_moe_dir)
     with pytest.raises(ValueError, match=r"tensor 'model.layers.0.mlp.experts.0.gate.weight' not found in checkpoint"):
