@@ -40,16 +40,15 @@ Pool::Pool(PoolOptions options) : options_(std::move(options)) {
     // The system refused a thread (memory, thread limits): stop and join the workers that
     // did start, so the throw below leaves no joinable std::thread behind (which would be
     // std::terminate, i.e. SIGABRT, instead of an error the caller can report).
-    stop_.store(true);
-    wake_.fetch_add(1);
-    wake_.notify_all();
-    for (auto& t : workers_) t.join();
+    stop_and_join();
     TANDEM_FAIL(Errc::io, "pool: cannot start worker thread ", worker + 1, " of ", total, " (", e.what(),
                 "); lower cpu.threads or cpu.virtual_subpools, or raise the system's thread / memory limits");
   }
 }
 
-Pool::~Pool() {
+Pool::~Pool() { stop_and_join(); }
+
+void Pool::stop_and_join() {
   stop_.store(true);
   wake_.fetch_add(1);
   wake_.notify_all();

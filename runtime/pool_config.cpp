@@ -32,17 +32,17 @@ PoolOptions pool_options(const Config::Cpu& cpu) {
     const int cores = static_cast<int>(n->cores.size());
     int pus = 0;
     for (const auto& core : n->cores) pus += static_cast<int>(core.pus.size());
+    // More threads in one subpool than the node has logical CPUs would only make them
+    // take turns (and spin against each other at every phase barrier): refused, not
+    // clamped, so what the config says is what runs.
+    TANDEM_CHECK(cpu.threads <= pus, Errc::invalid_argument, "cpu.threads = ", cpu.threads, " exceeds the ", pus,
+                 " logical CPUs of NUMA node ", n->os_index, " this process may use; lower it or leave it auto");
     const int v = cpu.virtual_subpools;
     for (int s = 0; s < v; ++s) {
       SubpoolSpec sp;
       sp.numa_node = n->os_index;
       // Each virtual subpool takes its share of the node's cores; with more subpools than
       // cores (tests on small machines) they share cores round-robin.
-      // More threads in one subpool than the node has logical CPUs would only make them
-      // take turns (and spin against each other at every phase barrier): refused, not
-      // clamped, so what the config says is what runs.
-      TANDEM_CHECK(cpu.threads <= pus, Errc::invalid_argument, "cpu.threads = ", cpu.threads, " exceeds the ", pus,
-                   " logical CPUs of NUMA node ", n->os_index, " this process may use; lower it or leave it auto");
       const int threads = cpu.threads > 0 ? cpu.threads : std::max(1, cores / v);
       const int first = cores >= v ? s * (cores / v) : s % cores;
       for (int t = 0; t < threads; ++t) sp.cpus.push_back(n->cores[(first + t) % cores].pus.front());

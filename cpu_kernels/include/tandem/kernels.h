@@ -90,7 +90,6 @@ struct PackOptions {
 
 inline constexpr int kPanel = 64;  // output rows per packed panel
 
-// 64-byte aligned, owned bytes.
 // Packed weights and scratch, 64-byte aligned. Buffers of 2 MiB and more are mapped
 // on their own, 2 MiB aligned, and marked for transparent huge pages (MADV_HUGEPAGE:
 // where the kernel's THP mode is "madvise", the default of many distributions, plain

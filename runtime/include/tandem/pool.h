@@ -93,6 +93,7 @@ class Pool {
     std::atomic<int> count{0};
   };
   void worker_main(int subpool, int worker, int index, int cpu);
+  void stop_and_join();  // workers finish the queued tasks and exit; all are joined
   void run_items(Task& t, int phase, int subpool, int worker);
   void arrive(Task& t, int& phase);
   void set_counts(Task& t, int phase);
