@@ -8,6 +8,8 @@
 #include <pybind11/stl/filesystem.h>
 
 #include <cstring>
+#include <type_traits>
+
 
 #include "tandem/config.h"
 #include "tandem/cpu_features.h"
@@ -45,11 +47,13 @@ Progress py_progress(const py::object& fn) {
 // from Python, with the GIL released while packing.
 using NamingTuple = std::tuple<std::string, std::string, std::string>;
 template <typename E>
-void load_from_checkpoint(E& engine, const Checkpoint& c, const NamingTuple& n, const py::object& progress) {
+void load_from_checkpoint(E& engine, const Checkpoint& c, const NamingTuple& n, const py::object& progress,
+                          const std::vector<int>& only = {}) {
   ExpertNaming naming{std::get<0>(n), std::get<1>(n), std::get<2>(n)};
   Progress p = py_progress(progress);
   py::gil_scoped_release nogil;
-  engine.load(c, naming, p);
+  if constexpr (std::is_same_v<E, Engine>) engine.load(c, naming, p, only);
+  else engine.load(c, naming, p);
 }
 
 Config config_from(const std::string& path, const std::string& text) {
@@ -233,9 +237,17 @@ PYBIND11_MODULE(_C, m) {
            py::arg("cuda_stream") = 0,
            "stream: 'config' (gpu.device decides), 'host', or 'cuda' (enqueue on the CUDA stream handle cuda_stream "
            "of device cuda_device, e.g. torch's current stream)")
-      .def("load_checkpoint", [](Engine& e, const Checkpoint& c, const NamingTuple& n, const py::object& progress) {
-             load_from_checkpoint(e, c, n, progress);
-           }, py::arg("checkpoint"), py::arg("naming"), py::arg("progress") = py::none())
+      .def("load_checkpoint", [](Engine& e, const Checkpoint& c, const NamingTuple& n, const py::object& progress,
+                                 const std::vector<int>& layers) {
+             load_from_checkpoint(e, c, n, progress, layers);
+           }, py::arg("checkpoint"), py::arg("naming"), py::arg("progress") = py::none(),
+           py::arg("layers") = std::vector<int>{},
+           "layers: the MoE indices to load (empty: all); the others are left for load_layer")
+      .def("unload_layer", [](Engine& e, int i) {
+             py::gil_scoped_release nogil;
+             e.unload_layer(i);
+           }, py::arg("index"), "Gives back MoE layer `index`'s weights so that load_layer can load it again.")
+      .def("layer_loaded", [](const Engine& e, int i) { return e.loaded(i); }, py::arg("index"))
       .def("load_layer", [](Engine& e, int i, const std::vector<uintptr_t>& gate, const std::vector<uintptr_t>& up,
                             const std::vector<uintptr_t>& down, const std::string& dtype, const py::object& progress) {
              const auto source = pointer_sources(e.spec().shape, gate, up, down, dtype, "engine: load_layer");
@@ -245,7 +257,7 @@ PYBIND11_MODULE(_C, m) {
            }, py::arg("index"), py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("dtype"),
            py::arg("progress") = py::none(),
            "Packs MoE layer `index` from row-major [inter x hidden] gate/up and [hidden x inter] down per expert.")
-      .def_property_readonly("loaded", &Engine::loaded)
+      .def_property_readonly("loaded", [](const Engine& e) { return e.loaded(); })
       .def("forward", [](Engine& e, int i, uintptr_t x, bool x_bf16, int tokens, uintptr_t ids, uintptr_t weights,
                          int top_k, uintptr_t out, bool sync) {
              LayerIO io;

@@ -79,13 +79,27 @@ void Engine::load_layer(int i, const std::function<ExpertSource(int)>& source, c
   hybrid_->set_hot(i, hot, source);
 }
 
-void Engine::load(const Checkpoint& ckpt, const ExpertNaming& naming, const Progress& progress) {
+void Engine::load(const Checkpoint& ckpt, const ExpertNaming& naming, const Progress& progress,
+                  const std::vector<int>& only) {
+  std::vector<int> index;  // MoE index of each layer loaded here
+  for (int i : only) {
+    check_index(i);
+    TANDEM_CHECK(std::find(index.begin(), index.end(), i) == index.end(), Errc::invalid_argument,
+                 "engine: MoE layer ", i, " is listed twice");
+    index.push_back(i);
+  }
+  std::sort(index.begin(), index.end());
+  if (only.empty())
+    for (int i = 0; i < moe_layers(); ++i) index.push_back(i);
+  std::vector<int> model_layers;
+  for (int i : index) model_layers.push_back(spec_.layers[i]);
   std::vector<int> begun;  // layers this call started: what a failure rolls back
   try {
     load_checkpoint_layers(
-        ckpt, spec_.layers, naming, spec_.shape,
-        [&](int i, const std::function<ExpertSource(int)>& source, const Progress& p) {
-          if (i >= 0 && i < moe_layers() && !layers_[i]->loaded()) begun.push_back(i);
+        ckpt, model_layers, naming, spec_.shape,
+        [&](int j, const std::function<ExpertSource(int)>& source, const Progress& p) {
+          const int i = index.at(j);
+          if (!layers_[i]->loaded()) begun.push_back(i);
           load_layer(i, source, p);
         },
         progress);
@@ -96,6 +110,18 @@ void Engine::load(const Checkpoint& ckpt, const ExpertNaming& naming, const Prog
     }
     throw;
   }
+}
+
+bool Engine::loaded(int i) const {
+  check_index(i);
+  return layers_[i]->loaded();
+}
+
+void Engine::unload_layer(int i) {
+  check_index(i);
+  stream_->synchronize();
+  layers_[i]->unload();
+  hybrid_->set_hot(i, {}, {});
 }
 
 bool Engine::loaded() const {

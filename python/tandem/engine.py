@@ -22,7 +22,7 @@ from .config import ConfigLike, config_args, config_json
 from .discovery import check_v4_block, expert_shape, find_moe_blocks, patch_v4_block, v4_projections
 from .experts_check import check_experts
 from .modules import CUDA_BINDINGS, CudaBinding, TandemExperts, TandemLoraExperts
-from .peft_glue import attach_v4_lora, claim_wrappers, has_v4_lora, hf_model, innermost, route_peft_wrappers
+from .peft_glue import attach_v4_lora, claim_wrappers, has_v4_lora, hf_model, innermost, watch_block
 from .progress import progress_bar
 from .tracing import apply_config
 
@@ -162,7 +162,10 @@ def offload(model: nn.Module, config: ConfigLike = None, *, train: bool | None =
             engine.load_layer(i, gate, up, down, dtype, progress=step)
             if isinstance(experts, nn.ModuleList):
                 patch_v4_block(b.block, hf)
-            b.block.experts = TandemExperts(engine, i, b.layer, act)
+            fused = not isinstance(experts, nn.ModuleList)
+            b.block.experts = TandemExperts(engine, i, b.layer, act, fused=fused, dtype=keep[0].dtype, device=device)
+            if fused:
+                watch_block(b.block, b.block.experts)
             continue
         engine.load_layer(i, gate, up, down, dtype, progress=step)
         te = TandemLoraExperts(engine.layers[i], b.layer, not isinstance(experts, nn.ModuleList), keep[0].dtype, device)
@@ -177,7 +180,7 @@ def offload(model: nn.Module, config: ConfigLike = None, *, train: bool | None =
         else:
             b.block.experts = te
         if te.fused:
-            b.block.register_forward_pre_hook(route_peft_wrappers)
+            watch_block(b.block, te)
             if wrapper is not None:
                 claim_wrappers(b.block.experts, te)
     if bar:

@@ -24,12 +24,14 @@ import torch
 from torch import nn
 
 from . import _C
+from .adapters import merge_for_inference, peft_for_training, read_adapter_config
+from .checkpoint_reader import TensorReader
 from .config import ConfigLike, config_json
 from .discovery import SUPPORTED_MODEL_TYPES, find_moe_blocks
 from .engine import make_engine, make_lora_layers, share_cpu_with_torch
 from .experts_check import check_experts
-from .modules import TandemExperts, TandemLoraExperts
-from .peft_glue import route_peft_wrappers
+from .modules import ExpertsSource, TandemExperts, TandemLoraExperts
+from .peft_glue import watch_block
 from .progress import progress_bar
 from .tracing import apply_config
 
@@ -48,47 +50,6 @@ def _pick_device(config_json: dict[str, Any], device: str | torch.device | None)
             raise ValueError(f"config gpu.device is {gpu!r} but torch sees no CUDA device")
         return torch.device("cpu")
     return torch.device("cuda", 0 if gpu == "auto" else int(gpu.removeprefix("cuda:")))
-
-
-def _dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """Block-scaled FP8 (DeepSeek-V3 style: one fp32 scale per block of the 2-d weight)."""
-    n, k = w.shape
-    bn, bk = -(-n // scale_inv.shape[0]), -(-k // scale_inv.shape[1])
-    s = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    return w.float() * s
-
-
-class _Reader:
-    """Tensors by name from a (sharded) safetensors checkpoint, read with the safetensors library."""
-
-    def __init__(self, ckpt: _C.Checkpoint):
-        from safetensors import safe_open
-
-        self._open = safe_open
-        self.ckpt = ckpt
-        self._files: dict[str, Any] = {}
-
-    def file(self, name: str) -> str:
-        return self.ckpt.info(name)[2]
-
-    def get(self, name: str) -> torch.Tensor:
-        file = self.file(name)
-        if file not in self._files:
-            self._files[file] = self._open(file, framework="pt")
-        t = self._files[file].get_tensor(name)
-        if t.dtype == torch.float8_e4m3fn:
-            # Without its block scales an FP8 weight is off by the scale: never use it unscaled.
-            if f"{name}_scale_inv" not in self.ckpt:
-                raise ValueError(f"{file}: tensor {name!r} is F8_E4M3 but the checkpoint has no "
-                                 f"{name + '_scale_inv'!r} (its block scales); FP8 weights need them")
-            t = _dequantize_fp8(t, self.get(f"{name}_scale_inv"))
-        if t.is_floating_point():
-            bad = ~torch.isfinite(t)
-            if bool(bad.any()):
-                where = [int(i) for i in bad.nonzero()[0]]
-                raise ValueError(f"{file}: tensor {name!r} element {where} is {t[tuple(where)].item()}; non-finite "
-                                 "weights are refused (fix the checkpoint)")
-        return t
 
 
 def _checkpoint_key(model_type: str, name: str, ckpt: _C.Checkpoint) -> str | None:
@@ -112,7 +73,8 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor, is_param: bool
 
 def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None, *,
                device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-               train: bool = False, backward_format: str = "bf16", progress: bool = True) -> nn.Module:
+               train: bool = False, backward_format: str = "bf16", progress: bool = True,
+               adapter: str | os.PathLike | None = None) -> nn.Module:
     """A transformers causal LM from checkpoint directory `path`, its routed experts in tandem.
 
     config: placement (YAML path, dict, or None for defaults); its model.path is used when
@@ -124,6 +86,12 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
     the inference engine; backward_format "int8" halves the training path's transposed
     packs). The model is returned in eval mode, with ``model.tandem_engine``
     holding the engine (a ``LoraEngine`` when training).
+
+    adapter: a PEFT LoRA adapter directory (``save_pretrained``'s output) for this
+    checkpoint. For inference it is merged (``tandem.adapters``: the expert layers it
+    changes are packed with W + s B A, the rest merged by PEFT) and a plain transformers
+    model is returned; with train=True the returned model is a ``PeftModel`` whose adapter
+    trains on (tandem's LoRA path). Every tensor of the adapter must fit the model.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -144,6 +112,7 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
                          f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     if hf_config.hidden_act not in ("silu", "swish"):
         raise ValueError(f"{path}: hidden_act {hf_config.hidden_act!r} is not supported (silu)")
+    adapter_cfg = read_adapter_config(adapter) if adapter is not None else None
     device = _pick_device(cfg_json, device)
     if dtype is None:
         dtype = getattr(hf_config, "dtype", None) or torch.float32
@@ -175,22 +144,27 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
     else:
         engine = make_engine(config, (E, H, I), layers, device)
     # Both engines check every expert tensor first, then pack layer by layer, giving each
-    # layer's checkpoint pages back once it is packed.
-    engine.load_checkpoint(ckpt, naming, progress=(lambda d, t: bar(d)) if bar else None)
+    # layer's checkpoint pages back once it is packed. With an adapter, inference packs
+    # wait for it (below): the layers it changes are packed merged, once.
+    if train or adapter is None:
+        engine.load_checkpoint(ckpt, naming, progress=(lambda d, t: bar(d)) if bar else None)
+        if bar:
+            bar(None)
     if train:
         for b, layer in zip(blocks, engine.layers):
             b.block.experts = TandemLoraExperts(layer, b.layer, True, dtype, device)
-            b.block.register_forward_pre_hook(route_peft_wrappers)
+            watch_block(b.block, b.block.experts)
     else:
+        source = ExpertsSource(str(path), tuple(naming))
         for i, b in enumerate(blocks):
-            b.block.experts = TandemExperts(engine, i, b.layer, hf_config.hidden_act)
-    if bar:
-        bar(None)
+            b.block.experts = TandemExperts(engine, i, b.layer, hf_config.hidden_act, fused=True, dtype=dtype,
+                                            device=device, source=source)
+            watch_block(b.block, b.block.experts)
     expert_keys = {_C.expert_key(p, L, e) for L in layers for e in range(E) for p in naming}
     expert_keys |= {k + "_scale_inv" for k in expert_keys}
 
     # Everything else: torch tensors on `device`.
-    reader = _Reader(ckpt)
+    reader = TensorReader(ckpt)
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
     used: set[str] = set()
     params = dict(model.named_parameters())
@@ -237,10 +211,17 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
     meta = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.device.type == "meta"]
     if meta:
         raise ValueError(f"{path}: these tensors were not loaded: {', '.join(meta[:5])}")
+    if adapter is not None:
+        if train:
+            model = peft_for_training(model, adapter, adapter_cfg)
+        else:
+            model = merge_for_inference(model, adapter, adapter_cfg, ckpt, naming, bar)
     share_cpu_with_torch(engine, device)
     apply_config(cfg_json)  # trace.enabled: record from now on, write trace.path at exit
     model.tandem_engine = engine
     model.tandem_checkpoint = str(path)
+    if adapter is not None:
+        model.tandem_adapter = str(adapter)
     return model.eval()
 
 

@@ -3,8 +3,10 @@
 ``TandemExperts`` takes the place of a model's ``mlp.experts`` module: HF's router (so
 router logits and the aux loss still work) and shared experts stay as they are, in
 torch, on the model's device; the routed experts run in the C++ engine (hot ones on the
-stream's device, the rest in the CPU pools). The module holds no parameters or buffers,
-so ``.to()``, ``state_dict()`` and ``Accelerator.prepare`` see only the rest of the model.
+stream's device, the rest in the CPU pools). The module holds no parameters and no
+persistent buffers (fused experts: one non-persistent element that gives PEFT's
+placeholders their dtype and device), so ``state_dict()`` and ``Accelerator.prepare`` see
+only the rest of the model.
 ``TandemLoraExperts`` is its training counterpart (a ``_C.LoraLayer``, LoRA through
 ``tandem.lora``); ``FrozenLinear`` stands in for a v4 per-expert linear whose weight tandem
 holds. Also here: which device and stream a CUDA engine enqueues on (``CudaBinding``,
@@ -79,12 +81,53 @@ def _check_inputs(where: str, hidden: int, x: torch.Tensor, top_k_index: torch.T
     return T
 
 
-class TandemExperts(nn.Module):
+class _FusedPlaceholders(nn.Module):
+    """For fused (v5) experts: answers ``gate_up_proj`` and ``down_proj`` with storage-free
+    placeholders of the right shape, dtype and device (those of the ``tandem_probe`` buffer,
+    which ``.to()`` moves and casts like the model), so that PEFT's ``target_parameters``
+    can wrap the module. Subclasses set num_experts, hidden_dim, intermediate_dim, fused."""
+
+    def _add_probe(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.register_buffer("tandem_probe", torch.zeros(1, dtype=dtype, device=device), persistent=False)
+
+    def _placeholders(self) -> dict[str, torch.Tensor]:
+        E, H, I = self.num_experts, self.hidden_dim, self.intermediate_dim
+        p = self._buffers["tandem_probe"]
+        return {"gate_up_proj": nn.Parameter(p.expand(E, 2 * I, H), requires_grad=False),
+                "down_proj": nn.Parameter(p.expand(E, H, I), requires_grad=False)}
+
+    def __getattr__(self, name: str):
+        if name in ("gate_up_proj", "down_proj") and self.__dict__.get("fused"):
+            return self._placeholders()[name]
+        return super().__getattr__(name)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        # Only direct calls see the placeholders (PEFT's target_parameters matching); a parent's
+        # parameters() / state_dict() / DDP / optimizers walk _parameters and never do.
+        yield from super().named_parameters(prefix, recurse, remove_duplicate)
+        if self.fused:
+            for n, p in self._placeholders().items():
+                yield (f"{prefix}.{n}" if prefix else n), p
+
+
+@dataclass(frozen=True)
+class ExpertsSource:
+    """The checkpoint a layer's base expert weights were packed from (``tandem.load_model``):
+    merging an adapter re-reads them from there (``tandem.adapters``)."""
+    checkpoint: str
+    naming: tuple[str, str, str]
+
+
+class TandemExperts(_FusedPlaceholders):
     """Drop-in for a transformers experts module: forward(hidden [T, H], top_k_index [T, K],
     top_k_weights [T, K]) -> [T, H] in hidden's dtype. No parameters: the weights live in
-    the engine (``self.engine``), shared by every layer of the model."""
+    the engine (``self.engine``), shared by every layer of the model. Fused (v5) experts
+    answer PEFT with placeholders (``_FusedPlaceholders``); the engine runs no LoRA, so an
+    adapter PEFT puts on them is merged into the packs or refused (``tandem.peft_glue``)."""
 
-    def __init__(self, engine: _C.Engine, index: int, layer: int, act: str = "silu"):
+    def __init__(self, engine: _C.Engine, index: int, layer: int, act: str = "silu", fused: bool = False,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 source: "ExpertsSource | None" = None):
         super().__init__()
         if act not in ("silu", "swish"):
             raise ValueError(f"model layer {layer}: expert activation {act!r} is not supported (silu only)")
@@ -94,6 +137,10 @@ class TandemExperts(nn.Module):
         self.num_experts = engine.experts
         self.hidden_dim = engine.hidden
         self.intermediate_dim = engine.inter
+        self.fused = fused
+        self.source = source        # where the base weights can be read again (merging adapters)
+        if fused:
+            self._add_probe(dtype, torch.device(device))
         self._cuda_binding = CUDA_BINDINGS.get(engine) if engine.is_cuda else None
         if engine.is_cuda and self._cuda_binding is None:
             raise ValueError(f"model layer {layer}: this CUDA engine was not made by tandem.engine.make_engine, so "
@@ -154,7 +201,7 @@ class TandemExperts(nn.Module):
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
-class TandemLoraExperts(nn.Module):
+class TandemLoraExperts(_FusedPlaceholders):
     """The training counterpart of ``TandemExperts``: one layer's routed experts held by a
     ``_C.LoraLayer`` (frozen base in the CPU pools, LoRA on gate/up/down of every expert),
     differentiable in the hidden states, the routing weights and the LoRA tensors.
@@ -174,27 +221,7 @@ class TandemLoraExperts(nn.Module):
         self.num_experts = lora_layer.experts
         self.hidden_dim = lora_layer.hidden
         self.intermediate_dim = lora_layer.inter
-        # One element that .to() moves and casts like the model: the placeholders' dtype/device.
-        self.register_buffer("tandem_probe", torch.zeros(1, dtype=dtype, device=device), persistent=False)
-
-    def _placeholders(self) -> dict[str, torch.Tensor]:
-        E, H, I = self.num_experts, self.hidden_dim, self.intermediate_dim
-        p = self._buffers["tandem_probe"]
-        return {"gate_up_proj": nn.Parameter(p.expand(E, 2 * I, H), requires_grad=False),
-                "down_proj": nn.Parameter(p.expand(E, H, I), requires_grad=False)}
-
-    def __getattr__(self, name: str):
-        if name in ("gate_up_proj", "down_proj") and self.__dict__.get("fused"):
-            return self._placeholders()[name]
-        return super().__getattr__(name)
-
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        # Only direct calls see the placeholders (PEFT's target_parameters matching); a parent's
-        # parameters() / state_dict() / DDP / optimizers walk _parameters and never do.
-        yield from super().named_parameters(prefix, recurse, remove_duplicate)
-        if self.fused:
-            for n, p in self._placeholders().items():
-                yield (f"{prefix}.{n}" if prefix else n), p
+        self._add_probe(dtype, device)
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer}, experts={self.num_experts}, hidden={self.hidden_dim}, "

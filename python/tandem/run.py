@@ -90,6 +90,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--record-routing", metavar="FILE",
                    help="write the generation's routed counts per layer and expert here, for a config's "
                         "gpu.hot_experts.statistics")
+    p.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA adapter directory (save_pretrained's output) for "
+                   "this model: merged into the weights at load (expert layers packed with it)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -112,6 +114,12 @@ def check_arguments(args: argparse.Namespace):
         check_output_file(args.trace, "--trace")
     if args.record_routing:
         check_output_file(args.record_routing, "--record-routing")
+    if args.adapter is not None:
+        from pathlib import Path
+
+        if not (Path(args.adapter) / "adapter_config.json").is_file():
+            raise InputError(f"--adapter {args.adapter}: no adapter_config.json there (expected a PEFT adapter "
+                             "directory, as save_pretrained writes it)")
     return select_model_and_config(args)
 
 
@@ -135,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
     print(describe(sel, model_dir), flush=True)
     t0 = time.perf_counter()
     was_tracing = tandem.trace.enabled()  # TANDEM_TRACE=path records everything
-    model = tandem.load_model(model_dir, sel.config, device=args.device, progress=not args.no_progress)
+    model = tandem.load_model(model_dir, sel.config, device=args.device, progress=not args.no_progress,
+                              adapter=args.adapter)
     tracing.cancel_pending()  # this command writes its trace itself, at its end: see below
     tandem.trace.enable(was_tracing)
     load_s = time.perf_counter() - t0
@@ -151,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
     if tok.pad_token_id is not None:
         gen["pad_token_id"] = tok.pad_token_id
 
+    if args.adapter:
+        print(f"adapter: {args.adapter} (merged)")
     print(f"loaded: {model.config.model_type}, {model.config.num_hidden_layers} layers, "
           f"dtype {model.dtype}, non-expert weights on {model.device}, torch threads {torch.get_num_threads()}; "
           f"in {load_s:.1f} s")

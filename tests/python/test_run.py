@@ -101,6 +101,37 @@ def test_tandem_run_sampling_and_errors(cache, tmp_path):
     assert r.returncode == 2 and "--max-new-tokens" in r.stderr
 
 
+def test_tandem_run_with_an_adapter(cache, tmp_path):
+    """--adapter reaches load_model: the command's greedy text is what load_model(adapter=)
+    generates in process, and not the base model's (the adapter is strong: lora_A and
+    lora_B random, so this cannot pass with the adapter dropped)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = demo.ensure_demo_model(progress=False)
+    stock = get_peft_model(AutoModelForCausalLM.from_pretrained(path),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
+                                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    g = torch.Generator().manual_seed(1)
+    stock.load_state_dict({k: torch.randn(v.shape, generator=g).to(v.dtype) * 0.2
+                           for k, v in stock.state_dict().items() if "lora_" in k}, strict=False)
+    stock.save_pretrained(tmp_path / "adapter")
+    texts = {}
+    for name, extra in (("base", []), ("adapter", ["--adapter", str(tmp_path / "adapter")])):
+        r = run_cli("run", "--max-new-tokens", "8", "--no-progress", *extra)
+        assert r.returncode == 0, r.stderr
+        texts[name] = next(l for l in r.stdout.splitlines() if l.startswith("output: "))
+    assert f"adapter: {tmp_path / 'adapter'} (merged)" in r.stdout
+    model = tandem.load_model(path, ROOT / "configs" / "demo.yaml", adapter=tmp_path / "adapter", progress=False)
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = tok("The quick brown fox", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
+    want = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert texts["adapter"] == f"output: {want!r}"
+    assert texts["adapter"] != texts["base"]
+
+
 # ---- inputs checked before the model loads ---------------------------------------------
 
 @pytest.mark.parametrize("argv, message", [
@@ -111,6 +142,7 @@ def test_tandem_run_sampling_and_errors(cache, tmp_path):
     (["--config", "{tmp}/cfg/with-model-path.yaml"], "model.path of {tmp}/cfg/with-model-path.yaml: {tmp}/cfg/missing"),
     (["--device", "cuda"], "--device cuda: torch sees no CUDA device"),
     (["--config", "{tmp}/cfg/cuda.yaml"], "{tmp}/cfg/cuda.yaml: gpu.device is 'cuda:0' but torch sees no CUDA device"),
+    (["--adapter", "{tmp}/nowhere"], "--adapter {tmp}/nowhere: no adapter_config.json there"),
 ])
 def test_run_checks_its_inputs_before_loading_a_model(argv, message, tmp_path, monkeypatch, capsys):
     from tandem import cli

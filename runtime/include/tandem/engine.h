@@ -49,11 +49,17 @@ class Engine {
   // Loads every MoE layer from a checkpoint: the config's hot experts to the stream's
   // device, the others packed into the pools. progress(done, total) counts experts over
   // all layers. Errors name the tensor (missing, wrong shape or dtype) before any layer
-  // is half loaded.
-  void load(const Checkpoint& ckpt, const ExpertNaming& naming, const Progress& progress = {});
+  // is half loaded. `only`: the MoE indices to load (empty: every layer), the others left
+  // for load_layer (e.g. layers whose weights an adapter changes).
+  void load(const Checkpoint& ckpt, const ExpertNaming& naming, const Progress& progress = {},
+            const std::vector<int>& only = {});
   // Loads MoE layer i from any source (e.g. tensors an existing model holds).
   void load_layer(int i, const std::function<ExpertSource(int)>& source, const Progress& progress = {});
   bool loaded() const;
+  bool loaded(int i) const;
+  // Gives back MoE layer i's packs and hot experts, so that load_layer can load it again
+  // (e.g. with an adapter merged into its weights). Waits for enqueued work first.
+  void unload_layer(int i);
 
   // Enqueues MoE layer i (see HybridMoe::enqueue); io's pointers are in the stream's
   // device memory (host memory for the host stream). Every layer must be loaded.

@@ -1,0 +1,226 @@
+"""Fine-tuned LoRA adapters on tandem's inference engine (tandem.adapters): merged at load
+(``load_model(adapter=)``), merged / unmerged through PEFT on a loaded model, refused
+where they would be dropped or cannot be merged.
+
+Reference: stock PEFT (unmerged: base output + s B A x) on the unmodified transformers
+model, the adapter saved by it with random lora_A and lora_B (PEFT's zero lora_B would
+make the adapter a no-op and these tests unable to fail).
+
+Bounds (largest |logit difference| over tokens whose routing matched, relative to the
+reference's largest |logit|, as in test_hf_inference): tandem packs W + s B A rounded once
+to bf16 (relative error <= u/2 = 2^-9 per weight) where the reference adds s B A x in
+fp32, which is the same class of error as the base weights'
+rounding there, so the same bounds: 1.5e-2 for fp32 models, 4e-2 for bf16 ones (measured
+<= 3.6e-3 and 1.8e-2). INT8 packs add per-row weight and activation quantization
+(<= max|w|/254 and max|x|/254 per row, two roundings of u_8 = 2^-8 relative to the row's
+largest value, carried through 2-3 MoE layers): bound 6e-2, the per-layer INT8 bound of
+test_hf_inference (measured <= 1.9e-2). The adapter moves the logits by more than 3x
+every bound (asserted, in the same measure).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hf_models import KINDS, VOCAB, build, clean_tokens, record_routing
+
+import tandem
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+ATTENTION = {"qwen3_moe": ["q_proj", "v_proj"], "mixtral": ["q_proj", "v_proj"],
+             "deepseek_v3": ["q_b_proj", "kv_b_proj"]}
+EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+BOUND = {("bf16", "fp32"): 1.5e-2, ("bf16", "bf16"): 4e-2, ("int8", "fp32"): 6e-2, ("int8", "bf16"): 6e-2}
+
+
+def cfg(fmt: str = "bf16", **gpu) -> dict:
+    return {"version": 1, "cpu": {"threads": 2, "format": fmt}, "gpu": {"device": "none", **gpu}}
+
+
+def tokens(seed: int) -> torch.Tensor:
+    # Short rows: a near-tie in a router (int8 activations, bf16 models) spoils the rest of
+    # its row for the comparison (hf_models.clean_tokens), so many rows keep enough tokens.
+    return torch.randint(0, VOCAB, (8, 8), generator=torch.Generator().manual_seed(seed))
+
+
+def max_rel(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+    d = (a.double() - b.double()).abs().amax(-1)[mask]
+    return (d.max() / b.double().abs().max()).item()
+
+
+@pytest.fixture(scope="module")
+def adapted(tmp_path_factory):
+    """(kind, dtype) -> (checkpoint dir, adapter dir, stock PEFT model with that adapter), built once."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    cache = {}
+
+    def get(kind: str, dtype: str = "fp32"):
+        if (kind, dtype) not in cache:
+            root = tmp_path_factory.mktemp(f"{kind}-{dtype}")
+            build(kind, 1, DTYPES[dtype], root / "model")
+            stock = get_peft_model(AutoModelForCausalLM.from_pretrained(root / "model", dtype=DTYPES[dtype]),
+                                   LoraConfig(r=4, lora_alpha=8, target_modules=ATTENTION[kind],
+                                              target_parameters=EXPERT_PARAMS))
+            g = torch.Generator().manual_seed(3)
+            lora = {k: (torch.randn(v.shape, generator=g) * 0.05).to(v.dtype)
+                    for k, v in sorted(stock.state_dict().items()) if "lora_" in k}
+            assert any(".experts." in k for k in lora) and any("attn" in k for k in lora)
+            stock.load_state_dict(lora, strict=False)
+            stock.save_pretrained(root / "adapter")
+            cache[kind, dtype] = root
+        root = cache[kind, dtype]
+        stock = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(root / "model", dtype=DTYPES[dtype]),
+                                          root / "adapter").eval()
+        return root / "model", root / "adapter", stock
+
+    return get
+
+
+def compare(ours, stock, seed: int, bound: float, what: str) -> float:
+    ids = tokens(seed)
+    ra = record_routing(stock.get_base_model())
+    rb = record_routing(ours.get_base_model() if hasattr(ours, "get_base_model") else ours)
+    with torch.no_grad():
+        want, got = stock(input_ids=ids).logits, ours(input_ids=ids).logits
+        with stock.disable_adapter():
+            base = stock(input_ids=ids).logits
+    clean = clean_tokens(ra[: len(rb)], rb, *ids.shape)
+    assert clean.float().mean() >= 0.25, f"routing differs for most tokens ({(~clean).sum().item()})"
+    err = max_rel(got, want, clean)
+    effect = max_rel(base, want, clean)
+    print(f"{what}: clean {clean.sum().item()}/{clean.numel()}, max rel err {err:.2e}, adapter effect {effect:.2f}")
+    assert effect > 3 * bound, "the adapter must change the logits (else this test cannot fail)"
+    assert err <= bound, f"{what}: {err:.2e} > {bound}"
+    return err
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("kind", KINDS)
+def test_load_model_with_adapter_matches_stock_peft(adapted, kind, dtype, fmt):
+    path, adapter, stock = adapted(kind, dtype)
+    model = tandem.load_model(path, cfg(fmt), adapter=adapter, progress=False)
+    assert type(model).__name__ == type(stock.get_base_model()).__name__, "a plain transformers model"
+    assert model.tandem_adapter == str(adapter)
+    assert not any("lora_" in k for k in model.state_dict()), "everything merged"
+    compare(model, stock, 6, BOUND[fmt, dtype], f"{kind} {dtype} {fmt} load_model(adapter=)")
+
+
+def test_adapter_with_hot_experts_on_the_host_stream(adapted):
+    path, adapter, stock = adapted("qwen3_moe")
+    hot = {0: [1, 2], 2: [0, 5, 7]}
+    model = tandem.load_model(path, cfg(hot_experts={"layers": hot}), adapter=adapter, progress=False)
+    e = model.tandem_engine
+    assert [e.hot(i) for i in range(3)] == [[1, 2], [], [0, 5, 7]]
+    compare(model, stock, 6, BOUND["bf16", "fp32"], "hot experts merged too")
+
+
+def test_peft_on_a_loaded_inference_model_merges_into_the_packs(adapted):
+    from peft import PeftModel
+
+    path, adapter, stock = adapted("qwen3_moe")
+    plain = tandem.load_model(path, cfg(), progress=False)
+    ours = PeftModel.from_pretrained(plain, adapter)
+    # Unmerged, the engine would run without the expert LoRA: refused, not dropped.
+    with pytest.raises(ValueError, match=r"model layer 0\): a LoRA adapter is active on these experts.*"
+                                         r"merge_and_unload\(\).*adapter=DIR"):
+        with torch.no_grad():
+            ours(input_ids=tokens(1))
+    ours.merge_adapter()  # no forward before it in layers 1 and 2: merged all the same
+    compare(ours, stock, 6, BOUND["bf16", "fp32"], "merge_adapter()")
+    ours.unmerge_adapter()  # the base packed again
+    ids = tokens(7)
+    with torch.no_grad(), ours.disable_adapter():
+        unmerged = ours(input_ids=ids).logits
+    with torch.no_grad():
+        fresh = tandem.load_model(path, cfg(), progress=False)(input_ids=ids).logits
+    # The experts are packed again from the same weights (bit for bit); attention LoRA
+    # was merged and unmerged by PEFT in fp32 (W + D - D): a few ulps.
+    assert (unmerged - fresh).abs().max() <= 1e-4 * fresh.abs().max()
+    merged = ours.merge_and_unload()
+    assert type(merged).__name__ == "Qwen3MoeForCausalLM"
+    assert type(merged.model.layers[0].mlp.experts).__name__ == "TandemExperts"
+    compare(merged, stock, 6, BOUND["bf16", "fp32"], "merge_and_unload()")
+
+
+def test_disabled_adapter_runs_the_base(adapted):
+    from peft import PeftModel
+
+    path, adapter, _ = adapted("qwen3_moe")
+    ids = tokens(2)
+    with torch.no_grad():
+        want = tandem.load_model(path, cfg(), progress=False)(input_ids=ids).logits
+    ours = PeftModel.from_pretrained(tandem.load_model(path, cfg(), progress=False), adapter)
+    with torch.no_grad(), ours.disable_adapter():
+        got = ours(input_ids=ids).logits
+    assert torch.equal(got, want)
+
+
+def test_merging_into_an_offloaded_model_is_refused(adapted):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    path, adapter, _ = adapted("qwen3_moe")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tandem.offload(model, cfg(), progress=False)
+    ours = PeftModel.from_pretrained(model, adapter)
+    with pytest.raises(ValueError, match=r"offloaded from memory \(tandem.offload\).*Merge before offloading"):
+        ours.merge_and_unload()
+
+
+def test_adapter_that_trains_on(adapted):
+    path, adapter, stock = adapted("qwen3_moe")
+    ours = tandem.load_model(path, cfg(), train=True, adapter=adapter, progress=False)
+    assert type(ours).__name__ == "PeftModel"
+    trainable = [n for n, p in ours.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable) and any(".experts." in n for n in trainable)
+    compare(ours, stock, 6, BOUND["bf16", "fp32"], "train=True with an adapter")
+
+
+def write_adapter(dst, src, edit_cfg=None, edit_weights=None):
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    conf = json.loads((src / "adapter_config.json").read_text())
+    if edit_cfg:
+        edit_cfg(conf)
+    (dst / "adapter_config.json").write_text(json.dumps(conf))
+    w = load_file(src / "adapter_model.safetensors")
+    if edit_weights:
+        edit_weights(w)
+    save_file(w, dst / "adapter_model.safetensors")
+    return dst
+
+
+def test_adapters_that_do_not_fit_are_refused(adapted, tmp_path):
+    path, adapter, _ = adapted("qwen3_moe")
+
+    def load(a):
+        return tandem.load_model(path, cfg(), adapter=a, progress=False)
+
+    with pytest.raises(ValueError, match=r"no adapter_config.json"):
+        load(tmp_path)
+    with pytest.raises(ValueError, match=r"peft_type 'IA3' is not supported"):
+        load(write_adapter(tmp_path / "ia3", adapter, lambda c: c.update(peft_type="IA3")))
+    with pytest.raises(ValueError, match=r"use_dora is set"):
+        load(write_adapter(tmp_path / "dora", adapter, lambda c: c.update(use_dora=True)))
+
+    def extra(w):
+        k = next(k for k in w if "q_proj.lora_A" in k)
+        w[k.replace("layers.0.", "layers.9.")] = w[k].clone()
+    with pytest.raises(ValueError, match=r"1 adapter tensor\(s\) match no module of this model.*layers\.9\."):
+        load(write_adapter(tmp_path / "extra", adapter, edit_weights=extra))
+
+    def drop(w):
+        del w[next(k for k in w if "experts" in k and "lora_B" in k)]
+    with pytest.raises(ValueError, match=r"LoRA tensor\(s\) the adapter config asks for are not in the file"):
+        load(write_adapter(tmp_path / "missing", adapter, edit_weights=drop))
+
+    def nan(w):
+        k = next(k for k in w if "experts" in k and "lora_B" in k)
+        w[k][0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"not finite after merging the adapter"):
+        load(write_adapter(tmp_path / "nan", adapter, edit_weights=nan))
