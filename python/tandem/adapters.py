@@ -97,7 +97,6 @@ def merged_layer_weights(ckpt: _C.Checkpoint, naming: tuple[str, str, str], laye
     out_dtype = torch.float32 if dtypes == {"F32"} else torch.float16 if dtypes == {"F16"} else torch.bfloat16
     shapes = ((I, H), (I, H), (H, I))
     lists: tuple[list[torch.Tensor], ...] = ([], [], [])
-    pairs = ((lora.a_gate, lora.b_gate), (lora.a_up, lora.b_up), (lora.a_down, lora.b_down)) if lora else None
     for e in range(E):
         for j in range(3):
             w = reader.get(names[e][j])
@@ -105,14 +104,24 @@ def merged_layer_weights(ckpt: _C.Checkpoint, naming: tuple[str, str, str], laye
                 raise ValueError(f"{ckpt.info(names[e][j])[2]}: tensor {names[e][j]!r} has shape {list(w.shape)}, "
                                  f"{where} needs {list(shapes[j])}")
             if lora is not None:
-                a, b = pairs[j]
-                delta = lora.scaling * (b[e].detach().to("cpu", torch.float32) @ a[e].detach().to("cpu", torch.float32))
-                w = w.float() + delta
-                if not bool(torch.isfinite(w).all()):
-                    raise ValueError(f"{where}: expert {e}'s {('gate', 'up', 'down')[j]} weight is not finite after "
-                                     "merging the adapter (its LoRA tensors hold inf / NaN or huge values)")
+                w = merge_expert(w, lora, e, j, where)
             lists[j].append(w.to(out_dtype).contiguous())
     return lists[0], lists[1], lists[2], _DTYPE_NAMES[out_dtype]
+
+
+PROJECTIONS = ("gate", "up", "down")
+
+
+def merge_expert(w: torch.Tensor, lora: LoraTensors, e: int, j: int, where: str) -> torch.Tensor:
+    """Expert e's projection j (0 gate, 1 up, 2 down) with its LoRA merged: W + s B A in fp32
+    (the one formula of every merge tandem does, so they agree bit for bit)."""
+    a, b = ((lora.a_gate, lora.b_gate), (lora.a_up, lora.b_up), (lora.a_down, lora.b_down))[j]
+    delta = lora.scaling * (b[e].detach().to("cpu", torch.float32) @ a[e].detach().to("cpu", torch.float32))
+    out = w.float() + delta
+    if not bool(torch.isfinite(out).all()):
+        raise ValueError(f"{where}: expert {e}'s {PROJECTIONS[j]} weight is not finite after merging the adapter "
+                         "(its LoRA tensors hold inf / NaN or huge values)")
+    return out
 
 
 def pack_layer(engine: _C.Engine, index: int, tensors, progress: Callable[[int, int], None] | None = None) -> None:

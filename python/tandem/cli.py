@@ -5,6 +5,8 @@
                                              else the built-in demo)
     tandem train [--model DIR] [--data FILE] [--config FILE] [--out DIR] [--resume | --overwrite]
                  [--trace OUT.json]          LoRA fine-tuning (default: the demo model on the bundled dataset)
+    tandem merge --model DIR --adapter DIR --out DIR
+                                             write a checkpoint with a LoRA adapter merged in
     tandem doctor [--config FILE] [--json]   what tandem can use here; validate a config
     tandem trace-merge TANDEM.json TORCH.json -o OUT.json
                                              put tandem's spans on a torch.profiler timeline
@@ -47,6 +49,12 @@ def _run(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _merge(args: argparse.Namespace) -> int:
+    from tandem.merge import run
+
+    return run(args)
+
+
 def _train(args: argparse.Namespace) -> int:
     from tandem.train import train
 
@@ -77,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="LoRA fine-tuning through tandem (default: the demo model on a bundled dataset)")
     add_train_arguments(t)
     t.set_defaults(func=_train)
+    mg = sub.add_parser("merge", parents=[common], help="write a checkpoint with a LoRA adapter merged in "
+                        "(shard by shard, atomically)")
+    mg.add_argument("--model", required=True, help="checkpoint directory of the base model")
+    mg.add_argument("--adapter", required=True, help="PEFT LoRA adapter directory (save_pretrained's output)")
+    mg.add_argument("--out", required=True, help="directory to write (must not exist)")
+    mg.add_argument("--no-progress", action="store_true", help="no progress bar")
+    mg.set_defaults(func=_merge)
     d = sub.add_parser("doctor", parents=[common],
                        help="report ISA features, NUMA nodes, memory, GPUs; validate a config")
     d.add_argument("--config", help="placement YAML file to validate against this machine")

@@ -52,7 +52,8 @@ def _pick_device(config_json: dict[str, Any], device: str | torch.device | None)
     return torch.device("cuda", 0 if gpu == "auto" else int(gpu.removeprefix("cuda:")))
 
 
-def _checkpoint_key(model_type: str, name: str, ckpt: _C.Checkpoint) -> str | None:
+def checkpoint_key(model_type: str, name: str, ckpt: _C.Checkpoint) -> str | None:
+    """The checkpoint's name of model tensor `name` (None when it has none)."""
     if name in ckpt:
         return name
     for ours, theirs in _RENAMES.get(model_type, []):
@@ -176,7 +177,7 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
     except ImportError:  # pragma: no cover
         it = named
     for name, t in it:
-        key = _checkpoint_key(hf_config.model_type, name, ckpt)
+        key = checkpoint_key(hf_config.model_type, name, ckpt)
         if key is None:
             if name in tied:
                 continue
@@ -195,7 +196,7 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
         # A tied tensor the checkpoint also holds is the one it is tied to: it must hold the
         # same values, or the checkpoint's would be silently dropped.
         for name in sorted(tied):
-            key = _checkpoint_key(hf_config.model_type, name, ckpt)
+            key = checkpoint_key(hf_config.model_type, name, ckpt)
             if key is None or key in used:
                 continue
             now = model.get_parameter(name)

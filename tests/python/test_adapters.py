@@ -224,3 +224,90 @@ def test_adapters_that_do_not_fit_are_refused(adapted, tmp_path):
         w[k][0, 0] = float("nan")
     with pytest.raises(ValueError, match=r"not finite after merging the adapter"):
         load(write_adapter(tmp_path / "nan", adapter, edit_weights=nan))
+
+
+# ---- tandem merge: a merged checkpoint on disk ----------------------------------------------
+
+def read_checkpoint(d) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("kind", KINDS)
+def test_merged_checkpoint_is_what_peft_merges(adapted, kind, dtype, tmp_path):
+    """Every tensor of `tandem merge`'s output is stock PEFT's merge_and_unload of the same
+    adapter (W + s B A in fp32, rounded to the tensor's dtype; PEFT sums the experts' rank-r
+    products in another order, so the two may round apart: one ulp, <= eps |w|, after a few
+    fp32 roundings of the sum; bound 4 eps max|w| per tensor), every other tensor the
+    input's bytes; tandem runs the merged checkpoint exactly as it runs base + adapter."""
+    from tandem.merge import merge_checkpoint
+
+    path, adapter, stock = adapted(kind, dtype)
+    out = merge_checkpoint(path, adapter, tmp_path / "merged", progress=False)
+    assert json.loads((out / "tandem_merge.json").read_text())["tensors_changed"] > 0
+    got, base = read_checkpoint(out), read_checkpoint(path)
+    assert got.keys() == base.keys()
+    want = stock.merge_and_unload().state_dict()
+    eps = torch.finfo(DTYPES[dtype]).eps
+    changed = 0
+    for k, v in got.items():
+        assert v.dtype == base[k].dtype and v.shape == base[k].shape, k
+        if torch.equal(v, base[k]):
+            continue
+        changed += 1
+        ref = want[k] if k in want else None
+        if ref is None:  # per-expert tensor: PEFT's model holds the fused one
+            layer, e, proj = k.split(".")[2], int(k.split(".")[-3]), k.split(".")[-2]
+            fused = want[f"model.layers.{layer}.mlp.experts.{'down_proj' if proj in ('down_proj', 'w2') else 'gate_up_proj'}"]
+            I = fused.shape[1] // 2
+            ref = {"gate_proj": fused[e, :I], "w1": fused[e, :I], "up_proj": fused[e, I:], "w3": fused[e, I:]}.get(
+                proj, fused[e])
+        err = ((v.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+        assert err <= 4 * eps, f"{k}: {err:.2e} > 4 eps = {4 * eps:.1e}"
+    assert changed > 0
+    ids = tokens(4)
+    with torch.no_grad():
+        a = tandem.load_model(out, cfg(), progress=False)(input_ids=ids).logits
+        b = tandem.load_model(path, cfg(), adapter=adapter, progress=False)(input_ids=ids).logits
+    assert torch.equal(a, b), "load_model(merged) and load_model(base, adapter=) pack the same bits"
+
+
+def test_tandem_merge_command_and_its_refusals(adapted, tmp_path):
+    import subprocess
+    import sys
+
+    path, adapter, stock = adapted("qwen3_moe")
+    out = tmp_path / "merged"
+    r = subprocess.run([sys.executable, "-m", "tandem", "merge", "--model", str(path), "--adapter", str(adapter),
+                        "--out", str(out), "--no-progress"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert f"-> {out} (" in r.stdout and "tensors changed" in r.stdout
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = tokens(5)
+    with torch.no_grad():
+        a, b = merged(input_ids=ids).logits, stock(input_ids=ids).logits
+    # fp32: merged weights are W + s B A rounded once to fp32; carried through the model a
+    # few hundred fp32 roundings (u = 6e-8) at most: 1e-5 relative (measured < 1e-6).
+    assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+
+    r = subprocess.run([sys.executable, "-m", "tandem", "merge", "--model", str(path), "--adapter", str(adapter),
+                        "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and f"{out} exists; tandem merge writes a new directory" in r.stderr
+
+    def nan(w):
+        k = next(k for k in w if "experts" in k and "lora_B" in k)
+        w[k][0, 0] = float("nan")
+    from tandem.merge import merge_checkpoint
+
+    with pytest.raises(ValueError, match="not finite after merging the adapter"):
+        merge_checkpoint(path, write_adapter(tmp_path / "nan", adapter, edit_weights=nan), tmp_path / "m2",
+                         progress=False)
+    assert not (tmp_path / "m2").exists()
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name], "no temporary directory left behind"
