@@ -87,6 +87,7 @@ def _meta_peft_model(model_dir: Path, adapter: Path, cfg):
 def plan(model_dir: Path, adapter: Path, ckpt: _C.Checkpoint) -> dict[str, Change]:
     """Checkpoint tensor name -> how the adapter changes it."""
     from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora.layer import Linear
 
     from .loader import checkpoint_key
 
@@ -124,15 +125,32 @@ def plan(model_dir: Path, adapter: Path, ckpt: _C.Checkpoint) -> dict[str, Chang
                 changes[_C.expert_key(pattern, b.layer, e)] = (
                     lambda w, lora=lora, e=e, j=j, where=where: merge_expert(w, lora, e, j, where))
 
-    # Other LoRA layers: PEFT's own delta (fan_in_fan_out, embeddings, scaling rules).
+    # Other LoRA layers: PEFT's own delta (fan_in_fan_out, embeddings, scaling rules), for
+    # modules (lora.Linear, ...) and for parameters PEFT wraps (ParamWrapper on a weight).
     for name, m in hf.named_modules():
-        if not isinstance(m, LoraLayer) or id(m) in wrapped or is_param_wrapper(m):
+        if not isinstance(m, LoraLayer) or id(m) in wrapped:
             continue
         active = [a for a in m.active_adapters if a in getattr(m, "lora_A", {}) or a in getattr(m, "lora_embedding_A", {})]
         if not active:
             continue
-        delta = m.get_delta_weight(active[0]).detach().to("cpu", torch.float32)
-        changes[key_of(f"{name}.weight")] = lambda w, d=delta: w.float() + d
+        if is_param_wrapper(m):
+            if getattr(m, "num_experts", 1) != 1:
+                raise ValueError(f"{adapter}: LoRA on the stacked parameter {name}.{m.parameter_name} is not one "
+                                 "tandem merges (it merges the routed experts of MoE blocks and 2-d weights)")
+            # What ParamWrapper.get_delta_weight computes for one matrix, before it moves the
+            # delta to the parameter's device (meta here) and dtype (rounding it).
+            delta = Linear.get_delta_weight(m, active[0])
+        else:
+            delta = m.get_delta_weight(active[0])
+        delta = delta.detach().to("cpu", torch.float32)
+        path = ".".join(p for p in name.split(".") if p != "base_layer")
+        key = key_of(f"{path}.{m.parameter_name}" if is_param_wrapper(m) else f"{path}.weight")
+        before = changes.get(key)
+        shape = tuple(ckpt.info(key)[1])
+        if tuple(delta.shape) != shape:
+            raise ValueError(f"{adapter}: the LoRA delta of {name} has shape {list(delta.shape)}, but {key!r} is "
+                             f"{list(shape)}")
+        changes[key] = (lambda w, d=delta, f=before: (f(w) if f else w.float()) + d)
 
     # Whole tensors the adapter carries (modules_to_save, saved embedding layers).
     for name, p in list(hf.named_parameters()) + list(hf.named_buffers()):

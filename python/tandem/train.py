@@ -11,8 +11,10 @@ run is refused unless --resume (continue it) or --overwrite (replace it) is give
 
 The model is loaded with ``tandem.load_model(..., train=True)`` (experts straight from the
 checkpoint into the CPU pools), PEFT LoRA goes on every linear layer torch holds
-(attention, shared experts; not the output head) and on the routed experts (``target_parameters`` on
-``mlp.experts.gate_up_proj`` / ``down_proj``), and a plain torch loop trains it: AdamW,
+(attention, dense MLPs, shared experts; not the output head; ``--target-modules`` names
+others) and on the routed experts (``target_parameters`` on ``mlp.experts.gate_up_proj`` /
+``down_proj``; ``--no-expert-lora`` leaves them out), all with the same rank and alpha
+(``peft_config``; the banner reports what got LoRA, ``lora_report``), and a plain torch loop trains it: AdamW,
 gradient clipping, warmup. Written to ``--out``: ``adapter/`` (a stock PEFT adapter),
 ``checkpoint/`` (adapter + optimizer + step + RNG, for ``--resume``), ``loss.csv`` and
 ``loss.png``. Every save is atomic: a crash leaves the previous copy, and the temporary
@@ -256,16 +258,69 @@ class PackedDataset:
 
 # ---- the job ---------------------------------------------------------------------------
 
-def peft_config(model, rank: int, alpha: float):
-    """LoRA on every linear layer torch holds except the output head (attention, shared
-    experts, dense MLPs) and on the routed experts (a PEFT LoraConfig)."""
+# Linear layers whose names PEFT's transformers-v5 MoE conversion rewrites into the fused
+# experts' target_parameters when they appear in target_modules (PEFT 0.21: also dense MLPs and
+# shared experts of those models, which would lose their LoRA, and gate_up would get rank 2r):
+# they are targeted as parameters instead ("<parent>.<name>.weight"), which PEFT leaves alone.
+_MLP_NAMES = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
+EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def peft_config(model, rank: int, alpha: float, targets: list[str] | None = None, expert_lora: bool = True):
+    """A PEFT LoraConfig for LoRA of rank `rank` and alpha `alpha` on every linear layer torch
+    holds except the output head (attention, shared experts, dense MLPs), or on those named in
+    `targets` (leaf names, e.g. q_proj), and on the routed experts unless `expert_lora` is
+    False. Every target gets the same rank and alpha (no rank or alpha patterns)."""
     from peft import LoraConfig
     from torch import nn
 
-    names = sorted({n.rpartition(".")[2] for n, m in model.named_modules()
-                    if isinstance(m, nn.Linear) and not n.endswith("lm_head")})
-    return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=names,
-                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], task_type="CAUSAL_LM")
+    linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not n.endswith("lm_head")]
+    leaves = sorted({n.rpartition(".")[2] for n in linear})
+    if targets is not None:
+        unknown = sorted(set(targets) - set(leaves))
+        if unknown:
+            raise ValueError(f"--target-modules: {', '.join(unknown)} name no linear layer of this model "
+                             f"(it has: {', '.join(leaves)})")
+    wanted = set(leaves if targets is None else targets)
+    modules = sorted(n for n in wanted if n not in _MLP_NAMES)
+    params = sorted({".".join(n.split(".")[-2:]) + ".weight" for n in linear if n.rpartition(".")[2] in wanted
+                     and n.rpartition(".")[2] in _MLP_NAMES})
+    if expert_lora:
+        params += list(EXPERT_PARAMETERS)
+    if not modules and not params:
+        raise ValueError("no LoRA targets: name some with --target-modules or leave expert LoRA on")
+    return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=modules or None,
+                      target_parameters=params or None, task_type="CAUSAL_LM")
+
+
+def lora_report(model) -> list[tuple[str, int, list[str], int]]:
+    """What PEFT put LoRA on, per kind of module: (kind, count, leaf names, rank)."""
+    from .lora import is_param_wrapper
+
+    kinds: dict[str, tuple[int, set[str], set[int]]] = {}
+    for name, m in model.named_modules():
+        if not hasattr(m, "lora_A") or not m.lora_A:
+            continue
+        leaf = name.rpartition(".")[2]
+        if leaf == "base_layer":
+            continue  # an inner wrapper of a chain: its outermost one is counted
+        chain, inner = [m], m.base_layer
+        while is_param_wrapper(inner):
+            chain.append(inner)
+            inner = inner.base_layer
+        if leaf == "experts" and len(chain) > 0 and getattr(chain[0], "parameter_name", None) in ("gate_up_proj",
+                                                                                                 "down_proj"):
+            kind, label = "routed experts", "+".join(sorted(w.parameter_name for w in chain))
+            num = inner.num_experts if hasattr(inner, "num_experts") else 1
+            ranks = {next(iter(w.lora_A.values())).weight.shape[0] // num for w in chain}
+        else:
+            kind = ("shared experts" if "shared_expert" in name else "attention" if "attn" in name
+                    else "MLP" if leaf in _MLP_NAMES else "other")
+            label, ranks = leaf, {next(iter(m.lora_A.values())).weight.shape[0]}
+        n, labels, rs = kinds.get(kind, (0, set(), set()))
+        kinds[kind] = (n + 1, labels | {label}, rs | ranks)
+    order = ["attention", "MLP", "shared experts", "routed experts", "other"]
+    return [(k, kinds[k][0], sorted(kinds[k][1]), max(kinds[k][2])) for k in order if k in kinds]
 
 
 def plot_loss(losses: list[float], out: Path, title: str) -> None:
@@ -324,6 +379,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=20, help="linear warmup steps")
     p.add_argument("--rank", type=int, default=8, help="LoRA rank")
     p.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha")
+    p.add_argument("--target-modules", metavar="NAMES",
+                   help="comma-separated linear layers to put LoRA on, by name (e.g. q_proj,v_proj; default: "
+                        "every linear layer but the output head: attention, dense MLPs, shared experts)")
+    p.add_argument("--no-expert-lora", action="store_true", help="no LoRA on the routed experts")
     p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (0: off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=100, help="steps between checkpoints (0: only at the end)")
@@ -401,7 +460,8 @@ def train(args: argparse.Namespace) -> int:
     dataset = PackedDataset(iter_texts(data, args.max_record_bytes, RAISE_LIMIT), tok, args.seq, args.seed)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = get_peft_model(model, peft_config(model, args.rank, args.alpha))
+    targets = [t for t in args.target_modules.split(",") if t] if args.target_modules else None
+    model = get_peft_model(model, peft_config(model, args.rank, args.alpha, targets, not args.no_expert_lora))
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
@@ -427,6 +487,8 @@ def train(args: argparse.Namespace) -> int:
     print(f"loaded: {model.config.model_type}, {model.config.num_hidden_layers} layers; "
           f"LoRA r={args.rank} alpha={args.alpha}: {trainable / 1e6:.2f} M trainable parameters; "
           f"data: {data} ({len(dataset)} sequences of {args.seq} tokens); in {load_s:.1f} s", flush=True)
+    print("LoRA on: " + "; ".join(f"{kind} {n} ({', '.join(labels)}, r={r})"
+                                  for kind, n, labels, r in lora_report(model)), flush=True)
     if start:
         print(f"resuming at step {start} from {out / 'checkpoint'}", flush=True)
 

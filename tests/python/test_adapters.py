@@ -311,3 +311,74 @@ def test_tandem_merge_command_and_its_refusals(adapted, tmp_path):
                          progress=False)
     assert not (tmp_path / "m2").exists()
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name], "no temporary directory left behind"
+
+
+# ---- tandem train's LoRA targets --------------------------------------------------------------
+
+EXPECTED_REPORT = {
+    "qwen3_moe": [("attention", 12, ["k_proj", "o_proj", "q_proj", "v_proj"], 4),
+                  ("routed experts", 3, ["down_proj+gate_up_proj"], 4)],
+    "mixtral": [("attention", 12, ["k_proj", "o_proj", "q_proj", "v_proj"], 4),
+                ("routed experts", 3, ["down_proj+gate_up_proj"], 4)],
+    # layer 0 is dense; layers 1-2 have a shared expert each
+    "deepseek_v3": [("attention", 15, ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_a_proj", "q_b_proj"], 4),
+                    ("MLP", 3, ["down_proj", "gate_proj", "up_proj"], 4),
+                    ("shared experts", 6, ["down_proj", "gate_proj", "up_proj"], 4),
+                    ("routed experts", 2, ["down_proj+gate_up_proj"], 4)],
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_train_targets_every_linear_layer_with_one_rank(adapted, kind, tmp_path):
+    """tandem train's LoraConfig: LoRA on attention, dense MLPs, shared experts (which PEFT
+    0.21's v4-to-v5 conversion would move onto the fused experts when named in
+    target_modules) and the routed experts, every one with rank r (gate_up too, which that
+    conversion doubles), no PEFT warning; the adapter it saves loads into stock PEFT on the
+    stock model with every tensor landing, and runs the same model there."""
+    import warnings
+
+    from peft import PeftConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from tandem.adapters import check_load_result
+    from tandem.train import lora_report, peft_config
+
+    path, _, _ = adapted(kind)
+    model = tandem.load_model(path, cfg(), train=True, progress=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = get_peft_model(model, peft_config(model, 4, 8.0))
+    peft_warnings = [str(w.message) for w in caught if "peft" in str(w.filename)]
+    assert not peft_warnings, peft_warnings
+    assert lora_report(model) == EXPECTED_REPORT[kind]
+    E = model.get_base_model().config.num_local_experts if kind == "mixtral" else (
+        model.get_base_model().config.num_experts if kind == "qwen3_moe" else model.get_base_model().config.n_routed_experts)
+    for n, p in model.named_parameters():
+        if ".experts." in n and "lora_A" in n:
+            assert p.shape[0] == 4 * E, f"{n}: rank {p.shape[0] // E}, not 4"
+    g = torch.Generator().manual_seed(9)
+    model.load_state_dict({k: torch.randn(v.shape, generator=g) * 0.05 for k, v in model.state_dict().items()
+                           if "lora_" in k}, strict=False)
+    model.save_pretrained(tmp_path / "adapter")
+    stock = PeftModel(AutoModelForCausalLM.from_pretrained(path), PeftConfig.from_pretrained(tmp_path / "adapter"))
+    check_load_result(tmp_path / "adapter", stock.load_adapter(str(tmp_path / "adapter"), "default"))
+    stock.eval()
+    compare(model.eval(), stock, 6, BOUND["bf16", "fp32"], f"{kind} tandem-trained adapter in stock PEFT")
+    # ... and through both merges (dense and shared-expert LoRA included)
+    from tandem.merge import merge_checkpoint
+
+    merged = merge_checkpoint(path, tmp_path / "adapter", tmp_path / "merged", progress=False)
+    compare(AutoModelForCausalLM.from_pretrained(merged).eval(), stock, 6, 1e-5, f"{kind} tandem merge")
+    compare(tandem.load_model(path, cfg(), adapter=tmp_path / "adapter", progress=False), stock, 6,
+            BOUND["bf16", "fp32"], f"{kind} load_model(adapter=)")
+
+    fresh = AutoModelForCausalLM.from_pretrained(path)
+    q = "q_b_proj" if kind == "deepseek_v3" else "q_proj"
+    only = peft_config(fresh, 4, 8.0, [q], expert_lora=False)
+    assert only.target_parameters is None and only.target_modules == {q}
+    if kind == "deepseek_v3":
+        mlp = peft_config(fresh, 4, 8.0, ["gate_proj"], expert_lora=False)
+        assert mlp.target_modules is None
+        assert set(mlp.target_parameters) == {"mlp.gate_proj.weight", "shared_experts.gate_proj.weight"}
+    with pytest.raises(ValueError, match=r"--target-modules: nope name no linear layer of this model"):
+        peft_config(fresh, 4, 8.0, ["nope"])
