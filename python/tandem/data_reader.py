@@ -1,16 +1,25 @@
 """Training data files read as a stream: memory bounded by the longest record allowed, not
 by the file, and every problem reported as ``FILE:LINE: what is wrong``.
 
-    for text in iter_texts("data.jsonl"):           # one text per record, checked as it is read
+    for rec in iter_records("data.jsonl"):         # one record per line, checked as it is read
         ...
     texts = read_texts("notes.txt", max_record_bytes=64 * 2**20)
 
-Formats (chosen by the file's suffix, as `tandem train` always did):
+Formats (chosen by the file's suffix):
 
-- ``.jsonl``: one JSON object per line, ``{"text": ...}`` or ``{"prompt": ..., "completion": ...}``
-  (the text is prompt + completion); blank lines are skipped. Lines end at ``\\n`` (``\\r\\n`` too).
-- anything else: plain text, paragraphs separated by empty lines (``\\n``, ``\\r\\n`` or ``\\r``
-  line ends), each stripped of surrounding whitespace.
+- ``.jsonl``: one JSON object per line, blank lines skipped, lines ending at ``\\n`` (``\\r\\n``
+  too). A record is ``{"text": str}``, ``{"prompt": str, "completion": str}``,
+  ``{"messages": [{"role": str, "content": str}, ...]}`` (a chat), or a conversational
+  prompt / completion (``{"prompt": [messages], "completion": [messages]}``), the forms TRL's
+  SFTTrainer takes; other keys are ignored. ``iter_records`` yields the record (a dict with
+  exactly those keys); ``iter_texts`` the text of plain records (prompt + completion joined)
+  and refuses chats, which need the model's chat template (``tandem.train``).
+- ``.txt``, ``.text``, ``.md`` or no suffix: plain text, paragraphs separated by empty lines
+  (``\\n``, ``\\r\\n`` or ``\\r`` line ends), each stripped of surrounding whitespace:
+  ``{"text": paragraph}`` records.
+- anything else is refused here, naming the file (``tandem train`` reads ``.json``,
+  ``.csv``, ``.parquet`` files and ``datasets.save_to_disk`` directories through the
+  ``datasets`` library).
 
 The file is read in chunks of at most ``CHUNK_BYTES``; a record (a line of a .jsonl file, a
 paragraph of a text file) longer than ``max_record_bytes`` is an error as soon as that many
@@ -104,7 +113,38 @@ def _decode(path: Path, line: int, offset: int, raw: bytes) -> str:
                         "tandem reads training data as UTF-8") from None
 
 
-def _json_text(path: Path, line: int, text: str) -> str:
+def _messages(path: Path, line: int, key: str, value) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{path}:{line}: \"{key}\" must be a non-empty list of messages "
+                        f"({{\"role\": ..., \"content\": ...}}), got {type(value).__name__}")
+    for i, m in enumerate(value):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise DataError(f"{path}:{line}: \"{key}\"[{i}] is not a message with a string \"role\" and "
+                            "\"content\"")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def record_of(path: Path, line: int, row) -> dict:
+    """The training record a decoded row holds (see the module docstring), or DataError."""
+    if isinstance(row, dict):
+        if isinstance(row.get("text"), str):
+            return {"text": row["text"]}
+        if "messages" in row:
+            return {"messages": _messages(path, line, "messages", row["messages"])}
+        if isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
+            return {"prompt": row["prompt"], "completion": row["completion"]}
+        if isinstance(row.get("prompt"), list) and isinstance(row.get("completion"), list):
+            return {"prompt": _messages(path, line, "prompt", row["prompt"]),
+                    "completion": _messages(path, line, "completion", row["completion"])}
+        keys = sorted(row)
+        got = f"keys {keys[:8]}" + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+    else:
+        got = type(row).__name__
+    raise DataError(f"{path}:{line}: expected an object with a string \"text\", \"prompt\" and \"completion\", "
+                    f"or \"messages\", got {got}")
+
+
+def _json_record(path: Path, line: int, text: str) -> dict:
     try:
         row = json.loads(text)
     except json.JSONDecodeError as e:
@@ -112,35 +152,35 @@ def _json_text(path: Path, line: int, text: str) -> str:
     except (ValueError, RecursionError) as e:  # e.g. an integer of 5000 digits, [[[[... nested too deep
         reason = "nested too deeply" if isinstance(e, RecursionError) else str(e).split(";")[0]
         raise DataError(f"{path}:{line}: not usable JSON ({reason})") from None
-    if isinstance(row, dict) and isinstance(row.get("text"), str):
-        out = row["text"]
-    elif isinstance(row, dict) and isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
-        out = row["prompt"] + row["completion"]
-    else:
-        if isinstance(row, dict):
-            keys = sorted(row)
-            got = f"keys {keys[:8]}" + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
-        else:
-            got = type(row).__name__
-        raise DataError(f"{path}:{line}: expected an object with a string \"text\" (or \"prompt\" and "
-                        f"\"completion\"), got {got}")
+    rec = record_of(path, line, row)
     if "\\u" in text:  # an escaped lone surrogate (\ud800) gives a str no tokenizer can encode
-        try:
-            out.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise DataError(f"{path}:{line}: the text holds an unpaired surrogate escape "
-                            f"(\\u{ord(out[e.start]):04x}), which is not a character") from None
-    return out
+        for s in _strings(rec):
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise DataError(f"{path}:{line}: the text holds an unpaired surrogate escape "
+                                f"(\\u{ord(s[e.start]):04x}), which is not a character") from None
+    return rec
 
 
-def _jsonl(f: BinaryIO, path: Path, limit: int, raise_with: str) -> Iterator[str]:
+def _strings(rec: dict) -> Iterator[str]:
+    for v in rec.values():
+        if isinstance(v, str):
+            yield v
+        else:
+            for m in v:
+                yield m["role"]
+                yield m["content"]
+
+
+def _jsonl(f: BinaryIO, path: Path, limit: int, raise_with: str) -> Iterator[tuple[int, dict]]:
     for line, offset, raw in _lines(f, path, limit, raise_with):
         text = _decode(path, line, offset, raw)
         if text.strip():
-            yield _json_text(path, line, text)
+            yield line, _json_record(path, line, text)
 
 
-def _paragraphs(f: BinaryIO, path: Path, limit: int, raise_with: str) -> Iterator[str]:
+def _paragraphs(f: BinaryIO, path: Path, limit: int, raise_with: str) -> Iterator[tuple[int, dict]]:
     # What `path.read_text().split("\n\n")` with each piece stripped gave, without reading
     # the whole file: read_text turns \r\n and \r into \n, and a run of two or more \n ends a
     # paragraph (an odd one's last \n is whitespace the strip removes).
@@ -159,7 +199,7 @@ def _paragraphs(f: BinaryIO, path: Path, limit: int, raise_with: str) -> Iterato
                 joined = "\n".join(para).strip()
                 para = []
                 if joined:
-                    yield joined
+                    yield first, {"text": joined}
         if para:
             size += 1 + len(raw)
             if size > limit:
@@ -167,28 +207,52 @@ def _paragraphs(f: BinaryIO, path: Path, limit: int, raise_with: str) -> Iterato
     if para:
         joined = "\n".join(para).strip()
         if joined:
-            yield joined
+            yield first, {"text": joined}
 
 
-def iter_texts(path: str | os.PathLike, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
-               raise_with: str = "max_record_bytes=N") -> Iterator[str]:
-    """The texts of a training data file, one per record, read as a stream (see the module's
-    docstring for the formats). Raises DataError naming FILE:LINE for a record that is too
-    long, not UTF-8 or malformed, and ``FILE: no texts`` for a file without any; `raise_with`
-    is how the error tells the user to raise the limit (`tandem train`: ``--max-record-bytes N``)."""
+TEXT_SUFFIXES = ("", ".txt", ".text", ".md")
+
+
+def iter_records(path: str | os.PathLike, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+                 raise_with: str = "max_record_bytes=N") -> Iterator[tuple[int, dict]]:
+    """(line, record) of a training data file, read as a stream (see the module's docstring
+    for the formats). Raises DataError naming FILE:LINE for a record that is too long, not
+    UTF-8 or malformed, ``FILE: no texts`` for a file without any, and ``FILE: ...`` for a
+    format this reader does not read; `raise_with` is how the error tells the user to raise
+    the limit (`tandem train`: ``--max-record-bytes N``)."""
     path = Path(path)
     if max_record_bytes < 1:
         raise ValueError(f"max_record_bytes must be at least 1, got {max_record_bytes}")
     if not path.is_file():
         raise DataError(f"{path}: no such data file")
-    records = _jsonl if path.suffix == ".jsonl" else _paragraphs
+    if path.suffix == ".jsonl":
+        records = _jsonl
+    elif path.suffix.lower() in TEXT_SUFFIXES:
+        records = _paragraphs
+    else:
+        raise DataError(f"{path}: not a format tandem reads as a stream (.jsonl, or plain text: "
+                        f"{', '.join(s for s in TEXT_SUFFIXES if s)} or no suffix)")
     n = 0
     with open(path, "rb") as f:
-        for text in records(f, path, max_record_bytes, raise_with):
+        for line, rec in records(f, path, max_record_bytes, raise_with):
             n += 1
-            yield text
+            yield line, rec
     if not n:
         raise DataError(f"{path}: no texts")
+
+
+def iter_texts(path: str | os.PathLike, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+               raise_with: str = "max_record_bytes=N") -> Iterator[str]:
+    """The texts of a training data file's plain records, one per record (prompt and
+    completion joined); a chat record is a DataError (it needs a chat template)."""
+    path = Path(path)
+    for line, rec in iter_records(path, max_record_bytes, raise_with):
+        if "text" in rec:
+            yield rec["text"]
+        elif isinstance(rec["prompt"] if "prompt" in rec else None, str):
+            yield rec["prompt"] + rec["completion"]
+        else:
+            raise DataError(f"{path}:{line}: a chat record; its text needs the model's chat template")
 
 
 def read_texts(path: str | os.PathLike, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
@@ -200,5 +264,5 @@ def read_texts(path: str | os.PathLike, max_record_bytes: int = DEFAULT_MAX_RECO
 def count_texts(path: str | os.PathLike, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
                 raise_with: str = "max_record_bytes=N") -> int:
     """Reads the whole file, checking every record, and keeps none of them: the number of
-    texts (at least 1), or the DataError the first bad record gives."""
-    return sum(1 for _ in iter_texts(path, max_record_bytes, raise_with))
+    records (at least 1), or the DataError the first bad record gives."""
+    return sum(1 for _ in iter_records(path, max_record_bytes, raise_with))

@@ -23,7 +23,12 @@ the next save or ``--resume`` (``remove_stale_temp_dirs``).
 
 The data file is read as a stream (``tandem.data_reader``): a record (a .jsonl line, a .txt
 paragraph) longer than ``--max-record-bytes`` (default 16 MiB), bytes that are not UTF-8 and
-malformed lines are errors naming FILE:LINE, checked before the model is loaded.
+malformed lines are errors naming FILE:LINE, checked before the model is loaded. ``.json``,
+``.csv`` and ``.parquet`` files and ``datasets.save_to_disk`` directories are read with the
+``datasets`` library (memory-mapped), their rows checked the same way (FILE row N). Records
+are TRL's forms: text, prompt / completion, ``messages`` chats (rendered with the model's chat
+template) and conversational prompt / completion; as TRL does, the loss covers completions
+and assistant turns only (``--loss-on-all``: every token), ``tokenize_record``.
 """
 from __future__ import annotations
 
@@ -36,7 +41,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from .data_reader import DEFAULT_MAX_RECORD_BYTES, count_texts, format_size, iter_texts, parse_size
+from .data_reader import (DEFAULT_MAX_RECORD_BYTES, TEXT_SUFFIXES, DataError, format_size, iter_records, parse_size,
+                          record_of)
 from .data_reader import read_texts  # noqa: F401 (tandem.train.read_texts, as before the reader had its module)
 
 DEMO_DATA = Path(__file__).resolve().parent / "data" / "demo_sft.jsonl"
@@ -220,30 +226,169 @@ def load_training_state(path: str | os.PathLike, model, optimizer=None, schedule
 
 # ---- data ------------------------------------------------------------------------------
 
-class PackedDataset:
-    """Texts (a list, or ``iter_texts(file)`` read as they are tokenized) tokenized, joined
-    with EOS and cut into [seq] blocks; batch(step) is a pure function of (seed, step), so a
-    resumed run sees the batches the first run would have."""
+DATASETS_SUFFIXES = {".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
-    def __init__(self, texts: Iterable[str], tokenizer, seq: int, seed: int = 0):
+
+def iter_data(path: str | os.PathLike, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+              raise_with: str = RAISE_LIMIT) -> Iterable[tuple[str, dict]]:
+    """(where, record) of a training data file or directory: .jsonl and plain text through
+    ``data_reader`` (streamed), .json / .csv / .parquet and ``save_to_disk`` directories
+    through ``datasets``; every record checked (``data_reader.record_of``)."""
+    path = Path(path)
+    if path.is_dir() or path.suffix.lower() in DATASETS_SUFFIXES:
+        yield from _dataset_rows(path)
+        return
+    if path.is_file() and path.suffix.lower() not in TEXT_SUFFIXES + (".jsonl",):
+        raise DataError(f"{path}: not a training data format tandem reads (.jsonl; .txt, .text, .md or no suffix; "
+                        f"{', '.join(DATASETS_SUFFIXES)} or a datasets.save_to_disk directory)")
+    for line, rec in iter_records(path, max_record_bytes, raise_with):
+        yield f"{path}:{line}", rec
+
+
+def _dataset_rows(path: Path) -> Iterable[tuple[str, dict]]:
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"{path}: reading {path.suffix or 'a directory'} data needs the datasets library "
+                        "(pip install datasets), or convert it to .jsonl") from None
+    if path.is_dir() and not (path / "dataset_info.json").is_file() and not (path / "dataset_dict.json").is_file():
+        raise DataError(f"{path}: a directory, but not one datasets.save_to_disk wrote (no dataset_info.json "
+                        "or dataset_dict.json)")
+    if not path.exists():
+        raise DataError(f"{path}: no such data file")
+    try:
+        if path.is_dir():
+            ds = datasets.load_from_disk(str(path))
+        else:
+            ds = datasets.load_dataset(DATASETS_SUFFIXES[path.suffix.lower()], data_files=str(path), split="train")
+    except Exception as e:  # noqa: BLE001 (whatever datasets raises: one line naming the file)
+        raise DataError(f"{path}: datasets cannot read it: {type(e).__name__}: {str(e).strip().splitlines()[0]}") from e
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise DataError(f"{path}: a dataset with splits {', '.join(ds)} and no \"train\" split")
+        ds = ds["train"]
+    n = 0
+    for i, row in enumerate(ds):
+        n += 1
+        yield f"{path} row {i + 1}", record_of(path, f"row {i + 1}", row)
+    if not n:
+        raise DataError(f"{path}: no rows")
+
+
+def count_data(path: str | os.PathLike, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> dict[str, int]:
+    """Every record read and checked, none kept: how many of each form."""
+    counts: dict[str, int] = {}
+    for _, rec in iter_data(path, max_record_bytes):
+        kind = "chat" if "messages" in rec or not isinstance(rec.get("prompt", ""), str) else (
+            "prompt/completion" if "prompt" in rec else "text")
+        counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
+def _render(tok, messages: list[dict], where: str, generation_prompt: bool = False) -> str:
+    try:
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except Exception as e:  # noqa: BLE001 (the template's own error, e.g. a role it does not know)
+        raise DataError(f"{where}: the chat template cannot render this chat: {type(e).__name__}: "
+                        f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
+
+
+def _chat_pieces(tok, messages: list[dict], learn_from: int | None, where: str) -> list[tuple[str, bool]]:
+    """The rendered chat as (text, learned) pieces: assistant turns learned (from message
+    `learn_from` on, when given: a conversational completion), the rest not. Each assistant
+    turn's text is what rendering it adds to the chat before it with the generation prompt,
+    so the template's own turn markers stay where it puts them."""
+    full = _render(tok, messages, where)
+    pieces, pos = [], 0
+    for i, m in enumerate(messages):
+        learned = (i >= learn_from) if learn_from is not None else m["role"] == "assistant"
+        if not learned or (learn_from is not None and i > learn_from):
+            continue
+        before = _render(tok, messages[:i], where, generation_prompt=True) if i else ""
+        upto = full if learn_from is not None else _render(tok, messages[: i + 1], where)
+        if not (len(before) >= pos and full.startswith(before) and full.startswith(upto) and len(upto) >= len(before)):
+            raise DataError(f"{where}: the model's chat template does not render this chat turn by turn (the text "
+                            f"up to message {i} is not a prefix of the whole), so tandem cannot tell the assistant "
+                            "tokens apart; use --loss-on-all, or text / prompt-completion records")
+        pieces += [(full[pos:len(before)], False), (full[len(before):len(upto)], True)]
+        pos = len(upto)
+    pieces.append((full[pos:], False))
+    return [p for p in pieces if p[0]]
+
+
+def tokenize_record(rec: dict | str, tok, where: str = "record", loss_on_all: bool = False
+                    ) -> tuple[list[int], list[int]]:
+    """(token ids, labels) of one record: labels are the ids where the loss applies and -100
+    elsewhere. Text: every token, then EOS. Prompt / completion: the completion and EOS.
+    Chats (``messages``, or conversational prompt / completion): the assistant turns (the
+    completion's messages), rendered with the tokenizer's chat template. loss_on_all: every
+    token of every form."""
+    if isinstance(rec, str):
+        rec = {"text": rec}
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    if "text" in rec:
+        pieces = [(rec["text"], True)]
+    elif isinstance(rec["prompt"] if "prompt" in rec else None, str):
+        pieces = [(rec["prompt"], False), (rec["completion"], True)]
+    else:
+        if not getattr(tok, "chat_template", None):
+            raise DataError(f"{where}: a chat record, but this model's tokenizer has no chat template to render it "
+                            "with; use text or prompt / completion records")
+        if loss_on_all:  # every token: the chat rendered whole
+            pieces = [(_render(tok, rec["messages"] if "messages" in rec else rec["prompt"] + rec["completion"],
+                               where), True)]
+        elif "messages" in rec:
+            pieces = _chat_pieces(tok, rec["messages"], None, where)
+        else:
+            pieces = _chat_pieces(tok, rec["prompt"] + rec["completion"], len(rec["prompt"]), where)
+        eos = []  # the template ends the turns
+    ids: list[int] = []
+    labels: list[int] = []
+    for text, learned in pieces:
+        t = tok(text, add_special_tokens=False)["input_ids"]
+        ids += t
+        labels += t if (learned or loss_on_all) else [-100] * len(t)
+    if eos:
+        ids += eos
+        labels += eos if (pieces[-1][1] or loss_on_all) else [-100]
+    return ids, labels
+
+
+class PackedDataset:
+    """Records (texts, record dicts, or ``iter_data``'s (where, record) pairs, tokenized as
+    they are read: ``tokenize_record``) joined and cut into [seq] blocks of ids and labels;
+    blocks with no label (a prompt longer than a block) are dropped. batch(step) /
+    labels(step) are pure functions of (seed, step), so a resumed run sees the batches the
+    first run would have."""
+
+    def __init__(self, records: Iterable, tokenizer, seq: int, seed: int = 0, loss_on_all: bool = False):
         import torch
 
         ids: list[int] = []
-        eos = tokenizer.eos_token_id
-        for t in texts:
-            ids += tokenizer(t, add_special_tokens=False)["input_ids"]
-            if eos is not None:
-                ids.append(eos)
+        labels: list[int] = []
+        for n, r in enumerate(records):
+            where, rec = r if isinstance(r, tuple) else (f"record {n + 1}", r)
+            i, l = tokenize_record(rec, tokenizer, where, loss_on_all)
+            ids += i
+            labels += l
         n = len(ids) // seq
         if n < 1:
             raise ValueError(f"the data has {len(ids)} tokens, fewer than one sequence of {seq}")
-        self.blocks = torch.tensor(ids[: n * seq]).view(n, seq)
+        blocks = torch.tensor(ids[: n * seq]).view(n, seq)
+        lab = torch.tensor(labels[: n * seq]).view(n, seq)
+        keep = (lab != -100).any(1)
+        if not bool(keep.any()):
+            raise ValueError("no sequence of the data has a token to learn from (every token is prompt or user "
+                             "turn); use --loss-on-all, or longer --seq")
+        self.blocks, self.block_labels = blocks[keep], lab[keep]
+        self.dropped = int((~keep).sum())
         self.seed, self.tokens = seed, len(ids)
+        self.learned = int((self.block_labels != -100).sum())
 
     def __len__(self) -> int:
         return self.blocks.shape[0]
 
-    def batch(self, step: int, size: int):
+    def _rows(self, step: int, size: int) -> list[int]:
         import torch
 
         n = len(self)
@@ -252,8 +397,14 @@ class PackedDataset:
         for i in range(start, start + size):
             epoch, k = divmod(i, n)
             perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 100003 + epoch))
-            rows.append(self.blocks[perm[k]])
-        return torch.stack(rows)
+            rows.append(int(perm[k]))
+        return rows
+
+    def batch(self, step: int, size: int):
+        return self.blocks[self._rows(step, size)]
+
+    def labels(self, step: int, size: int):
+        return self.block_labels[self._rows(step, size)]
 
 
 # ---- the job ---------------------------------------------------------------------------
@@ -358,9 +509,12 @@ def _byte_count(text: str) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint directory (default: the config's model.path, else the built-in "
                                    "demo model)")
-    p.add_argument("--data", help=".jsonl ({\"text\": ...} or {\"prompt\": ..., \"completion\": ...} per line) "
-                                  "or .txt file (paragraphs separated by empty lines), UTF-8 (default: the "
-                                  "bundled demo dataset)")
+    p.add_argument("--data", help=".jsonl ({\"text\": ...}, {\"prompt\": ..., \"completion\": ...} or "
+                                  "{\"messages\": [...]} per line), .txt file (paragraphs separated by empty lines), "
+                                  "UTF-8; or .json / .csv / .parquet / a datasets.save_to_disk directory (read with "
+                                  "datasets) (default: the bundled demo dataset)")
+    p.add_argument("--loss-on-all", action="store_true",
+                   help="train on every token (default: completions and assistant turns only, as TRL does)")
     p.add_argument("--max-record-bytes", type=_byte_count, default=DEFAULT_MAX_RECORD_BYTES, metavar="N",
                    help="the longest line of a .jsonl data file (paragraph of a .txt one) accepted, in bytes or "
                         "with a K, M or G suffix (1024-based); a longer one is an error naming its line, found "
@@ -413,7 +567,7 @@ def check_arguments(args: argparse.Namespace):
         raise InputError(f"--max-record-bytes must be at least 1, got {args.max_record_bytes}")
     sel = select_model_and_config(args)
     data = Path(args.data) if args.data else DEMO_DATA
-    count_texts(data, args.max_record_bytes, RAISE_LIMIT)
+    args.data_counts = count_data(data, args.max_record_bytes)
     out = Path(args.out)
     check_train_out(out, args.resume, args.overwrite)
     if args.resume:
@@ -457,7 +611,7 @@ def train(args: argparse.Namespace) -> int:
     tracing.cancel_pending()  # this command writes its trace itself, at its end: see below
     tandem.trace.enable(was_tracing)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    dataset = PackedDataset(iter_texts(data, args.max_record_bytes, RAISE_LIMIT), tok, args.seq, args.seed)
+    dataset = PackedDataset(iter_data(data, args.max_record_bytes), tok, args.seq, args.seed, args.loss_on_all)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     targets = [t for t in args.target_modules.split(",") if t] if args.target_modules else None
@@ -486,7 +640,12 @@ def train(args: argparse.Namespace) -> int:
     dev = next(p.device for p in params)
     print(f"loaded: {model.config.model_type}, {model.config.num_hidden_layers} layers; "
           f"LoRA r={args.rank} alpha={args.alpha}: {trainable / 1e6:.2f} M trainable parameters; "
-          f"data: {data} ({len(dataset)} sequences of {args.seq} tokens); in {load_s:.1f} s", flush=True)
+          f"in {load_s:.1f} s", flush=True)
+    forms = ", ".join(f"{k} {v}" for k, v in getattr(args, "data_counts", {}).items())
+    print(f"data: {data} ({forms}): {len(dataset)} sequences of {args.seq} tokens"
+          f"{f' ({dataset.dropped} without a token to learn dropped)' if dataset.dropped else ''}; loss on "
+          f"{dataset.learned} of {len(dataset) * args.seq} tokens"
+          f"{'' if args.loss_on_all else ' (completions and assistant turns; --loss-on-all: every token)'}", flush=True)
     print("LoRA on: " + "; ".join(f"{kind} {n} ({', '.join(labels)}, r={r})"
                                   for kind, n, labels, r in lora_report(model)), flush=True)
     if start:
@@ -503,7 +662,7 @@ def train(args: argparse.Namespace) -> int:
     t_train, tokens = time.perf_counter(), 0
     for step in range(start, args.steps):
         batch = dataset.batch(step, args.batch).to(dev)
-        loss = model(input_ids=batch, labels=batch).loss
+        loss = model(input_ids=batch, labels=dataset.labels(step, args.batch).to(dev)).loss
         if not torch.isfinite(loss):
             raise RuntimeError(f"step {step + 1}: loss is {loss.item()} (lower --lr?)")
         loss.backward()

@@ -174,7 +174,8 @@ def test_bytes_that_are_not_utf8_name_file_line_and_byte_offset(case, chunk, tmp
 @pytest.mark.parametrize("line, message", [
     ('{"text": "unterminated}', "not JSON (Unterminated string starting at, column 10)"),
     ('{"text": "a"} {"text": "b"}', "not JSON (Extra data, column 15)"),
-    ('{"txt": "typo"}', 'expected an object with a string "text" (or "prompt" and "completion"), got keys [\'txt\']'),
+    ('{"txt": "typo"}', 'expected an object with a string "text", "prompt" and "completion", or "messages", got '
+                        'keys [\'txt\']'),
     ('{"prompt": "only the prompt"}', "got keys ['prompt']"),
     ('{"text": 5}', "got keys ['text']"),
     ('["text", "a list"]', "got list"),
@@ -185,8 +186,16 @@ def test_bytes_that_are_not_utf8_name_file_line_and_byte_offset(case, chunk, tmp
     ('{"text": ' + "9" * 5000 + "}", "not usable JSON (Exceeds the limit (4300 digits) for integer string"),
     ('{"text": "half a pair \\ud83d"}', "an unpaired surrogate escape (\\ud83d), which is not a character"),
     ("\ufeff" + '{"text": "after a BOM"}', "not JSON (Unexpected UTF-8 BOM (decode using utf-8-sig), column 1)"),
+    ('{"messages": []}', '"messages" must be a non-empty list of messages'),
+    ('{"messages": "hi"}', '"messages" must be a non-empty list of messages ({"role": ..., "content": ...}), got str'),
+    ('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant"}]}',
+     '"messages"[1] is not a message with a string "role" and "content"'),
+    ('{"prompt": [{"role": "user", "content": "a"}], "completion": [{"role": "assistant", "content": 5}]}',
+     '"completion"[0] is not a message'),
+    ('{"messages": [{"role": "user", "content": "half \\udc00"}]}', "an unpaired surrogate escape (\\udc00)"),
 ], ids=["json", "extra-data", "missing-text", "missing-completion", "text-not-string", "list", "string",
-        "many-keys", "deep-nesting", "huge-integer", "lone-surrogate", "bom"])
+        "many-keys", "deep-nesting", "huge-integer", "lone-surrogate", "bom", "messages-empty", "messages-str",
+        "message-no-content", "conversational-completion", "messages-surrogate"])
 def test_a_malformed_line_is_an_error_naming_file_and_line(line, message, tmp_path):
     # Before: deep nesting was a RecursionError, a huge integer a ValueError without the file,
     # and a lone surrogate a TypeError from the tokenizer after the model had loaded.
@@ -218,3 +227,25 @@ def test_sizes():
             parse_size(bad)
     assert [format_size(n) for n in (16 * 2**20, 2**30, 1536, 1000, 3 * 2**10)] == \
         ["16 MiB", "1 GiB", "1536 bytes", "1000 bytes", "3 KiB"]
+
+
+def test_records_of_every_form_and_formats_refused(tmp_path):
+    from tandem.data_reader import iter_records
+
+    p = tmp_path / "d.jsonl"
+    chat = [{"role": "user", "content": "hi", "name": "ignored"}, {"role": "assistant", "content": "hello"}]
+    rows = [{"text": "t", "meta": 1}, {"prompt": "p", "completion": "c"}, {"messages": chat},
+            {"prompt": chat[:1], "completion": chat[1:]}]
+    p.write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")
+    plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert list(iter_records(p)) == [(1, {"text": "t"}), (2, {"prompt": "p", "completion": "c"}),
+                                     (3, {"messages": plain}), (4, {"prompt": plain[:1], "completion": plain[1:]})]
+    with pytest.raises(DataError, match=r"d.jsonl:3: a chat record; its text needs the model's chat template"):
+        read_texts(p)
+    for name in ("d.json", "d.csv", "d.parquet"):
+        (tmp_path / name).write_text("[]")
+        with pytest.raises(DataError, match=rf"{name}: not a format tandem reads as a stream \(.jsonl, or plain "
+                                            r"text: .txt, .text, .md or no suffix\)"):
+            count_texts(tmp_path / name)
+    (tmp_path / "notes.md").write_text("one\n\ntwo\n")
+    assert read_texts(tmp_path / "notes.md") == ["one", "two"]
