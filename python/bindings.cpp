@@ -18,6 +18,7 @@
 #include "tandem/error.h"
 #include "tandem/lora.h"
 #include "tandem/lora_engine.h"
+#include "tandem/memory_plan.h"
 #include "tandem/pool_config.h"
 #include "tandem/safetensors.h"
 #include "tandem/trace.h"
@@ -214,6 +215,16 @@ PYBIND11_MODULE(_C, m) {
     return py::make_tuple(n.gate, n.up, n.down);
   }, "(gate, up, down) key patterns ({L} layer, {E} expert) of the checkpoint's routed experts");
   m.def("expert_key", &ExpertNaming::name, py::arg("pattern"), py::arg("layer"), py::arg("expert"));
+  m.def("moe_layer_cpu_bytes", [](int experts, int hidden, int inter, const std::string& format, int group_size,
+                                  bool zero_point, int subpools) {
+          PackOptions o;
+          o.format = parse_format(format);
+          o.group = group_size;
+          o.symmetric = !zero_point;
+          return moe_layer_cpu_bytes(MoeShape{experts, hidden, inter}, o, subpools, experts);
+        }, py::arg("experts"), py::arg("hidden"), py::arg("inter"), py::arg("format"), py::arg("group_size") = 128,
+        py::arg("zero_point") = false, py::arg("subpools") = 1,
+        "Bytes of one MoE layer's packed experts (gate/up and down) in `format`, as the pools pack them.");
 
   // ---- engine ----
   // Tensors cross as (data pointer, ...) from tandem/modules.py, which checks dtype,

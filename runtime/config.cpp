@@ -519,7 +519,7 @@ Config parse_config(std::string_view yaml, std::string_view origin, const fs::pa
     fail(c, doc.second_root, "top level", str_cat("a config is one YAML document; this holds ", doc.documents));
   Config cfg;
   cfg.source = c.origin;
-  Section top(doc.root, "", c, {"version", "model", "cpu", "gpu", "buffers", "trace"});
+  Section top(doc.root, "", c, {"version", "model", "cpu", "gpu", "buffers", "trace", "train"});
   if (auto n = top.value("version"); present(n)) cfg.version = static_cast<int>(read_int(c, n, "version", 1, 1));
 
   Section model(top.get("model"), "model", c, {"path"});
@@ -543,6 +543,10 @@ Config parse_config(std::string_view yaml, std::string_view origin, const fs::pa
   Section trace(top.get("trace"), "trace", c, {"path", "enabled"});
   if (auto n = trace.value("path"); present(n)) cfg.trace.path = read_string(c, n, "trace.path");
   if (auto n = trace.value("enabled"); present(n)) cfg.trace.enabled = read_bool(c, n, "trace.enabled");
+
+  Section train(top.get("train"), "train", c, {"backward_format"});
+  if (auto n = train.value("backward_format"); present(n))
+    cfg.train.backward_format = read_choice(c, n, "train.backward_format", {"bf16", "int8"});
   return cfg;
 }
 
@@ -592,6 +596,7 @@ std::string Config::to_json() const {
               {"deferred_experts", gpu.deferred_experts}};
   j["buffers"] = {{"pinned_slots", buffers.pinned_slots}, {"max_tokens", buffers.max_tokens}};
   j["trace"] = {{"path", trace.path.string()}, {"enabled", trace.enabled}};
+  j["train"] = {{"backward_format", train.backward_format}};
   // Replace invalid UTF-8 (a path with odd bytes) instead of throwing.
   return j.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
 }

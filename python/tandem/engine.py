@@ -103,7 +103,7 @@ def share_cpu_with_torch(engine: _C.Engine | LoraEngine, device: torch.device) -
 
 
 def offload(model: nn.Module, config: ConfigLike = None, *, train: bool | None = None,
-            backward_format: str = "bf16", progress: bool = True) -> _C.Engine | LoraEngine:
+            backward_format: str | None = None, progress: bool = True) -> _C.Engine | LoraEngine:
     """Moves the routed experts of a transformers MoE model into tandem, in place.
 
     Each MoE layer's experts (v5 fused experts, or a v4 ModuleList of per-expert MLPs) now
@@ -116,7 +116,8 @@ def offload(model: nn.Module, config: ConfigLike = None, *, train: bool | None =
     and LoRA tensors). The default (None) trains when ``model`` is a PEFT model or has
     PEFT LoRA on its experts. PEFT may be applied before or after offloading (fused
     experts); for v4 per-expert modules apply it before. backward_format: the training
-    path's transposed packs, "bf16" or "int8" (half the memory). Returns the engine (also
+    path's transposed packs, "bf16" or "int8" (half the memory; default: the config's
+    train.backward_format, bf16). Returns the engine (also
     ``tandem_engine`` on the transformers model).
     """
     hf = hf_model(model)
@@ -150,7 +151,8 @@ def offload(model: nn.Module, config: ConfigLike = None, *, train: bool | None =
         raise ValueError(f"expert activation {act!r} is not supported (silu only)")
     device = _model_device(hf)
     if train:
-        engine = make_lora_layers(config, shape, [b.layer for b in blocks], backward_format)
+        engine = make_lora_layers(config, shape, [b.layer for b in blocks],
+                                  backward_format or config_json(config).get("train", {}).get("backward_format", "bf16"))
     else:
         engine = make_engine(config, shape, [b.layer for b in blocks], device)
     bar = progress_bar(progress, shape[0] * len(blocks), "packing experts")

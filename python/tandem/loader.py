@@ -74,7 +74,7 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor, is_param: bool
 
 def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None, *,
                device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-               train: bool = False, backward_format: str = "bf16", progress: bool = True,
+               train: bool = False, backward_format: str | None = None, progress: bool = True,
                adapter: str | os.PathLike | None = None) -> nn.Module:
     """A transformers causal LM from checkpoint directory `path`, its routed experts in tandem.
 
@@ -85,7 +85,8 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
     (``TandemLoraExperts`` on the CPU pools; apply PEFT to the returned model, e.g.
     ``target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]``) instead of
     the inference engine; backward_format "int8" halves the training path's transposed
-    packs). The model is returned in eval mode, with ``model.tandem_engine``
+    packs; default: the config's train.backward_format, bf16). The model is returned in
+    eval mode, with ``model.tandem_engine``
     holding the engine (a ``LoraEngine`` when training).
 
     adapter: a PEFT LoRA adapter directory (``save_pretrained``'s output) for this
@@ -141,7 +142,8 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
     naming = _C.expert_naming(ckpt, layers[0])
     bar = progress_bar(progress, E * len(layers), "loading experts")
     if train:
-        engine = make_lora_layers(config, (E, H, I), layers, backward_format)
+        engine = make_lora_layers(config, (E, H, I), layers,
+                                  backward_format or cfg_json.get("train", {}).get("backward_format", "bf16"))
     else:
         engine = make_engine(config, (E, H, I), layers, device)
     # Both engines check every expert tensor first, then pack layer by layer, giving each

@@ -474,6 +474,53 @@ def lora_report(model) -> list[tuple[str, int, list[str], int]]:
     return [(k, kinds[k][0], sorted(kinds[k][1]), max(kinds[k][2])) for k in order if k in kinds]
 
 
+def context_bytes_per_token(hidden: int, inter: int, top_k: int, rank: int) -> int:
+    """What one MoE layer's LoRA forward saves for backward, per token (LoraContext::State in
+    sft/lora.cpp): per routed (token, expert) row its routing weight (fp32), gathered input
+    (bf16, H), x A^T of gate and up (fp32, 2r), h A_down^T (fp32, r) and the gate / up
+    pre-activations (fp32, 2I)."""
+    return top_k * (4 + 2 * hidden + 4 * 2 * rank + 4 * rank + 4 * 2 * inter)
+
+
+def memory_report(model, sel, args) -> str:
+    """The training path's memory, before the first step: forward packs (loaded), backward
+    packs (built at the first backward) and the state one step saves, against what the
+    machine has available; a warning when it does not fit."""
+    from . import _C
+    from .config import config_json
+
+    engine = model.tandem_engine
+    cfg = config_json(sel.config)
+    fmt = cfg["cpu"]["format"]
+    bwd = engine.backward_format
+    E, H, I = engine.experts, engine.hidden, engine.inter
+    layers = len(engine.layers)
+    base = engine.packed_bytes
+    backward = layers * _C.moe_layer_cpu_bytes(E, I, H, bwd, subpools=engine.subpools)
+    hf = model.get_base_model().config
+    top_k = next((getattr(hf, a) for a in ("num_experts_per_tok", "moe_topk", "top_k") if hasattr(hf, a)), 1)
+    per_token = layers * context_bytes_per_token(H, I, top_k, args.rank)
+    step_tokens = args.batch * args.seq
+    gib = 2**30
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(l.split()[1]) * 1024 for l in f if l.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        pass
+    need = backward + per_token * step_tokens
+    text = (f"memory: expert packs {base / gib:.2f} GiB ({fmt}, loaded); backward packs ~{backward / gib:.2f} GiB "
+            f"({bwd}, built at the first backward); saved per step ~{per_token * step_tokens / gib:.2f} GiB "
+            f"({per_token / 2**10:.0f} KiB per token x {step_tokens} tokens)")
+    if avail is not None:
+        text += f"; available now {avail / gib:.2f} GiB"
+        if need > avail:
+            text += (f"\nwarning: the backward packs and one step's saved state (~{need / gib:.2f} GiB) exceed the "
+                     "memory available" + ("; --backward-format int8 halves the backward packs" if bwd == "bf16"
+                                           else "; lower --batch or --seq"))
+    return text
+
+
 def plot_loss(losses: list[float], out: Path, title: str) -> None:
     import matplotlib
 
@@ -537,6 +584,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated linear layers to put LoRA on, by name (e.g. q_proj,v_proj; default: "
                         "every linear layer but the output head: attention, dense MLPs, shared experts)")
     p.add_argument("--no-expert-lora", action="store_true", help="no LoRA on the routed experts")
+    p.add_argument("--backward-format", choices=("bf16", "int8"),
+                   help="the experts' transposed packs backward reads: int8 halves their memory (default: the "
+                        "config's train.backward_format, else bf16)")
     p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (0: off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=100, help="steps between checkpoints (0: only at the end)")
@@ -607,7 +657,8 @@ def train(args: argparse.Namespace) -> int:
     if dtype is None and sel.is_demo:
         dtype = torch.float32  # the demo model is tiny: train its torch side in full precision
     was_tracing = tandem.trace.enabled()  # TANDEM_TRACE=path records everything
-    model = tandem.load_model(model_dir, sel.config, device=args.device, dtype=dtype, train=True, progress=progress)
+    model = tandem.load_model(model_dir, sel.config, device=args.device, dtype=dtype, train=True, progress=progress,
+                              backward_format=args.backward_format)
     tracing.cancel_pending()  # this command writes its trace itself, at its end: see below
     tandem.trace.enable(was_tracing)
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -648,6 +699,7 @@ def train(args: argparse.Namespace) -> int:
           f"{'' if args.loss_on_all else ' (completions and assistant turns; --loss-on-all: every token)'}", flush=True)
     print("LoRA on: " + "; ".join(f"{kind} {n} ({', '.join(labels)}, r={r})"
                                   for kind, n, labels, r in lora_report(model)), flush=True)
+    print(memory_report(model, sel, args), flush=True)
     if start:
         print(f"resuming at step {start} from {out / 'checkpoint'}", flush=True)
 

@@ -158,3 +158,49 @@ def test_tandem_train_on_a_chat_dataset(tmp_path):
             f"dropped); loss on {ds.learned} of {len(ds) * 32} tokens (completions and assistant turns")
     assert want in r.stdout, r.stdout
     assert ds.learned < len(ds) * 32 / 2  # user and system turns are most of the text
+
+
+@pytest.mark.parametrize("backward_format", ["bf16", "int8"])
+def test_memory_estimates_match_what_training_allocates(backward_format, tmp_path):
+    """The banner's backward-pack estimate is the pools' own pack size (moe_layer_cpu_bytes
+    of the transposed shape), and its saved-state estimate per token is what a LoRA forward
+    keeps (LoraContext.bytes): both against the real numbers after one step, within the
+    token-group bookkeeping the estimate leaves out."""
+    import argparse
+
+    from peft import get_peft_model
+
+    import tandem
+    from tandem import lora
+    from tandem.cli_checks import Selection
+    from tandem.train import context_bytes_per_token, memory_report, peft_config
+
+    path = demo.ensure_demo_model(progress=False)
+    cfg = {"version": 1, "cpu": {"threads": 2}, "gpu": {"device": "none"}, "train": {"backward_format": backward_format}}
+    model = tandem.load_model(path, cfg, train=True, dtype=torch.float32, progress=False)
+    assert model.tandem_engine.backward_format == backward_format  # from the config's train section
+    model = get_peft_model(model, peft_config(model, 8, 16.0))
+    saved = []
+    real_apply = lora.ExpertsFunction.apply
+
+    def spy(*a):
+        out = real_apply(*a)
+        saved.append(out.grad_fn.saved_tensors[0].tandem_context.bytes if out.grad_fn is not None else 0)
+        return out
+    lora.ExpertsFunction.apply = spy
+    try:
+        ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+        model(input_ids=ids, labels=ids).loss.backward()
+    finally:
+        lora.ExpertsFunction.apply = real_apply
+    e = model.tandem_engine
+    args = argparse.Namespace(rank=8, batch=2, seq=32)
+    text = memory_report(model, Selection(model=str(path), model_source="--model", config=cfg, cfg=cfg), args)
+    assert f"({backward_format}, built at the first backward)" in text
+    est = float(text.split("backward packs ~")[1].split(" GiB")[0]) * 2**30
+    assert e.backward_bytes > 0 and abs(est - e.backward_bytes) <= 0.01 * 2**30 + 0.05 * e.backward_bytes
+    hf = model.get_base_model().config
+    per_token = context_bytes_per_token(e.hidden, e.inter, hf.num_experts_per_tok, 8)
+    assert len(saved) == len(e.layers) and all(s > 0 for s in saved)
+    for s in saved:  # per layer, 64 tokens: the rows' state plus the groups' index arrays
+        assert per_token * 64 <= s <= per_token * 64 * 1.1, (s, per_token * 64)

@@ -86,6 +86,12 @@ struct Config {
     bool enabled = false;
   } trace;
 
+  struct Train {
+    // Format of the transposed expert packs LoRA's backward reads: bf16, or int8 (half the
+    // memory; int4 is not supported there).
+    std::string backward_format = "bf16";
+  } train;
+
   // -1 for "none", -2 for "auto", else the CUDA device index.
   int gpu_index() const;
   // The kernel level this config runs: select_isa(cpu.isa) (lowered by TANDEM_ISA,
