@@ -215,6 +215,11 @@ PYBIND11_MODULE(_C, m) {
     return py::make_tuple(n.gate, n.up, n.down);
   }, "(gate, up, down) key patterns ({L} layer, {E} expert) of the checkpoint's routed experts");
   m.def("expert_key", &ExpertNaming::name, py::arg("pattern"), py::arg("layer"), py::arg("expert"));
+  m.def("config_size_bounds", [] {
+          py::dict d;
+          for (const ConfigSizeBound& b : config_size_bounds()) d[b.key] = py::make_tuple(b.min, b.max);
+          return d;
+        }, "{config.json key: (min, max)}: the sane bounds on a model's sizes (tandem/memory_plan.h)");
   m.def("moe_layer_cpu_bytes", [](int experts, int hidden, int inter, const std::string& format, int group_size,
                                   bool zero_point, int subpools) {
           PackOptions o;

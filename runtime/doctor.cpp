@@ -174,6 +174,9 @@ J memory_check(const Config& c, const J& gpu, const J& topo, std::vector<std::st
   try {
     info = read_model_info(c.model.path);
   } catch (const Error& e) {
+    // A config.json that is there but wrong (bad JSON, a missing or absurd size) is a
+    // problem: the model will not load. One that cannot be read leaves memory unchecked.
+    if (e.code() == Errc::bad_format) problems.push_back(e.message());
     m["reason"] = e.message();
     return m;
   }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <set>
@@ -20,14 +21,29 @@ using J = nlohmann::json;
 // The sizes HybridMoe and the CUDA stream allocate (runtime/hybrid.cpp, gpu/cuda_stream.cpp).
 constexpr uint64_t kCublasWorkspace = 32ull << 20;
 
+const ConfigSizeBound* bound_of(std::string_view key) {
+  for (const ConfigSizeBound& b : config_size_bounds())
+    if (key == b.key) return &b;
+  return nullptr;
+}
+
+// A size in config.json: an integer (a JSON integer, or a float with an integral value, as
+// Python's json writes none but hand edits might) within its bound when it has one.
+void check_size(const J& v, const fs::path& file, const char* key) {
+  const ConfigSizeBound* b = bound_of(key);
+  const int64_t lo = b ? b->min : 0, hi = b ? b->max : std::numeric_limits<int64_t>::max();
+  const bool integer = v.is_number_integer() && !(v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(hi));
+  TANDEM_CHECK(integer && v.get<int64_t>() >= lo && v.get<int64_t>() <= hi, Errc::bad_format, file.string(), ": ", key,
+               " = ", v.dump(), " is not a valid size (expected an integer in [", lo, ", ", hi, "])");
+}
+
 int64_t get_int(const J& j, const fs::path& file, const char* key, int64_t fallback = -1) {
   const auto it = j.find(key);
   if (it == j.end() || it->is_null()) {
     TANDEM_CHECK(fallback >= 0, Errc::bad_format, file.string(), ": no '", key, "' (needed to size the model)");
     return fallback;
   }
-  TANDEM_CHECK(it->is_number_integer() && it->get<int64_t>() >= 0, Errc::bad_format, file.string(), ": '", key,
-               "' is ", it->dump(), ", expected a non-negative integer");
+  check_size(*it, file, key);
   return it->get<int64_t>();
 }
 
@@ -94,6 +110,24 @@ uint64_t non_expert_elements(const J& j, const fs::path& f, const ModelInfo& m) 
 
 }  // namespace
 
+const std::vector<ConfigSizeBound>& config_size_bounds() {
+  static const std::vector<ConfigSizeBound> bounds = {
+      {"num_hidden_layers", 1, 4096},      {"hidden_size", 1, 1 << 18},
+      {"intermediate_size", 0, 1 << 20},   {"moe_intermediate_size", 0, 1 << 20},
+      {"vocab_size", 1, 1 << 24},          {"num_attention_heads", 1, 4096},
+      {"num_key_value_heads", 0, 4096},    {"head_dim", 0, 1 << 14},
+      {"num_experts", 0, 1 << 16},         {"n_routed_experts", 0, 1 << 16},
+      {"num_local_experts", 0, 1 << 16},   {"num_experts_per_tok", 0, 1 << 16},
+      {"n_shared_experts", 0, 1 << 10},    {"max_position_embeddings", 0, 1 << 24},
+      {"first_k_dense_replace", 0, 4096},  {"num_nextn_predict_layers", 0, 64},
+      {"shared_expert_intermediate_size", 0, 1 << 20}, {"decoder_sparse_step", 0, 4096},
+      {"q_lora_rank", 0, 1 << 16},         {"kv_lora_rank", 0, 1 << 16},
+      {"qk_rope_head_dim", 0, 1 << 14},    {"qk_nope_head_dim", 0, 1 << 14},
+      {"v_head_dim", 0, 1 << 14},
+  };
+  return bounds;
+}
+
 ModelInfo read_model_info(const fs::path& model_path) {
   ModelInfo m;
   const fs::path dir = fs::is_directory(model_path) ? model_path : model_path.parent_path();
@@ -109,6 +143,8 @@ ModelInfo read_model_info(const fs::path& model_path) {
   TANDEM_CHECK(j.is_object(), Errc::bad_format, m.config_json.string(), ": expected a JSON object");
   const fs::path& f = m.config_json;
   if (j.contains("text_config") && j["text_config"].is_object()) j = j["text_config"];  // multimodal wrappers
+  for (const ConfigSizeBound& b : config_size_bounds())  // every bounded size, before anything is sized from one
+    if (j.contains(b.key) && !j[b.key].is_null()) check_size(j[b.key], f, b.key);
   m.model_type = j.value("model_type", std::string());
   m.layers = static_cast<int>(get_int(j, f, "num_hidden_layers"));
   m.shape.hidden = static_cast<int>(get_int(j, f, "hidden_size"));
@@ -123,6 +159,8 @@ ModelInfo read_model_info(const fs::path& model_path) {
   m.top_k = static_cast<int>(get_int(j, f, "num_experts_per_tok"));
   TANDEM_CHECK(m.shape.hidden > 0 && m.shape.inter > 0 && m.top_k > 0, Errc::bad_format, f.string(),
                ": hidden_size, the expert intermediate size and num_experts_per_tok must be positive");
+  TANDEM_CHECK(m.top_k <= m.shape.experts, Errc::bad_format, f.string(), ": num_experts_per_tok = ", m.top_k,
+               " is more than the ", m.shape.experts, " experts");
   // Which layers route (the transformers modeling code): Qwen MoE skips mlp_only_layers and
   // uses decoder_sparse_step; DeepSeek's first first_k_dense_replace layers are dense.
   const int64_t first_dense = std::max<int64_t>(0, first_int(j, f, {"first_k_dense_replace"}));

@@ -9,11 +9,34 @@ import torch
 from . import _C
 
 
-def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def block_size(n: int, blocks: int) -> int:
+    """The block length along a dimension of n values split into `blocks` scale blocks: the
+    power of two that gives that many blocks (128 in practice), else ceil(n / blocks); the
+    rule the C++ expert loader applies (checkpoint_expert in runtime/experts.cpp)."""
+    b = 1
+    while b <= n:
+        if -(-n // b) == blocks:
+            return b
+        b *= 2
+    return -(-n // blocks)
+
+
+def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, name: str = "weight") -> torch.Tensor:
     """Block-scaled FP8 (DeepSeek-V3 style: one fp32 scale per block of the 2-d weight)."""
+    if w.dim() != 2 or scale_inv.dim() != 2 or scale_inv.dtype != torch.float32 or \
+            not (1 <= scale_inv.shape[0] <= w.shape[0] and 1 <= scale_inv.shape[1] <= w.shape[1]):
+        raise ValueError(f"{name}_scale_inv has shape {list(scale_inv.shape)} ({scale_inv.dtype}) for the "
+                         f"{list(w.shape)} FP8 weight {name!r}: expected a 2-d F32 tensor of block scales, at most "
+                         "one per element")
     n, k = w.shape
-    bn, bk = -(-n // scale_inv.shape[0]), -(-k // scale_inv.shape[1])
-    s = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    bn, bk = block_size(n, scale_inv.shape[0]), block_size(k, scale_inv.shape[1])
+    s = scale_inv.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    if s.shape != w.shape:
+        raise ValueError(f"{name}_scale_inv has shape {list(scale_inv.shape)}, which no block size fits to the "
+                         f"{list(w.shape)} FP8 weight {name!r}")
     return w.float() * s
 
 
@@ -35,12 +58,16 @@ class TensorReader:
         if file not in self._files:
             self._files[file] = self._open(file, framework="pt")
         t = self._files[file].get_tensor(name)
-        if t.dtype == torch.float8_e4m3fn:
+        if t.dtype in _FP8:
             # Without its block scales an FP8 weight is off by the scale: never use it unscaled.
+            kind = "F8_E4M3" if t.dtype == torch.float8_e4m3fn else "F8_E5M2"
             if f"{name}_scale_inv" not in self.ckpt:
-                raise ValueError(f"{file}: tensor {name!r} is F8_E4M3 but the checkpoint has no "
+                raise ValueError(f"{file}: tensor {name!r} is {kind} but the checkpoint has no "
                                  f"{name + '_scale_inv'!r} (its block scales); FP8 weights need them")
-            t = dequantize_fp8(t, self.get(f"{name}_scale_inv"))
+            try:
+                t = dequantize_fp8(t, self.get(f"{name}_scale_inv"), name)
+            except ValueError as e:
+                raise ValueError(f"{file}: {e}") from None
         if t.is_floating_point():
             bad = ~torch.isfinite(t)
             if bool(bad.any()):

@@ -186,6 +186,12 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
             raise ValueError(f"{path}: checkpoint has no tensor {name!r} (shape {list(t.shape)}) that the "
                              f"{type(model).__name__} needs")
         value = reader.get(key)
+        if t.dtype.is_floating_point and not value.dtype.is_floating_point:
+            # An integer weight (INT8 / INT4 / packed) means nothing without its quantization
+            # scheme's scales and zero points, which tandem does not read for these weights.
+            raise ValueError(f"{reader.file(key)}: tensor {key!r} is {str(value.dtype).removeprefix('torch.')}: "
+                             "quantized non-expert weights are not supported (tandem reads bf16 / fp16 / fp32, or "
+                             "FP8 with block scales; dequantize the checkpoint first)")
         if tuple(value.shape) != tuple(t.shape):
             raise ValueError(f"{path}: tensor {key!r} has shape {list(value.shape)}, the model needs {list(t.shape)}")
         used.update((key, key + "_scale_inv"))
@@ -289,26 +295,17 @@ def _first_line(e: BaseException) -> str:
 
 # Sane upper bounds for config.json's sizes, checked before anything is built: a value in
 # the billions would otherwise make transformers build (or try to) a model that size.
-_CONFIG_BOUNDS = {
-    "num_hidden_layers": 4096, "hidden_size": 1 << 18, "intermediate_size": 1 << 20,
-    "moe_intermediate_size": 1 << 20, "vocab_size": 1 << 24, "num_attention_heads": 4096,
-    "num_key_value_heads": 4096, "head_dim": 1 << 14, "num_experts": 1 << 16, "n_routed_experts": 1 << 16,
-    "num_local_experts": 1 << 16, "num_experts_per_tok": 1 << 16, "n_shared_experts": 1 << 10,
-    "max_position_embeddings": 1 << 24, "first_k_dense_replace": 4096, "num_nextn_predict_layers": 64,
-}
 
 
 def _check_config_against_checkpoint(path: Path, hf_config: Any, ckpt: _C.Checkpoint) -> None:
     """config.json's sizes within sane bounds, and its layer count the checkpoint's."""
     where = path / "config.json"
-    for key, hi in _CONFIG_BOUNDS.items():
+    for key, (lo, hi) in _C.config_size_bounds().items():  # the bounds tandem doctor applies too
         v = getattr(hf_config, key, None)
         if v is None:
             continue
-        if isinstance(v, bool) or not isinstance(v, int) or not (0 <= v <= hi) or \
-                (v == 0 and key in ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads")):
-            raise ValueError(f"{where}: {key} = {v!r} is not a valid size (expected an integer in "
-                             f"[{0 if key not in ('num_hidden_layers', 'hidden_size') else 1}, {hi}])")
+        if isinstance(v, bool) or not isinstance(v, int) or not (lo <= v <= hi):
+            raise ValueError(f"{where}: {key} = {v!r} is not a valid size (expected an integer in [{lo}, {hi}])")
     experts = [getattr(hf_config, k, None) for k in ("num_experts", "n_routed_experts", "num_local_experts")]
     top_k = getattr(hf_config, "num_experts_per_tok", None)
     for e in experts:

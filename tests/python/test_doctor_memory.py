@@ -52,10 +52,10 @@ def test_estimate_equals_what_load_model_packs(tiny_qwen3_moe_dir, tmp_path, cpu
 def test_config_json_claiming_a_huge_model_does_not_fit(tmp_path):
     model = tmp_path / "huge"
     model.mkdir()
-    # Qwen3-235B-A22B's shapes with 50x its layers (4700): far beyond any machine's RAM. No
+    # Qwen3-235B-A22B's shapes with 42x its layers (4000): far beyond any machine's RAM. No
     # safetensors: the experts come from config.json alone, the rest is estimated.
     (model / "config.json").write_text(json.dumps(dict(
-        model_type="qwen3_moe", num_hidden_layers=4700, hidden_size=4096, moe_intermediate_size=1536,
+        model_type="qwen3_moe", num_hidden_layers=4000, hidden_size=4096, moe_intermediate_size=1536,
         intermediate_size=12288, num_experts=128, num_experts_per_tok=8, vocab_size=151936, num_attention_heads=64,
         num_key_value_heads=4, head_dim=128, torch_dtype="bfloat16")))
     cfg = tmp_path / "c.yaml"
@@ -67,7 +67,7 @@ def test_config_json_claiming_a_huge_model_does_not_fit(tmp_path):
     assert "of RAM for cpu experts" in line and "this machine has" in line and "(short by" in line, line
     data = json.loads(doctor(cfg, "--json").stdout)["config"]["memory"]
     assert data["fits"] is False and data["model"]["non_expert_exact"] is False
-    assert data["cpu_expert_bytes"] == 4700 * 128 * 3 * 4096 * 1536 * 2
+    assert data["cpu_expert_bytes"] == 4000 * 128 * 3 * 4096 * 1536 * 2
     assert data["ram"]["needed_bytes"] > data["ram"]["available_bytes"]
 
 
@@ -78,3 +78,29 @@ def test_without_a_model_memory_is_not_checked(tmp_path):
     assert r.returncode == 0, r.stdout
     assert "memory not checked: no model.path" in r.stdout
     assert "fits" not in r.stdout
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("hidden_size", 2**32 + 1, "hidden_size = 4294967297 is not a valid size (expected an integer in [1, 262144])"),
+    ("num_hidden_layers", 3_000_000_000, "num_hidden_layers = 3000000000 is not a valid size"),
+    ("num_experts", -1, "num_experts = -1 is not a valid size"),
+    ("vocab_size", 2**64 + 7, "vocab_size = 1.8446744073709552e+19 is not a valid size"),  # JSON reads it as a double
+    ("num_experts_per_tok", 9, "num_experts_per_tok = 9 is more than the 8 experts"),
+])
+def test_absurd_config_json_is_a_problem_not_a_fit(tmp_path, key, value, message):
+    """The doctor sizes a model with the loader's bounds (one table, tandem._C.config_size_bounds):
+    a hidden size of 2^32 + 1 was read as 1 and the model reported to fit."""
+    model = tmp_path / "m"
+    model.mkdir()
+    cfg_json = dict(model_type="qwen3_moe", num_hidden_layers=4, hidden_size=64, moe_intermediate_size=64,
+                    intermediate_size=128, num_experts=8, num_experts_per_tok=2, vocab_size=200,
+                    num_attention_heads=4, torch_dtype="bfloat16")
+    cfg_json[key] = value
+    (model / "config.json").write_text(json.dumps(cfg_json))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model:\n  path: m\ngpu:\n  device: none\n")
+    r = doctor(cfg)
+    assert r.returncode == 1, r.stdout
+    assert f"{model / 'config.json'}: {message}" in r.stdout, r.stdout
+    assert "fits" not in r.stdout.replace("does not fit", "")
+    assert tandem._C.config_size_bounds()["hidden_size"] == (1, 1 << 18)

@@ -123,3 +123,41 @@ def test_config_json_that_is_not_json_names_the_file(models, tmp_path):
     (tmp_path / "m" / "config.json").write_bytes(b'{"model_type": "qwen3_moe", \xff\xfe}')
     with pytest.raises(ValueError, match=r"config.json"):
         tandem.load_model(tmp_path / "m", cfg(), progress=False)
+
+
+def test_quantized_non_expert_weights_without_their_scheme_are_refused(models, tmp_path):
+    """An INT8 attention weight was cast to float as it stood (values -128..127, no scales)."""
+    from safetensors.torch import load_file
+
+    path, _ = models("qwen3_moe", "fp32")
+    key = "model.layers.1.self_attn.o_proj.weight"
+    w = load_file(path / "model.safetensors")[key]
+    bad = rewrite(path, tmp_path / "int8", add={key: (w * 100).round().clamp(-128, 127).to(torch.int8)})
+    with pytest.raises(ValueError, match=rf"model.safetensors: tensor '{key}' is int8: quantized non-expert weights "
+                                         r"are not supported"):
+        tandem.load_model(bad, cfg(), progress=False)
+
+
+def test_fp8_scales_are_checked_and_applied_as_the_expert_loader_does(models, tmp_path):
+    """FP8 E5M2 needs its scales as E4M3 does; a scale grid no block size fits is refused; and
+    a 300-row weight with a 3-row grid uses 128-row blocks (the C++ rule), not 100."""
+    from safetensors.torch import load_file
+
+    from tandem.checkpoint_reader import block_size, dequantize_fp8
+
+    path, _ = models("qwen3_moe", "fp32")
+    sd = load_file(path / "model.safetensors")
+    key = "model.layers.1.self_attn.o_proj.weight"
+    bad = rewrite(path, tmp_path / "e5m2", add={key: sd[key].to(torch.float8_e5m2)})
+    with pytest.raises(ValueError, match=rf"'{key}' is F8_E5M2 but the checkpoint has no '{key}_scale_inv'"):
+        tandem.load_model(bad, cfg(), progress=False)
+    rows, cols = sd[key].shape
+    wrong = rewrite(path, tmp_path / "grid", add={key: sd[key].to(torch.float8_e4m3fn),
+                                                  f"{key}_scale_inv": torch.ones(rows + 1, 1)})
+    with pytest.raises(ValueError, match=rf"{key}_scale_inv has shape \[{rows + 1}, 1\].*at most one per element"):
+        tandem.load_model(wrong, cfg(), progress=False)
+    assert block_size(300, 3) == 128 and block_size(256, 2) == 128 and block_size(100, 3) == 34
+    w = torch.ones(300, 4, dtype=torch.float8_e4m3fn)
+    scales = torch.tensor([[1.0], [2.0], [3.0]])
+    d = dequantize_fp8(w, scales)
+    assert d[127, 0] == 1 and d[128, 0] == 2 and d[255, 0] == 2 and d[256, 0] == 3

@@ -53,6 +53,18 @@ struct ModelInfo {
   std::string non_expert_source;      // what the figure came from, for people
 };
 
+// Sane bounds on config.json's sizes: far above any real model, low enough that nothing is
+// built or allocated from an absurd value (a layer count in the billions, a hidden size of
+// 2^32 + 1 that a 32-bit read would take for 1). A value outside [min, max], or not an
+// integer, is an error naming the file and the key. One table for the doctor's memory plan
+// (read_model_info checks every key of it present in the file) and the Python loader
+// (tandem._C.config_size_bounds()).
+struct ConfigSizeBound {
+  const char* key;
+  int64_t min, max;
+};
+const std::vector<ConfigSizeBound>& config_size_bounds();
+
 // Reads config.json next to (or in) model_path: a checkpoint directory, its index json
 // or a .safetensors file. Throws tandem::Error naming the file and the missing or bad
 // key; safetensors files that cannot be read are an error too (a checkpoint with no
