@@ -361,11 +361,12 @@ DoctorReport run_doctor(const std::string& config_path, bool gpu_kernel_check) {
       c["value"] = J::parse(cfg.to_json());
       std::vector<std::string> problems = config_fit(cfg, j["gpu"]);
       c["memory"] = memory_check(cfg, j["gpu"], j["topology"], problems);
+      for (std::string& p : problems) p = escape_invalid_utf8(p);
       c["problems"] = problems;
       ok = ok && c["problems"].empty();
     } catch (const Error& e) {
       c["valid"] = false;
-      c["error"] = e.message();
+      c["error"] = escape_invalid_utf8(e.message());
       ok = false;
     }
     j["config"] = c;

@@ -44,4 +44,41 @@ void throw_check(Errc code, const char* file, int line, const char* cond, std::s
 }
 }  // namespace detail
 
+std::string escape_invalid_utf8(std::string_view s) {
+  std::string out;
+  out.reserve(s.size());
+  size_t i = 0;
+  while (i < s.size()) {
+    const auto b = static_cast<unsigned char>(s[i]);
+    // Length of a well-formed sequence starting here (RFC 3629: no overlongs, no surrogates,
+    // nothing above U+10FFFF), or 0.
+    size_t n = 0;
+    if (b < 0x80) n = 1;
+    else if (b >= 0xC2 && b <= 0xDF) n = 2;
+    else if (b >= 0xE0 && b <= 0xEF) n = 3;
+    else if (b >= 0xF0 && b <= 0xF4) n = 4;
+    bool ok = n > 0 && i + n <= s.size();
+    for (size_t k = 1; ok && k < n; ++k) {
+      const auto c = static_cast<unsigned char>(s[i + k]);
+      unsigned lo = 0x80, hi = 0xBF;
+      if (k == 1 && b == 0xE0) lo = 0xA0;
+      if (k == 1 && b == 0xED) hi = 0x9F;
+      if (k == 1 && b == 0xF0) lo = 0x90;
+      if (k == 1 && b == 0xF4) hi = 0x8F;
+      ok = c >= lo && c <= hi;
+    }
+    if (ok) {
+      out.append(s.substr(i, n));
+      i += n;
+    } else {
+      static const char* hex = "0123456789abcdef";
+      out += "\\x";
+      out += hex[b >> 4];
+      out += hex[b & 15];
+      ++i;
+    }
+  }
+  return out;
+}
+
 }  // namespace tandem

@@ -52,3 +52,16 @@ TEST(Error, CodeNames) {
 
 }  // namespace
 }  // namespace tandem
+
+// What Python's bytes.decode("utf-8", "backslashreplace") gives for the same bytes.
+TEST(Error, InvalidUtf8IsEscapedAsPythonDoes) {
+  using tandem::escape_invalid_utf8;
+  EXPECT_EQ(escape_invalid_utf8("plain"), "plain");
+  EXPECT_EQ(escape_invalid_utf8("a\xff" "b"), "a\\xffb");
+  EXPECT_EQ(escape_invalid_utf8("\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80"), "\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80");
+  EXPECT_EQ(escape_invalid_utf8("\xc0\xaf"), "\\xc0\\xaf");            // overlong
+  EXPECT_EQ(escape_invalid_utf8("\xed\xa0\x80"), "\\xed\\xa0\\x80");   // a surrogate
+  EXPECT_EQ(escape_invalid_utf8("\xe2\x82" "A"), "\\xe2\\x82A");       // cut short
+  EXPECT_EQ(escape_invalid_utf8("\xf4\x90\x80\x80"), "\\xf4\\x90\\x80\\x80");  // above U+10FFFF
+  EXPECT_EQ(escape_invalid_utf8("end\xe2"), "end\\xe2");
+}

@@ -26,6 +26,11 @@ enum class Errc {
 
 std::string_view errc_name(Errc c) noexcept;
 
+// `s` with every byte that is not part of valid UTF-8 written as \xNN (lower-case hex), as
+// Python's "backslashreplace" does: messages that quote a user's bytes (a config key, a file
+// name) read the same in every report (the doctor's, an exception's).
+std::string escape_invalid_utf8(std::string_view s);
+
 class Error : public std::runtime_error {
  public:
   // what() is the message followed by "  [<where>]" when where is non-empty.
