@@ -137,7 +137,8 @@ def record_of(path: Path, line: int, row) -> dict:
             return {"prompt": _messages(path, line, "prompt", row["prompt"]),
                     "completion": _messages(path, line, "completion", row["completion"])}
         keys = sorted(row)
-        got = f"keys {keys[:8]}" + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+        shown = ", ".join(repr(k) if len(k) <= 40 else repr(k[:40]) + "..." for k in keys[:8])
+        got = f"keys [{shown}]" + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
     else:
         got = type(row).__name__
     raise DataError(f"{path}:{line}: expected an object with a string \"text\", \"prompt\" and \"completion\", "

@@ -193,9 +193,10 @@ def test_bytes_that_are_not_utf8_name_file_line_and_byte_offset(case, chunk, tmp
     ('{"prompt": [{"role": "user", "content": "a"}], "completion": [{"role": "assistant", "content": 5}]}',
      '"completion"[0] is not a message'),
     ('{"messages": [{"role": "user", "content": "half \\udc00"}]}', "an unpaired surrogate escape (\\udc00)"),
+    ('{"' + "k" * 5000 + '": 1}', "got keys ['" + "k" * 40 + "'...]"),  # found by test_fuzz_data_reader
 ], ids=["json", "extra-data", "missing-text", "missing-completion", "text-not-string", "list", "string",
         "many-keys", "deep-nesting", "huge-integer", "lone-surrogate", "bom", "messages-empty", "messages-str",
-        "message-no-content", "conversational-completion", "messages-surrogate"])
+        "message-no-content", "conversational-completion", "messages-surrogate", "huge-key"])
 def test_a_malformed_line_is_an_error_naming_file_and_line(line, message, tmp_path):
     # Before: deep nesting was a RecursionError, a huge integer a ValueError without the file,
     # and a lone surrogate a TypeError from the tokenizer after the model had loaded.
