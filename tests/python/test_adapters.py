@@ -382,3 +382,26 @@ def test_train_targets_every_linear_layer_with_one_rank(adapted, kind, tmp_path)
         assert set(mlp.target_parameters) == {"mlp.gate_proj.weight", "shared_experts.gate_proj.weight"}
     with pytest.raises(ValueError, match=r"--target-modules: nope name no linear layer of this model"):
         peft_config(fresh, 4, 8.0, ["nope"])
+
+
+def test_merge_of_a_sharded_checkpoint(adapted, tmp_path):
+    """Shards and their index survive the merge: same file names, same index, every shard's
+    header byte for byte; the merged model loads with from_pretrained and with tandem."""
+    from transformers import AutoModelForCausalLM
+
+    from tandem.merge import merge_checkpoint
+
+    path, adapter, stock = adapted("qwen3_moe")
+    AutoModelForCausalLM.from_pretrained(path).save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    shards = sorted(p.name for p in (tmp_path / "sharded").glob("*.safetensors"))
+    assert len(shards) > 3 and (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    out = merge_checkpoint(tmp_path / "sharded", adapter, tmp_path / "merged", progress=False)
+    assert sorted(p.name for p in out.glob("*.safetensors")) == shards
+    assert (out / "model.safetensors.index.json").read_bytes() == \
+        (tmp_path / "sharded" / "model.safetensors.index.json").read_bytes()
+    for name in shards:
+        a, b = (out / name).read_bytes(), (tmp_path / "sharded" / name).read_bytes()
+        n = 8 + int.from_bytes(a[:8], "little")
+        assert len(a) == len(b) and a[:n] == b[:n], name
+    compare(AutoModelForCausalLM.from_pretrained(out).eval(), stock, 6, 1e-5, "sharded merge")
+    compare(tandem.load_model(out, cfg(), progress=False), stock, 6, BOUND["bf16", "fp32"], "sharded merge in tandem")
