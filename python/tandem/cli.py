@@ -5,6 +5,8 @@
                                              else the built-in demo)
     tandem train [--model DIR] [--data FILE] [--config FILE] [--out DIR] [--resume | --overwrite]
                  [--trace OUT.json]          LoRA fine-tuning (default: the demo model on the bundled dataset)
+    tandem chat [--model DIR] [--config FILE] [--adapter DIR]
+                                             talk to a model (the built-in demo by default)
     tandem merge --model DIR --adapter DIR --out DIR
                                              write a checkpoint with a LoRA adapter merged in
     tandem doctor [--config FILE] [--json]   what tandem can use here; validate a config
@@ -49,6 +51,12 @@ def _run(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _chat(args: argparse.Namespace) -> int:
+    from tandem.chat import run
+
+    return run(args)
+
+
 def _merge(args: argparse.Namespace) -> int:
     from tandem.merge import run
 
@@ -85,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="LoRA fine-tuning through tandem (default: the demo model on a bundled dataset)")
     add_train_arguments(t)
     t.set_defaults(func=_train)
+    from tandem.chat import add_arguments as add_chat_arguments
+
+    ch = sub.add_parser("chat", parents=[common], help="talk to a model in the terminal (streamed replies, the "
+                        "conversation's KV cache kept between turns)")
+    add_chat_arguments(ch)
+    ch.set_defaults(func=_chat)
     mg = sub.add_parser("merge", parents=[common], help="write a checkpoint with a LoRA adapter merged in "
                         "(shard by shard, atomically)")
     mg.add_argument("--model", required=True, help="checkpoint directory of the base model")

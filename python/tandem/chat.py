@@ -1,0 +1,199 @@
+"""`tandem chat`: talk to a model in the terminal.
+
+    tandem chat                                   # the built-in demo model
+    tandem chat --model /models/Qwen3-30B-A3B --config configs/qwen3-30b-a3b.yaml [--adapter DIR]
+
+Each turn is rendered with the model's chat template (a tokenizer without one gets a plain
+``role: content`` format, and the command says so), the reply is printed token by token as
+it is generated, and the conversation's KV cache is kept between turns: a turn prefills only
+what the cache does not hold yet (the new user message and the template's markers; where the
+re-rendered history differs from the tokens generated, from the first differing token on).
+After each reply one line reports the prefill and decode figures. ``/reset`` starts a new
+conversation, ``/exit`` (or end of input) leaves.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+# For tokenizers without a chat template (the demo model's byte-level one).
+PLAIN_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="checkpoint directory (default: the config's model.path, else the built-in "
+                                   "demo model)")
+    p.add_argument("--config", help="placement YAML (default: configs/demo.yaml for the demo model, else the "
+                                    "defaults)")
+    p.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA adapter directory, merged at load")
+    p.add_argument("--system", help="a system message to start every conversation with")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="per reply")
+    p.add_argument("--sample", action="store_true", help="sample (default: greedy)")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--device", help="device of the non-expert weights (default: from the config)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def check_arguments(args: argparse.Namespace):
+    from pathlib import Path
+
+    from .cli_checks import InputError, select_model_and_config
+
+    if args.max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.sample:
+        if not (args.temperature > 0 and math.isfinite(args.temperature)):
+            raise InputError(f"--temperature must be a positive number, got {args.temperature}")
+        if not 0 < args.top_p <= 1:
+            raise InputError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.adapter is not None and not (Path(args.adapter) / "adapter_config.json").is_file():
+        raise InputError(f"--adapter {args.adapter}: no adapter_config.json there (expected a PEFT adapter "
+                         "directory, as save_pretrained writes it)")
+    return select_model_and_config(args)
+
+
+def common_prefix(a, b) -> int:
+    """Length of the common prefix of two 1-d token tensors."""
+    n = min(a.shape[0], b.shape[0])
+    if n == 0:
+        return 0
+    differ = (a[:n] != b[:n]).nonzero()
+    return int(differ[0]) if differ.numel() else n
+
+
+class Session:
+    """A conversation and the KV cache of what the model has already seen of it."""
+
+    def __init__(self, model, tok, system: str | None, gen: dict):
+        from transformers import DynamicCache
+
+        self.model, self.tok, self.system, self.gen = model, tok, system, gen
+        self.template = tok.chat_template or PLAIN_TEMPLATE
+        self._cache_type = DynamicCache
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.drop_cache()
+
+    def drop_cache(self) -> None:
+        import torch
+
+        self.cache = self._cache_type()
+        self.seen = torch.zeros(0, dtype=torch.long)  # the tokens the cache holds
+
+    def prompt_ids(self):
+        text = self.tok.apply_chat_template(self.messages, tokenize=False, add_generation_prompt=True,
+                                            chat_template=self.template)
+        return self.tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+
+    def reply(self, text: str, on_token=None) -> dict:
+        """Adds the user's message, generates the reply (on_token(str) for each piece as it
+        is decoded), adds it; returns the turn's figures."""
+        import torch
+        from transformers import TextStreamer
+
+        self.messages.append({"role": "user", "content": text})
+        ids = self.prompt_ids()
+        reuse = common_prefix(ids, self.seen)
+        if reuse == ids.shape[0]:  # generate needs at least one new token to feed
+            reuse -= 1
+        held = self.cache.get_seq_length()
+        if reuse == 0 and held:
+            self.drop_cache()
+        elif reuse < held:
+            self.cache.crop(reuse - held)  # transformers 5: a negative count of tokens to drop
+        stamps: dict[str, float] = {}
+
+        class Stream(TextStreamer):
+            def put(self, value):
+                if "first" not in stamps and not self.next_tokens_are_prompt:
+                    stamps["first"] = time.perf_counter()
+                super().put(value)
+
+            def on_finalized_text(self, piece: str, stream_end: bool = False):
+                if on_token and piece:
+                    on_token(piece)
+
+        device = next(p.device for p in self.model.parameters())
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = self.model.generate(ids[None].to(device), attention_mask=torch.ones(1, ids.shape[0], device=device,
+                                                                                      dtype=torch.long),
+                                      past_key_values=self.cache, streamer=Stream(self.tok, skip_prompt=True,
+                                                                                  skip_special_tokens=True),
+                                      pad_token_id=self.tok.pad_token_id if self.tok.pad_token_id is not None
+                                      else self.tok.eos_token_id, **self.gen)[0].cpu()
+        t1 = time.perf_counter()
+        new = out[ids.shape[0]:]
+        reply = self.tok.decode(new, skip_special_tokens=True)
+        self.messages.append({"role": "assistant", "content": reply})
+        self.seen = out[: self.cache.get_seq_length()]
+        first = stamps.get("first", t1)
+        return {"prefill_tokens": int(ids.shape[0] - reuse), "reused": reuse, "new_tokens": int(new.shape[0]),
+                "prefill_s": first - t0, "decode_s": t1 - first, "reply": reply}
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+
+    sel = check_arguments(args)
+    from .cli_checks import check_device, describe
+
+    import torch
+    from transformers import AutoTokenizer
+
+    import tandem
+    from tandem import demo
+
+    check_device(args.device, sel, train=False)
+    model_dir = sel.model or str(demo.ensure_demo_model(progress=not args.no_progress))
+    print(describe(sel, model_dir), flush=True)
+    model = tandem.load_model(model_dir, sel.config, device=args.device, progress=not args.no_progress,
+                              adapter=args.adapter)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample)
+    if args.sample:
+        gen.update(temperature=args.temperature, top_p=args.top_p)
+        torch.manual_seed(args.seed)
+    session = Session(model, tok, args.system, gen)
+    if not tok.chat_template:
+        print("note: this tokenizer has no chat template; turns are rendered as 'role: content' lines")
+    print("chat: type a message; /reset starts over, /exit (or end of input) leaves", flush=True)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            return 0
+        except KeyboardInterrupt:
+            print()
+            return 0
+        cmd = line.strip()
+        if not cmd:
+            continue
+        if cmd in ("/exit", "/quit"):
+            return 0
+        if cmd == "/reset":
+            session.reset()
+            print("(new conversation)", flush=True)
+            continue
+        if cmd.startswith("/"):
+            print(f"unknown command {cmd.split()[0]} (/reset, /exit)", flush=True)
+            continue
+        try:
+            r = session.reply(line, on_token=lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+        except KeyboardInterrupt:  # stops this reply; the conversation goes on without it
+            if session.messages and session.messages[-1]["role"] == "user":
+                session.messages.pop()
+            session.drop_cache()  # it may hold part of the reply
+            print("\n(interrupted)", flush=True)
+            continue
+        pf = r["prefill_tokens"] / r["prefill_s"] if r["prefill_s"] > 0 else float("inf")
+        dec = (r["new_tokens"] - 1) / r["decode_s"] if r["decode_s"] > 0 and r["new_tokens"] > 1 else float("nan")
+        print(f"\n[prefill {r['prefill_tokens']} tokens ({r['reused']} from the cache) at {pf:.1f} tokens/s; "
+              f"{r['new_tokens']} tokens at {dec:.1f} tokens/s]", flush=True)
