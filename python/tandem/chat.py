@@ -5,9 +5,10 @@
 
 Each turn is rendered with the model's chat template (a tokenizer without one gets a plain
 ``role: content`` format, and the command says so), the reply is printed token by token as
-it is generated, and the conversation's KV cache is kept between turns: a turn prefills only
-what the cache does not hold yet (the new user message and the template's markers; where the
-re-rendered history differs from the tokens generated, from the first differing token on).
+it is generated, and the conversation's KV cache is kept between turns: the history is kept
+as the tokens the model saw and generated (``Session.prompt_ids``), so a turn prefills only the
+last reply's last token, the template's end of turn and the new user message (where the
+template rewrites earlier turns, from the first token that differs).
 After each reply one line reports the prefill and decode figures. ``/reset`` starts a new
 conversation, ``/exit`` (or end of input) leaves.
 """
@@ -85,11 +86,43 @@ class Session:
 
         self.cache = self._cache_type()
         self.seen = torch.zeros(0, dtype=torch.long)  # the tokens the cache holds
+        self.last = None  # (the last turn's prompt text, its tokens, the reply's tokens as generated)
+
+    def render(self, messages: list[dict], generation_prompt: bool = True) -> str:
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                            chat_template=self.template)
+
+    def encode(self, text: str):
+        return self.tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
 
     def prompt_ids(self):
-        text = self.tok.apply_chat_template(self.messages, tokenize=False, add_generation_prompt=True,
-                                            chat_template=self.template)
-        return self.tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+        """The conversation's tokens, ending with the generation prompt. After a reply: the
+        last prompt's tokens, the reply's tokens as the model generated them, and the
+        template's text after the reply (end of turn, the new user turn) encoded; so the
+        history is what the cache holds, whatever re-encoding the reply's text would give.
+        Where the template renders the history otherwise (it rewrites earlier turns), the
+        whole conversation encoded."""
+        import torch
+
+        text = self.render(self.messages)
+        if self.last is not None:
+            prev_text, prev_ids, gen = self.last
+            reply = self.messages[-2]["content"]
+            # The reply as the template wrote it: right after the prompt, or after whitespace
+            # the template puts there (which the model did not see: it saw what it generated).
+            at = text.find(reply, len(prev_text)) if reply else -1
+            if text.startswith(prev_text) and at >= 0 and not text[len(prev_text):at].strip():
+                tail = text[at + len(reply):]
+                eos = self.tok.eos_token_id
+                if gen.numel() and eos is not None and int(gen[-1]) == eos:
+                    eos_text = self.tok.decode([eos])
+                    if tail.startswith(eos_text):
+                        tail = tail[len(eos_text):]
+                    else:
+                        gen = gen[:-1]  # the template does not write the end token there
+                if self.tok.decode(gen, skip_special_tokens=True) == reply:
+                    return torch.cat([prev_ids, gen, self.encode(tail)])
+        return self.encode(text)
 
     def reply(self, text: str, on_token=None) -> dict:
         """Adds the user's message, generates the reply (on_token(str) for each piece as it
@@ -99,6 +132,7 @@ class Session:
 
         self.messages.append({"role": "user", "content": text})
         ids = self.prompt_ids()
+        prompt_text = self.render(self.messages)
         reuse = common_prefix(ids, self.seen)
         if reuse == ids.shape[0]:  # generate needs at least one new token to feed
             reuse -= 1
@@ -133,8 +167,10 @@ class Session:
         reply = self.tok.decode(new, skip_special_tokens=True)
         self.messages.append({"role": "assistant", "content": reply})
         self.seen = out[: self.cache.get_seq_length()]
+        self.last = (prompt_text, ids, new)
         first = stamps.get("first", t1)
         return {"prefill_tokens": int(ids.shape[0] - reuse), "reused": reuse, "new_tokens": int(new.shape[0]),
+                "prompt_ids": ids, "reply_ids": new,
                 "prefill_s": first - t0, "decode_s": t1 - first, "reply": reply}
 
 
