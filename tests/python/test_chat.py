@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 import tandem
@@ -91,3 +92,22 @@ def test_tandem_chat_in_a_terminal():
         os.close(main)
     (p1, r1), (p2, r2), (p3, r3) = turns
     assert r1 == 0 and r2 == p1 + 5 - 1 and r3 == 0, turns
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1, got 0"),
+    (["--sample", "--temperature", "0"], "--temperature must be a positive number, got 0.0"),
+    (["--sample", "--temperature", "nan"], "--temperature must be a positive number, got nan"),
+    (["--sample", "--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
+    (["--adapter", "{tmp}/nowhere"], "--adapter {tmp}/nowhere: no adapter_config.json there"),
+    (["--model", "{tmp}/nowhere"], "--model: {tmp}/nowhere: no such directory"),
+])
+def test_chat_checks_its_inputs_before_loading_a_model(argv, message, tmp_path, monkeypatch, capsys):
+    from tandem import cli
+
+    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "cache"))
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    assert cli.main(["chat", "--no-progress", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tandem: error: " + message.format(tmp=tmp_path)) and err.count("\n") == 1, err
+    assert not (tmp_path / "cache").exists(), "checked before the demo model was built"
