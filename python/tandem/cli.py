@@ -7,6 +7,8 @@
                  [--trace OUT.json]          LoRA fine-tuning (default: the demo model on the bundled dataset)
     tandem chat [--model DIR] [--config FILE] [--adapter DIR]
                                              talk to a model (the built-in demo by default)
+    tandem bench [--model DIR] [--config FILE] [-p 512] [-n 128] [-r 3] [--json OUT]
+                                             tokens/s of prompt processing and generation
     tandem merge --model DIR --adapter DIR --out DIR
                                              write a checkpoint with a LoRA adapter merged in
     tandem doctor [--config FILE] [--json]   what tandem can use here; validate a config
@@ -47,6 +49,12 @@ def _trace_merge(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from tandem.run import run
+
+    return run(args)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from tandem.bench_cli import run
 
     return run(args)
 
@@ -99,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "conversation's KV cache kept between turns)")
     add_chat_arguments(ch)
     ch.set_defaults(func=_chat)
+    from tandem.bench_cli import add_arguments as add_bench_arguments
+
+    bn = sub.add_parser("bench", parents=[common], help="prompt-processing and generation tokens/s on a model "
+                        "(llama-bench style), with the decode ceiling")
+    add_bench_arguments(bn)
+    bn.set_defaults(func=_bench)
     mg = sub.add_parser("merge", parents=[common], help="write a checkpoint with a LoRA adapter merged in "
                         "(shard by shard, atomically)")
     mg.add_argument("--model", required=True, help="checkpoint directory of the base model")
