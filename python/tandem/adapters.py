@@ -104,7 +104,11 @@ def merged_layer_weights(ckpt: _C.Checkpoint, naming: tuple[str, str, str], laye
                 raise ValueError(f"{ckpt.info(names[e][j])[2]}: tensor {names[e][j]!r} has shape {list(w.shape)}, "
                                  f"{where} needs {list(shapes[j])}")
             if lora is not None:
-                w = merge_expert(w, lora, e, j, where)
+                w = merge_expert(w, lora, e, j, where).to(out_dtype)
+                if not bool(torch.isfinite(w).all()):  # e.g. past fp16's 65504 once rounded
+                    raise ValueError(f"{where}: expert {e}'s {PROJECTIONS[j]} weight is not finite after merging the "
+                                     f"adapter and rounding to {str(out_dtype).removeprefix('torch.')} (its LoRA "
+                                     "tensors hold inf / NaN or huge values)")
             lists[j].append(w.to(out_dtype).contiguous())
     return lists[0], lists[1], lists[2], _DTYPE_NAMES[out_dtype]
 
@@ -143,7 +147,14 @@ def repack(te: nn.Module, lora: LoraTensors | None) -> None:
     tensors = merged_layer_weights(ckpt, te.source.naming, te.layer, (te.num_experts, te.hidden_dim,
                                                                        te.intermediate_dim), lora, where)
     te.engine.unload_layer(te.index)
-    pack_layer(te.engine, te.index, tensors)
+    try:
+        pack_layer(te.engine, te.index, tensors)
+    except BaseException:
+        # The layer must not stay without weights: back to its base packs, then the error.
+        if not te.engine.layer_loaded(te.index):
+            pack_layer(te.engine, te.index, merged_layer_weights(ckpt, te.source.naming, te.layer, (
+                te.num_experts, te.hidden_dim, te.intermediate_dim), None, where))
+        raise
 
 
 def _attach(model: nn.Module, adapter: str | os.PathLike, cfg, trainable: bool):

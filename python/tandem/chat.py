@@ -74,6 +74,10 @@ class Session:
 
         self.model, self.tok, self.system, self.gen = model, tok, system, gen
         self.template = tok.chat_template or PLAIN_TEMPLATE
+        # The ids generate stops at (the generation config may list several, e.g. Qwen3's two).
+        stop = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        stop = stop if isinstance(stop, (list, tuple)) else [stop]
+        self.stop_ids = {int(i) for i in [*stop, tok.eos_token_id] if i is not None}
         self._cache_type = DynamicCache
         self.reset()
 
@@ -113,9 +117,8 @@ class Session:
             at = text.find(reply, len(prev_text)) if reply else -1
             if text.startswith(prev_text) and at >= 0 and not text[len(prev_text):at].strip():
                 tail = text[at + len(reply):]
-                eos = self.tok.eos_token_id
-                if gen.numel() and eos is not None and int(gen[-1]) == eos:
-                    eos_text = self.tok.decode([eos])
+                if gen.numel() and int(gen[-1]) in self.stop_ids:
+                    eos_text = self.tok.decode([int(gen[-1])])
                     if tail.startswith(eos_text):
                         tail = tail[len(eos_text):]
                     else:
@@ -223,11 +226,15 @@ def run(args: argparse.Namespace) -> int:
             continue
         try:
             r = session.reply(line, on_token=lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-        except KeyboardInterrupt:  # stops this reply; the conversation goes on without it
+        except (KeyboardInterrupt, Exception) as e:  # noqa: BLE001 (this reply fails; the conversation goes on)
             if session.messages and session.messages[-1]["role"] == "user":
                 session.messages.pop()
             session.drop_cache()  # it may hold part of the reply
-            print("\n(interrupted)", flush=True)
+            if isinstance(e, KeyboardInterrupt):
+                print("\n(interrupted)", flush=True)
+            else:
+                print(f"\nerror: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''} "
+                      "(the message was not added; the conversation goes on)", flush=True)
             continue
         pf = r["prefill_tokens"] / r["prefill_s"] if r["prefill_s"] > 0 else float("inf")
         dec = (r["new_tokens"] - 1) / r["decode_s"] if r["decode_s"] > 0 and r["new_tokens"] > 1 else float("nan")

@@ -226,7 +226,7 @@ def iter_records(path: str | os.PathLike, max_record_bytes: int = DEFAULT_MAX_RE
         raise ValueError(f"max_record_bytes must be at least 1, got {max_record_bytes}")
     if not path.is_file():
         raise DataError(f"{path}: no such data file")
-    if path.suffix == ".jsonl":
+    if path.suffix.lower() == ".jsonl":
         records = _jsonl
     elif path.suffix.lower() in TEXT_SUFFIXES:
         records = _paragraphs

@@ -8,7 +8,8 @@ byte offsets (each shard's header is copied as it is), so ``from_pretrained`` an
 written as W + s B A (computed in fp32, rounded to the tensor's dtype: the arithmetic of
 PEFT's ``merge_and_unload`` and of ``load_model(adapter=)``, which pack the same bits);
 every other tensor is copied byte for byte. Memory stays near one tensor at a time (the
-largest tensor the adapter changes, in fp32, plus its delta): nothing holds a shard.
+largest tensor the adapter changes, in fp32, plus its delta, computed when that tensor is
+written) and the adapter's own tensors: nothing holds a shard.
 
 What the adapter changes is what PEFT makes of it: the model is built on the meta device,
 PEFT attaches the adapter there (``rank_pattern``, ``alpha_pattern``, rsLoRA, the v5
@@ -84,10 +85,26 @@ def _meta_peft_model(model_dir: Path, adapter: Path, cfg):
     return pm, hf_config
 
 
+def _delta(m, adapter_name: str, name: str, key: str, shape, adapter: Path) -> torch.Tensor:
+    """PEFT's delta weight of LoRA layer m, fp32 on the CPU, checked against the tensor's shape."""
+    from peft.tuners.lora.layer import Linear
+
+    if is_param_wrapper(m):
+        # What ParamWrapper.get_delta_weight computes for one matrix, before it moves the
+        # delta to the parameter's device (meta here) and dtype (rounding it).
+        d = Linear.get_delta_weight(m, adapter_name)
+    else:
+        d = m.get_delta_weight(adapter_name)
+    d = d.detach().to("cpu", torch.float32)
+    if tuple(d.shape) != tuple(shape):
+        raise ValueError(f"{adapter}: the LoRA delta of {name} has shape {list(d.shape)}, but {key!r} is "
+                         f"{list(shape)}")
+    return d
+
+
 def plan(model_dir: Path, adapter: Path, ckpt: _C.Checkpoint) -> dict[str, Change]:
     """Checkpoint tensor name -> how the adapter changes it."""
     from peft.tuners.lora import LoraLayer
-    from peft.tuners.lora.layer import Linear
 
     from .loader import checkpoint_key
 
@@ -133,24 +150,14 @@ def plan(model_dir: Path, adapter: Path, ckpt: _C.Checkpoint) -> dict[str, Chang
         active = [a for a in m.active_adapters if a in getattr(m, "lora_A", {}) or a in getattr(m, "lora_embedding_A", {})]
         if not active:
             continue
-        if is_param_wrapper(m):
-            if getattr(m, "num_experts", 1) != 1:
-                raise ValueError(f"{adapter}: LoRA on the stacked parameter {name}.{m.parameter_name} is not one "
-                                 "tandem merges (it merges the routed experts of MoE blocks and 2-d weights)")
-            # What ParamWrapper.get_delta_weight computes for one matrix, before it moves the
-            # delta to the parameter's device (meta here) and dtype (rounding it).
-            delta = Linear.get_delta_weight(m, active[0])
-        else:
-            delta = m.get_delta_weight(active[0])
-        delta = delta.detach().to("cpu", torch.float32)
+        if is_param_wrapper(m) and getattr(m, "num_experts", 1) != 1:
+            raise ValueError(f"{adapter}: LoRA on the stacked parameter {name}.{m.parameter_name} is not one "
+                             "tandem merges (it merges the routed experts of MoE blocks and 2-d weights)")
         path = ".".join(p for p in name.split(".") if p != "base_layer")
         key = key_of(f"{path}.{m.parameter_name}" if is_param_wrapper(m) else f"{path}.weight")
-        before = changes.get(key)
-        shape = tuple(ckpt.info(key)[1])
-        if tuple(delta.shape) != shape:
-            raise ValueError(f"{adapter}: the LoRA delta of {name} has shape {list(delta.shape)}, but {key!r} is "
-                             f"{list(shape)}")
-        changes[key] = (lambda w, d=delta, f=before: (f(w) if f else w.float()) + d)
+        # The delta is computed when its tensor is written (one at a time, not all held).
+        changes[key] = (lambda w, m=m, a=active[0], name=name, key=key, f=changes.get(key):
+                        (f(w) if f else w.float()) + _delta(m, a, name, key, w.shape, adapter))
 
     # Whole tensors the adapter carries (modules_to_save, saved embedding layers).
     for name, p in list(hf.named_parameters()) + list(hf.named_buffers()):

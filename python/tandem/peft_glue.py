@@ -155,7 +155,10 @@ def _inference_experts_forward(wrapper: nn.Module, te: TandemExperts, hidden_sta
     where = f"tandem experts (model layer {te.layer})"
     if args or kwargs.get("adapter_names"):
         raise ValueError(f"{where}: unexpected arguments to the experts (mixed-adapter batches are not supported)")
-    if not any(m.merged for m in _chain(wrapper)):
+    chain = _chain(wrapper)
+    if any(m.merged for m in chain) and any(getattr(m, "disable_adapters", False) for m in chain):
+        _unmerge_packs(wrapper, te)  # as PEFT's own forward does: disabled means the base weights
+    if not any(m.merged for m in chain):
         if param_wrapper_lora(wrapper, te.num_experts, te.hidden_dim, te.intermediate_dim, where) is not None:
             raise ValueError(f"{where}: a LoRA adapter is active on these experts, but this model was loaded for "
                              "inference, whose engine runs no LoRA (the adapter would be silently dropped). Merge "

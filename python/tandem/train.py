@@ -342,16 +342,41 @@ def tokenize_record(rec: dict | str, tok, where: str = "record", loss_on_all: bo
         else:
             pieces = _chat_pieces(tok, rec["prompt"] + rec["completion"], len(rec["prompt"]), where)
         eos = []  # the template ends the turns
-    ids: list[int] = []
-    labels: list[int] = []
-    for text, learned in pieces:
-        t = tok(text, add_special_tokens=False)["input_ids"]
-        ids += t
-        labels += t if (learned or loss_on_all) else [-100] * len(t)
+    ids, labels = _encode_pieces(tok, pieces, loss_on_all)
     if eos:
         ids += eos
         labels += eos if (pieces[-1][1] or loss_on_all) else [-100]
     return ids, labels
+
+
+def _encode_pieces(tok, pieces: list[tuple[str, bool]], loss_on_all: bool) -> tuple[list[int], list[int]]:
+    """The pieces' text encoded as one string (as at inference: no token boundary is forced
+    where a piece ends, no word-start marker added at a piece's start), each token labelled
+    by the piece its first character is in. Without offsets (slow tokenizers), the text up to
+    each piece's end is encoded and the tokens it adds belong to that piece (TRL's rule)."""
+    text = "".join(t for t, _ in pieces)
+    ends, learned, pos = [], [], 0
+    for t, l in pieces:
+        pos += len(t)
+        ends.append(pos)
+        learned.append(l or loss_on_all)
+    if getattr(tok, "is_fast", False):
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = list(enc["input_ids"])
+        labels = []
+        k = 0
+        for tid, (start, _) in zip(ids, enc["offset_mapping"]):
+            while k < len(ends) - 1 and start >= ends[k]:
+                k += 1
+            labels.append(tid if learned[k] else -100)
+        return ids, labels
+    ids, labels, done = [], [], 0
+    for end, l in zip(ends, learned):
+        upto = tok(text[:end], add_special_tokens=False)["input_ids"]
+        new = upto[done:]
+        ids, done = upto, len(upto)
+        labels += new if l else [-100] * len(new)
+    return ids, labels[: len(ids)]
 
 
 class PackedDataset:
@@ -376,14 +401,14 @@ class PackedDataset:
             raise ValueError(f"the data has {len(ids)} tokens, fewer than one sequence of {seq}")
         blocks = torch.tensor(ids[: n * seq]).view(n, seq)
         lab = torch.tensor(labels[: n * seq]).view(n, seq)
-        keep = (lab != -100).any(1)
+        keep = (lab[:, 1:] != -100).any(1)  # the loss scores labels 1.. of a block (it predicts them)
         if not bool(keep.any()):
             raise ValueError("no sequence of the data has a token to learn from (every token is prompt or user "
                              "turn); use --loss-on-all, or longer --seq")
         self.blocks, self.block_labels = blocks[keep], lab[keep]
         self.dropped = int((~keep).sum())
         self.seed, self.tokens = seed, len(ids)
-        self.learned = int((self.block_labels != -100).sum())
+        self.learned = int((self.block_labels[:, 1:] != -100).sum())
 
     def __len__(self) -> int:
         return self.blocks.shape[0]

@@ -73,8 +73,10 @@ def test_packed_labels_and_the_models_loss_follow_them(tok, tmp_path):
     assert ds.tokens == flat_ids.numel()
     assert ds.dropped >= 3, "blocks inside the 80-byte prompt have nothing to learn"
     assert bool(((ds.block_labels == -100) | (ds.block_labels == ds.blocks)).all())
-    assert bool((ds.block_labels != -100).any(1).all())
-    assert ds.learned == int((ds.block_labels != -100).sum())
+    # Every block has a label the loss scores (position 0 is only ever an input: a block whose
+    # one label sat there gave a NaN loss), and `learned` counts those scored labels.
+    assert bool((ds.block_labels[:, 1:] != -100).any(1).all())
+    assert ds.learned == int((ds.block_labels[:, 1:] != -100).sum())
     model = tandem.load_model(demo.ensure_demo_model(progress=False), "configs/demo.yaml", train=True,
                               dtype=torch.float32, progress=False)
     ids, labels = ds.batch(0, 4), ds.labels(0, 4)
@@ -204,3 +206,25 @@ def test_memory_estimates_match_what_training_allocates(backward_format, tmp_pat
     assert len(saved) == len(e.layers) and all(s > 0 for s in saved)
     for s in saved:  # per layer, 64 tokens: the rows' state plus the groups' index arrays
         assert per_token * 64 <= s <= per_token * 64 * 1.1, (s, per_token * 64)
+
+
+def test_pieces_are_encoded_as_one_text(tok):
+    """Prompt and completion (and chat turns) are encoded as one string, as inference sees
+    them, with each token labelled by where its first character lies: encoding the pieces one
+    by one would put a word-start marker at every boundary in SentencePiece-style tokenizers."""
+    from tandem.train import _encode_pieces
+
+    pieces = [("Question: what is two plus two", False), ("? It is four.", True), (" And more", False)]
+    text = "".join(t for t, _ in pieces)
+    ids, labels = _encode_pieces(tok, pieces, False)
+    assert ids == tok(text, add_special_tokens=False)["input_ids"]
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    start, end = len(pieces[0][0]), len(pieces[0][0]) + len(pieces[1][0])
+    want = [i if start <= s < end else -100 for i, (s, _) in zip(enc["input_ids"], enc["offset_mapping"])]
+    assert labels == want and any(l != -100 for l in labels)
+
+
+def test_a_jsonl_suffix_in_capitals_is_read(tmp_path):
+    p = tmp_path / "data.JSONL"
+    p.write_text('{"text": "one"}\n')
+    assert [r for _, r in iter_data(p)] == [{"text": "one"}]
