@@ -20,11 +20,9 @@ import time
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="checkpoint directory (default: the config's model.path, else the built-in "
-                                   "demo model)")
-    p.add_argument("--config", help="placement YAML (default: configs/demo.yaml for the demo model, else the "
-                                    "defaults)")
-    p.add_argument("--device", help="device of the non-expert weights (default: from the config)")
+    from .cli_checks import add_model_arguments
+
+    add_model_arguments(p)
     p.add_argument("-p", "--prompt-lengths", default="512", help="prompt lengths, comma-separated (0: none)")
     p.add_argument("-n", "--gen-lengths", default="128", help="generation lengths, comma-separated (0: none)")
     p.add_argument("-r", "--repetitions", type=int, default=3, help="timed runs of each test (after one warm-up)")

@@ -15,7 +15,6 @@ conversation, ``/exit`` (or end of input) leaves.
 from __future__ import annotations
 
 import argparse
-import math
 import time
 
 # For tokenizers without a chat template (the demo model's byte-level one).
@@ -24,36 +23,20 @@ PLAIN_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="checkpoint directory (default: the config's model.path, else the built-in "
-                                   "demo model)")
-    p.add_argument("--config", help="placement YAML (default: configs/demo.yaml for the demo model, else the "
-                                    "defaults)")
-    p.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA adapter directory, merged at load")
+    from .cli_checks import add_adapter_argument, add_generation_arguments, add_model_arguments
+
+    add_model_arguments(p)
+    add_adapter_argument(p)
     p.add_argument("--system", help="a system message to start every conversation with")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="per reply")
-    p.add_argument("--sample", action="store_true", help="sample (default: greedy)")
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--device", help="device of the non-expert weights (default: from the config)")
+    add_generation_arguments(p, 256, "per reply")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def check_arguments(args: argparse.Namespace):
-    from pathlib import Path
+    from .cli_checks import check_adapter_argument, check_generation_arguments, select_model_and_config
 
-    from .cli_checks import InputError, select_model_and_config
-
-    if args.max_new_tokens < 1:
-        raise InputError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    if args.sample:
-        if not (args.temperature > 0 and math.isfinite(args.temperature)):
-            raise InputError(f"--temperature must be a positive number, got {args.temperature}")
-        if not 0 < args.top_p <= 1:
-            raise InputError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.adapter is not None and not (Path(args.adapter) / "adapter_config.json").is_file():
-        raise InputError(f"--adapter {args.adapter}: no adapter_config.json there (expected a PEFT adapter "
-                         "directory, as save_pretrained writes it)")
+    check_generation_arguments(args)
+    check_adapter_argument(args)
     return select_model_and_config(args)
 
 

@@ -92,6 +92,50 @@ def select_model_and_config(args: argparse.Namespace) -> Selection:
     return Selection(model, source, config, cfg)
 
 
+# ---- arguments the generating commands (run, chat, bench) share ----------------------------
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """--model, --config, --device: which model, placed how (select_model_and_config, check_device)."""
+    p.add_argument("--model", help="checkpoint directory (default: the config's model.path, else the built-in "
+                                   "demo model)")
+    p.add_argument("--config", help="placement YAML (default: configs/demo.yaml for the demo model, else the "
+                                    "defaults)")
+    p.add_argument("--device", help="device of the non-expert weights (default: from the config)")
+
+
+def add_generation_arguments(p: argparse.ArgumentParser, max_new_tokens: int, what: str = "") -> None:
+    """--max-new-tokens, --sample, --temperature, --top-p, --seed (check_generation_arguments)."""
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help=what or None)
+    p.add_argument("--sample", action="store_true", help="sample (default: greedy)")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+
+
+def add_adapter_argument(p: argparse.ArgumentParser) -> None:
+    """--adapter DIR (check_adapter_argument), merged by load_model."""
+    p.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA adapter directory (save_pretrained's output) for "
+                   "this model: merged into the weights at load (expert layers packed with it)")
+
+
+def check_generation_arguments(args: argparse.Namespace) -> None:
+    import math
+
+    if args.max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.sample:
+        if not (args.temperature > 0 and math.isfinite(args.temperature)):
+            raise InputError(f"--temperature must be a positive number, got {args.temperature}")
+        if not 0 < args.top_p <= 1:
+            raise InputError(f"--top-p must be in (0, 1], got {args.top_p}")
+
+
+def check_adapter_argument(args: argparse.Namespace) -> None:
+    if args.adapter is not None and not (Path(args.adapter) / "adapter_config.json").is_file():
+        raise InputError(f"--adapter {args.adapter}: no adapter_config.json there (expected a PEFT adapter "
+                         "directory, as save_pretrained writes it)")
+
+
 def check_device(device: str | None, sel: Selection, train: bool) -> None:
     """--device names a device torch has; a config asking for a GPU gets one."""
     import torch

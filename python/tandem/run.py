@@ -74,52 +74,33 @@ def placement_report(engine) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="checkpoint directory (default: the config's model.path, else the built-in "
-                                   "demo model)")
-    p.add_argument("--config", help="placement YAML (default: configs/demo.yaml for the demo model, else the "
-                                    "defaults)")
+    from .cli_checks import add_adapter_argument, add_generation_arguments, add_model_arguments
+
+    add_model_arguments(p)
     p.add_argument("--prompt", default="The quick brown fox", help="prompt text")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--sample", action="store_true", help="sample (default: greedy)")
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--device", help="device of the non-expert weights (default: from the config)")
+    add_generation_arguments(p, 64)
     p.add_argument("--trace", help="write a Chrome trace of the generation here (default: the config's "
                                    "trace.path when its trace.enabled is true)")
     p.add_argument("--record-routing", metavar="FILE",
                    help="write the generation's routed counts per layer and expert here, for a config's "
                         "gpu.hot_experts.statistics")
-    p.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA adapter directory (save_pretrained's output) for "
-                   "this model: merged into the weights at load (expert layers packed with it)")
+    add_adapter_argument(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def check_arguments(args: argparse.Namespace):
     """Everything that can be checked without the model; returns the model / config selection."""
-    import math
+    from .cli_checks import (InputError, check_adapter_argument, check_generation_arguments, check_output_file,
+                             select_model_and_config)
 
-    from .cli_checks import InputError, check_output_file, select_model_and_config
-
-    if args.max_new_tokens < 1:
-        raise InputError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    check_generation_arguments(args)
     if not args.prompt:
         raise InputError("--prompt is empty")
-    if args.sample:
-        if not (args.temperature > 0 and math.isfinite(args.temperature)):
-            raise InputError(f"--temperature must be a positive number, got {args.temperature}")
-        if not 0 < args.top_p <= 1:
-            raise InputError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.trace:
         check_output_file(args.trace, "--trace")
     if args.record_routing:
         check_output_file(args.record_routing, "--record-routing")
-    if args.adapter is not None:
-        from pathlib import Path
-
-        if not (Path(args.adapter) / "adapter_config.json").is_file():
-            raise InputError(f"--adapter {args.adapter}: no adapter_config.json there (expected a PEFT adapter "
-                             "directory, as save_pretrained writes it)")
+    check_adapter_argument(args)
     return select_model_and_config(args)
 
 

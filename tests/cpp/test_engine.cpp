@@ -456,6 +456,25 @@ TEST(Engine, DeferredExpertsLandInTheNextLayer) {
   EXPECT_EQ(deferred1, 0u) << "the last layer defers nothing";
 }
 
+// Both MoE layers of engines `a` and `b` (the same weights, loaded two ways) on the same two
+// random batches: each output against the reference, and the two engines' bits equal.
+void expect_same_outputs(const Weights& w, std::mt19937_64& rng, Engine& a, Engine& b) {
+  Batch b0(rng, XType::f32, true), b1(rng, XType::f32, true);
+  std::vector<std::vector<float>> outs;
+  for (Engine* e : {&a, &b}) {
+    for (Batch* x : {&b0, &b1}) std::fill(x->out.begin(), x->out.end(), std::nanf(""));
+    e->forward(0, b0.io());
+    e->forward(1, b1.io());
+    e->synchronize();
+    expect_close(b0.out, reference(w, 0, b0), "MoE layer 0");
+    expect_close(b1.out, reference(w, 1, b1), "MoE layer 1");
+    outs.push_back(b0.out);
+    outs.push_back(b1.out);
+  }
+  EXPECT_EQ(outs[0], outs[2]);
+  EXPECT_EQ(outs[1], outs[3]);
+}
+
 // The same weights from memory (f32) and from a checkpoint (bf16) pack and run alike.
 TEST(Engine, LoadLayerFromMemoryMatchesTheCheckpoint) {
   const uint64_t seed = test_seed();
@@ -486,21 +505,8 @@ TEST(Engine, LoadLayerFromMemoryMatchesTheCheckpoint) {
       }
   }
 
-  Batch b0(rng, XType::f32, true), b1(rng, XType::f32, true);
-  std::vector<std::vector<float>> outs;
-  for (Engine* e : {&from_ckpt, &from_mem}) {
-    for (Batch* b : {&b0, &b1}) std::fill(b->out.begin(), b->out.end(), std::nanf(""));
-    e->forward(0, b0.io());
-    e->forward(1, b1.io());
-    e->synchronize();
-    expect_close(b0.out, reference(w, 0, b0), "MoE layer 0");
-    expect_close(b1.out, reference(w, 1, b1), "MoE layer 1");
-    outs.push_back(b0.out);
-    outs.push_back(b1.out);
-  }
   // Same packs, same placement, same kernels: the same bits.
-  EXPECT_EQ(outs[0], outs[2]);
-  EXPECT_EQ(outs[1], outs[3]);
+  expect_same_outputs(w, rng, from_ckpt, from_mem);
 }
 
 // Engine::load with `only` packs those layers from the checkpoint and leaves the rest to
@@ -529,18 +535,7 @@ TEST(Engine, LoadsALayerSubsetAndReloadsALayer) {
   EXPECT_EQ(part.cpu_bytes(), full.cpu_bytes());
   EXPECT_EQ(part.device_bytes(), full.device_bytes());
 
-  Batch b0(rng, XType::f32, true), b1(rng, XType::f32, true);
-  std::vector<std::vector<float>> outs;
-  for (Engine* e : {&full, &part}) {
-    for (Batch* b : {&b0, &b1}) std::fill(b->out.begin(), b->out.end(), std::nanf(""));
-    e->forward(0, b0.io());
-    e->forward(1, b1.io());
-    e->synchronize();
-    outs.push_back(b0.out);
-    outs.push_back(b1.out);
-  }
-  EXPECT_EQ(outs[0], outs[2]);
-  EXPECT_EQ(outs[1], outs[3]);
+  expect_same_outputs(w, rng, full, part);
 
   const Errc inv = Errc::invalid_argument;
   Engine bad(cfg, spec());

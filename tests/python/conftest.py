@@ -16,6 +16,24 @@ def seed(request) -> int:
     return s
 
 
+@pytest.fixture
+def cli_refuses(tmp_path, monkeypatch, capsys):
+    """refuses(command, argv, message): `tandem COMMAND --no-progress ARGV` exits 2 with the
+    one line "tandem: error: MESSAGE..." ({tmp} in argv and message is tmp_path), before the
+    demo model is built (TANDEM_CACHE points at an empty folder that must stay absent)."""
+    from tandem import cli
+
+    def refuses(command: str, argv: list[str], message: str) -> None:
+        monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "cache"))
+        argv = [a.format(tmp=tmp_path) for a in argv]
+        assert cli.main([command, "--no-progress", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("tandem: error: " + message.format(tmp=tmp_path)) and err.count("\n") == 1, err
+        assert not (tmp_path / "cache").exists(), "checked before the demo model was built"
+
+    return refuses
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen3_moe_dir(tmp_path_factory) -> str:
     """A random-weight Qwen3-MoE checkpoint saved by transformers in 10 shards + index."""

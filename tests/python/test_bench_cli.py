@@ -35,12 +35,5 @@ def test_bench_reports_pp_and_tg_with_the_decode_ceiling(tmp_path, capsys):
     (["-r", "0"], "-r must be at least 1, got 0"),
     (["--json", "{tmp}/no-dir/b.json"], "--json {tmp}/no-dir/b.json: the directory {tmp}/no-dir does not exist"),
 ])
-def test_bench_checks_its_inputs_before_loading_a_model(argv, message, tmp_path, monkeypatch, capsys):
-    from tandem import cli
-
-    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "cache"))
-    argv = [a.format(tmp=tmp_path) for a in argv]
-    assert cli.main(["bench", "--no-progress", *argv]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("tandem: error: " + message.format(tmp=tmp_path)) and err.count("\n") == 1, err
-    assert not (tmp_path / "cache").exists()
+def test_bench_checks_its_inputs_before_loading_a_model(argv, message, cli_refuses):
+    cli_refuses("bench", argv, message)

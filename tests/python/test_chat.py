@@ -102,12 +102,5 @@ def test_tandem_chat_in_a_terminal():
     (["--adapter", "{tmp}/nowhere"], "--adapter {tmp}/nowhere: no adapter_config.json there"),
     (["--model", "{tmp}/nowhere"], "--model: {tmp}/nowhere: no such directory"),
 ])
-def test_chat_checks_its_inputs_before_loading_a_model(argv, message, tmp_path, monkeypatch, capsys):
-    from tandem import cli
-
-    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "cache"))
-    argv = [a.format(tmp=tmp_path) for a in argv]
-    assert cli.main(["chat", "--no-progress", *argv]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("tandem: error: " + message.format(tmp=tmp_path)) and err.count("\n") == 1, err
-    assert not (tmp_path / "cache").exists(), "checked before the demo model was built"
+def test_chat_checks_its_inputs_before_loading_a_model(argv, message, cli_refuses):
+    cli_refuses("chat", argv, message)

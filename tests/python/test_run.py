@@ -144,19 +144,12 @@ def test_tandem_run_with_an_adapter(cache, tmp_path):
     (["--config", "{tmp}/cfg/cuda.yaml"], "{tmp}/cfg/cuda.yaml: gpu.device is 'cuda:0' but torch sees no CUDA device"),
     (["--adapter", "{tmp}/nowhere"], "--adapter {tmp}/nowhere: no adapter_config.json there"),
 ])
-def test_run_checks_its_inputs_before_loading_a_model(argv, message, tmp_path, monkeypatch, capsys):
-    from tandem import cli
-
+def test_run_checks_its_inputs_before_loading_a_model(argv, message, tmp_path, monkeypatch, cli_refuses):
     (tmp_path / "cfg").mkdir()
     (tmp_path / "cfg" / "with-model-path.yaml").write_text("model:\n  path: missing\n")
     (tmp_path / "cfg" / "cuda.yaml").write_text("gpu:\n  device: cuda:0\n")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a machine without a GPU
-    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "cache"))
-    argv = [a.format(tmp=tmp_path) for a in argv]
-    assert cli.main(["run", "--no-progress", *argv]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("tandem: error: " + message.format(tmp=tmp_path)) and err.count("\n") == 1, err
-    assert not (tmp_path / "cache").exists(), "checked only after the demo model was built"
+    cli_refuses("run", argv, message)
 
 
 # ---- model.path and trace.* from the config, --record-routing ---------------------------
