@@ -104,7 +104,7 @@ def merged_layer_weights(ckpt: _C.Checkpoint, naming: tuple[str, str, str], laye
                 raise ValueError(f"{ckpt.info(names[e][j])[2]}: tensor {names[e][j]!r} has shape {list(w.shape)}, "
                                  f"{where} needs {list(shapes[j])}")
             if lora is not None:
-                w = merge_expert(w, lora, e, j, where).to(out_dtype)
+                w = merge_expert(w, lora, e, j).to(out_dtype)
                 if not bool(torch.isfinite(w).all()):  # e.g. past fp16's 65504 once rounded
                     raise ValueError(f"{where}: expert {e}'s {PROJECTIONS[j]} weight is not finite after merging the "
                                      f"adapter and rounding to {str(out_dtype).removeprefix('torch.')} (its LoRA "
@@ -116,16 +116,13 @@ def merged_layer_weights(ckpt: _C.Checkpoint, naming: tuple[str, str, str], laye
 PROJECTIONS = ("gate", "up", "down")
 
 
-def merge_expert(w: torch.Tensor, lora: LoraTensors, e: int, j: int, where: str) -> torch.Tensor:
+def merge_expert(w: torch.Tensor, lora: LoraTensors, e: int, j: int) -> torch.Tensor:
     """Expert e's projection j (0 gate, 1 up, 2 down) with its LoRA merged: W + s B A in fp32
-    (the one formula of every merge tandem does, so they agree bit for bit)."""
+    (the one formula of every merge tandem does, so they agree bit for bit). Callers check
+    the result is finite once rounded to the dtype they keep."""
     a, b = ((lora.a_gate, lora.b_gate), (lora.a_up, lora.b_up), (lora.a_down, lora.b_down))[j]
     delta = lora.scaling * (b[e].detach().to("cpu", torch.float32) @ a[e].detach().to("cpu", torch.float32))
-    out = w.float() + delta
-    if not bool(torch.isfinite(out).all()):
-        raise ValueError(f"{where}: expert {e}'s {PROJECTIONS[j]} weight is not finite after merging the adapter "
-                         "(its LoRA tensors hold inf / NaN or huge values)")
-    return out
+    return w.float() + delta
 
 
 def pack_layer(engine: _C.Engine, index: int, tensors, progress: Callable[[int, int], None] | None = None) -> None:
@@ -157,31 +154,49 @@ def repack(te: nn.Module, lora: LoraTensors | None) -> None:
         raise
 
 
-def _attach(model: nn.Module, adapter: str | os.PathLike, cfg, trainable: bool):
-    """A PeftModel over `model` with the adapter's weights, every tensor checked to land."""
+LORA_PARTS = (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B.", ".lora_magnitude_vector.")
+
+
+def attach_adapter(model: nn.Module, adapter: str | os.PathLike, cfg, trainable: bool = False, on_meta: bool = False):
+    """A PeftModel over `model` with the adapter's weights, every tensor checked to land.
+    on_meta: `model` is on the meta device (tandem merge), and the adapter's tensors are
+    loaded onto the CPU instead of its layers' device."""
     from peft import PeftModel
 
     cfg.inference_mode = not trainable
     try:
-        pm = PeftModel(model, cfg)
+        pm = PeftModel(model, cfg, low_cpu_mem_usage=on_meta)
     except ValueError as e:  # e.g. target modules that match nothing
         raise ValueError(f"{Path(adapter) / 'adapter_config.json'}: PEFT cannot apply it to this model: {e}") from e
-    check_load_result(adapter, pm.load_adapter(str(adapter), "default", is_trainable=trainable))
+    # PEFT moves loaded adapter tensors to their base layer's device, on a meta model meta
+    # (where they would hold no values): kept on the CPU instead, for this load only.
+    keep = [m for m in pm.modules() if hasattr(m, "_move_adapter_to_device_of_base_layer")] if on_meta else []
+    for m in keep:
+        m.__dict__["_move_adapter_to_device_of_base_layer"] = lambda *a, **k: None
+    try:
+        extra = dict(low_cpu_mem_usage=True, torch_device="cpu") if on_meta else {}
+        check_load_result(adapter, pm.load_adapter(str(adapter), "default", is_trainable=trainable, **extra))
+    finally:
+        for m in keep:
+            m.__dict__.pop("_move_adapter_to_device_of_base_layer", None)
+    if on_meta:
+        still = [n for n, p in pm.named_parameters() if p.device.type == "meta" and any(s in n for s in LORA_PARTS)]
+        if still:
+            raise ValueError(f"{adapter}: PEFT left {len(still)} adapter tensor(s) without values ({still[0]}, ...)")
     return pm
 
 
 def peft_for_training(model: nn.Module, adapter: str | os.PathLike, cfg) -> nn.Module:
     """`model` (tandem's training experts) with the adapter attached and trainable."""
-    return _attach(model, adapter, cfg, trainable=True)
+    return attach_adapter(model, adapter, cfg, trainable=True)
 
 
-def merge_for_inference(model: nn.Module, adapter: str | os.PathLike, cfg, ckpt: _C.Checkpoint,
+def merge_for_inference(model: nn.Module, engine: _C.Engine, adapter: str | os.PathLike, cfg, ckpt: _C.Checkpoint,
                         naming: tuple[str, str, str], bar: Callable[[int | None], None] | None) -> nn.Module:
     """Packs `model`'s (not yet loaded) inference engine with the adapter merged into the
     expert layers it changes and straight from the checkpoint elsewhere, merges the rest
     with PEFT, and returns the plain transformers model."""
-    pm = _attach(model, adapter, cfg, trainable=False)
-    engine = None
+    pm = attach_adapter(model, adapter, cfg)
     merged: dict[int, tuple[nn.Module, LoraTensors]] = {}
     for block in (m for m in model.modules() if is_param_wrapper(getattr(m, "experts", None))):
         te = block.experts
@@ -192,10 +207,6 @@ def merge_for_inference(model: nn.Module, adapter: str | os.PathLike, cfg, ckpt:
         block.experts = te  # unwrapped: PEFT's merge below never sees the experts
         if lora is not None:
             merged[te.index] = (te, lora)
-    for m in model.modules():
-        if hasattr(m, "engine") and hasattr(m, "index"):
-            engine = m.engine
-            break
     E = engine.experts
     rest = [i for i in range(engine.moe_layers) if i not in merged]
     if rest:

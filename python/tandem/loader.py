@@ -224,7 +224,7 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
         if train:
             model = peft_for_training(model, adapter, adapter_cfg)
         else:
-            model = merge_for_inference(model, adapter, adapter_cfg, ckpt, naming, bar)
+            model = merge_for_inference(model, engine, adapter, adapter_cfg, ckpt, naming, bar)
     share_cpu_with_torch(engine, device)
     apply_config(cfg_json)  # trace.enabled: record from now on, write trace.path at exit
     model.tandem_engine = engine

@@ -32,13 +32,12 @@ from typing import Callable
 import torch
 
 from . import _C
-from .adapters import check_load_result, merge_expert, read_adapter_config
+from .adapters import LORA_PARTS, attach_adapter, merge_expert, read_adapter_config
 from .discovery import find_moe_blocks
 from .lora import is_param_wrapper, param_wrapper_lora
 from .progress import progress_bar
 
 _TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
-_LORA_PARTS = (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B.", ".lora_magnitude_vector.")
 
 # What a planned tensor becomes: f(original tensor as read, in its own dtype) -> fp32 or own-dtype tensor.
 Change = Callable[[torch.Tensor], torch.Tensor]
@@ -54,7 +53,6 @@ def _header(path: Path) -> tuple[bytes, dict, int]:
 
 
 def _meta_peft_model(model_dir: Path, adapter: Path, cfg):
-    from peft import PeftModel
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_config = AutoConfig.from_pretrained(model_dir)
@@ -63,25 +61,7 @@ def _meta_peft_model(model_dir: Path, adapter: Path, cfg):
         dtype = getattr(torch, dtype)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    cfg.inference_mode = True
-    try:
-        pm = PeftModel(model, cfg, low_cpu_mem_usage=True)
-    except ValueError as e:
-        raise ValueError(f"{adapter / 'adapter_config.json'}: PEFT cannot apply it to this model: {e}") from e
-    # PEFT moves loaded adapter tensors to their base layer's device, here meta (where they
-    # would hold no values): kept on the CPU instead, for this load only.
-    keep = [m for m in pm.modules() if hasattr(m, "_move_adapter_to_device_of_base_layer")]
-    for m in keep:
-        m.__dict__["_move_adapter_to_device_of_base_layer"] = lambda *a, **k: None
-    try:
-        check_load_result(adapter, pm.load_adapter(str(adapter), "default", low_cpu_mem_usage=True,
-                                                   torch_device="cpu"))
-    finally:
-        for m in keep:
-            m.__dict__.pop("_move_adapter_to_device_of_base_layer", None)
-    still = [n for n, p in pm.named_parameters() if p.device.type == "meta" and any(s in n for s in _LORA_PARTS)]
-    if still:
-        raise ValueError(f"{adapter}: PEFT left {len(still)} adapter tensor(s) without values ({still[0]}, ...)")
+    pm = attach_adapter(model, adapter, cfg, on_meta=True)
     return pm, hf_config
 
 
@@ -140,7 +120,7 @@ def plan(model_dir: Path, adapter: Path, ckpt: _C.Checkpoint) -> dict[str, Chang
         for e in range(E):
             for j, pattern in enumerate(naming):
                 changes[_C.expert_key(pattern, b.layer, e)] = (
-                    lambda w, lora=lora, e=e, j=j, where=where: merge_expert(w, lora, e, j, where))
+                    lambda w, lora=lora, e=e, j=j: merge_expert(w, lora, e, j))
 
     # Other LoRA layers: PEFT's own delta (fan_in_fan_out, embeddings, scaling rules), for
     # modules (lora.Linear, ...) and for parameters PEFT wraps (ParamWrapper on a weight).
@@ -161,7 +141,7 @@ def plan(model_dir: Path, adapter: Path, ckpt: _C.Checkpoint) -> dict[str, Chang
 
     # Whole tensors the adapter carries (modules_to_save, saved embedding layers).
     for name, p in list(hf.named_parameters()) + list(hf.named_buffers()):
-        if p.device.type == "meta" or any(s in name for s in _LORA_PARTS) or ".original_module." in name:
+        if p.device.type == "meta" or any(s in name for s in LORA_PARTS) or ".original_module." in name:
             continue
         plain = name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
         key = key_of(plain)
