@@ -104,10 +104,7 @@ void Engine::load(const Checkpoint& ckpt, const ExpertNaming& naming, const Prog
         },
         progress);
   } catch (...) {  // e.g. a non-finite weight found while packing: nothing stays half loaded
-    for (int i : begun) {
-      layers_[i]->unload();
-      hybrid_->set_hot(i, {}, {});
-    }
+    for (int i : begun) drop_layer(i);  // nothing of theirs was enqueued
     throw;
   }
 }
@@ -117,11 +114,15 @@ bool Engine::loaded(int i) const {
   return layers_[i]->loaded();
 }
 
+void Engine::drop_layer(int i) {
+  layers_[i]->unload();
+  hybrid_->set_hot(i, {}, {});
+}
+
 void Engine::unload_layer(int i) {
   check_index(i);
   stream_->synchronize();
-  layers_[i]->unload();
-  hybrid_->set_hot(i, {}, {});
+  drop_layer(i);
 }
 
 bool Engine::loaded() const {

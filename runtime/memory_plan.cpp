@@ -27,8 +27,8 @@ const ConfigSizeBound* bound_of(std::string_view key) {
   return nullptr;
 }
 
-// A size in config.json: an integer (a JSON integer, or a float with an integral value, as
-// Python's json writes none but hand edits might) within its bound when it has one.
+// A size in config.json: a JSON integer (a float such as 4096.0 is refused, as the Python
+// loader refuses it) within its bound when it has one.
 void check_size(const J& v, const fs::path& file, const char* key) {
   const ConfigSizeBound* b = bound_of(key);
   const int64_t lo = b ? b->min : 0, hi = b ? b->max : std::numeric_limits<int64_t>::max();

@@ -84,6 +84,7 @@ class Engine {
 
  private:
   void check_index(int i) const;
+  void drop_layer(int i);  // packs and hot experts given back (unload_layer without the wait)
 
   Config config_;
   EngineSpec spec_;
