@@ -9,6 +9,8 @@
                                              talk to a model (the built-in demo by default)
     tandem bench [--model DIR] [--config FILE] [-p 512] [-n 128] [-r 3] [--json OUT]
                                              tokens/s of prompt processing and generation
+    tandem serve [--model DIR] [--config FILE] [--adapter DIR] [--host H] [--port 8000] [--api-key KEY]
+                                             an OpenAI-compatible HTTP server (streaming)
     tandem merge --model DIR --adapter DIR --out DIR
                                              write a checkpoint with a LoRA adapter merged in
     tandem doctor [--config FILE] [--json]   what tandem can use here; validate a config
@@ -65,6 +67,12 @@ def _chat(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from tandem.serve import run
+
+    return run(args)
+
+
 def _merge(args: argparse.Namespace) -> int:
     from tandem.merge import run
 
@@ -113,6 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(llama-bench style), with the decode ceiling")
     add_bench_arguments(bn)
     bn.set_defaults(func=_bench)
+    from tandem.serve import add_arguments as add_serve_arguments
+
+    sv = sub.add_parser("serve", parents=[common], help="an OpenAI-compatible HTTP server (chat and text "
+                        "completions, streaming) for a model loaded through tandem")
+    add_serve_arguments(sv)
+    sv.set_defaults(func=_serve)
     mg = sub.add_parser("merge", parents=[common], help="write a checkpoint with a LoRA adapter merged in "
                         "(shard by shard, atomically)")
     mg.add_argument("--model", required=True, help="checkpoint directory of the base model")

@@ -1,0 +1,685 @@
+"""`tandem serve`: an OpenAI-compatible HTTP server for a model loaded through tandem.
+
+    tandem serve                                   # the built-in demo model on http://127.0.0.1:8000/v1
+    tandem serve --model /models/Qwen3-235B-A22B --config configs/qwen3-235b-a22b.yaml \\
+                 [--adapter DIR] [--host 0.0.0.0 --api-key KEY] [--port 8000] [--max-queue 8]
+
+Endpoints: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions`` (both
+with ``stream: true`` as server-sent events, ``stream_options.include_usage``), ``GET /health``
+(queue state, no key needed). Request fields: ``max_tokens`` / ``max_completion_tokens``,
+``temperature`` (0: greedy), ``top_p``, ``seed``, ``stop`` (a string or up to 4), and vLLM's
+``min_tokens`` (the end-of-text token is suppressed until that many tokens are out). A field
+this server does not implement (``n`` > 1, ``logprobs``, ``tools``, penalties, ...) is refused
+with a 400 naming it, never ignored.
+
+Built on FastAPI + uvicorn rather than ``transformers serve``: that server loads its models
+itself through ``from_pretrained`` (which cannot hold a 235B checkpoint in RAM, and has no way
+to take a model that ``tandem.load_model`` built), and its continuous batching measured 40x
+slower than plain ``generate`` on the demo model on this project's CPU machines (bench/RESULTS.md).
+
+Requests run one at a time, in arrival order, on one generation thread that owns the model
+(tandem's expert pool already uses every core for one sequence); up to ``--max-queue`` more
+wait, and one beyond that gets a 503 at once. A client that disconnects (streaming or not)
+cancels its request: out of the queue if it waits, or at the next token if it runs. One
+request's failure is that request's error (a 500 naming it); the server goes on.
+"""
+# No `from __future__ import annotations`: FastAPI reads the handlers' annotations (Request,
+# imported inside build_app) at definition time.
+import argparse
+import asyncio
+import collections
+import contextlib
+import hmac
+import json
+import os
+import secrets
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_PORT = 8000
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from .cli_checks import add_adapter_argument, add_model_arguments
+
+    add_model_arguments(p)
+    add_adapter_argument(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
+                   "only; 0.0.0.0 for every interface, best with --api-key)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port (0: any free port, printed)")
+    p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $TANDEM_API_KEY; none: open)")
+    p.add_argument("--max-queue", type=int, default=8, help="requests that may wait while one runs; "
+                   "beyond that a request gets 503 at once (default 8)")
+    p.add_argument("--served-model-name", help="the model id clients send and /v1/models lists "
+                   "(default: the model directory's name)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars while loading")
+
+
+def check_arguments(args: argparse.Namespace):
+    from .cli_checks import InputError, check_adapter_argument, select_model_and_config
+
+    check_adapter_argument(args)
+    if not 0 <= args.port <= 65535:
+        raise InputError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_queue < 0:
+        raise InputError(f"--max-queue must be at least 0, got {args.max_queue}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise InputError("--api-key is empty (give a key, or leave it out for an open server)")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise InputError("--served-model-name is empty")
+    return select_model_and_config(args)
+
+
+# ---- errors in OpenAI's shape -----------------------------------------------------------
+
+class APIError(Exception):
+    """A request the server answers with an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+# ---- request parsing ---------------------------------------------------------------------
+
+# Fields a client may send that change nothing about the reply (metadata).
+_IGNORED = {"user", "metadata", "store", "service_tier"}
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
+           "min_tokens", "n", "presence_penalty", "frequency_penalty", "logprobs", "logit_bias"}
+_CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                   "parallel_tool_calls", "response_format", "functions", "function_call", "modalities",
+                   "audio", "reasoning_effort", "prediction", "web_search_options"}
+_COMPLETION = _COMMON | {"prompt", "echo", "suffix", "best_of"}
+# Fields accepted only at the value meaning "off".
+_OFF = {"n": (1,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logprobs": (False, None, 0),
+        "top_logprobs": (None, 0), "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
+        "parallel_tool_calls": (None,), "functions": (None, []), "function_call": (None, "none"),
+        "echo": (False,), "suffix": (None, ""), "best_of": (None, 1), "modalities": (None, ["text"]),
+        "audio": (None,), "reasoning_effort": (None,), "prediction": (None,), "web_search_options": (None,)}
+
+
+def _number(body: dict, key: str, lo: float, hi: float, default: float | None) -> float | None:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+        raise APIError(400, f"{key} must be a number in [{lo}, {hi}], got {json.dumps(v)}", key)
+    return float(v)
+
+
+def _integer(body: dict, key: str, lo: int, hi: int | None = None) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        bound = f"in [{lo}, {hi}]" if hi is not None else f"at least {lo}"
+        raise APIError(400, f"{key} must be an integer {bound}, got {json.dumps(v)}", key)
+    return v
+
+
+@dataclass
+class Params:
+    """What one request asks of the generation (parsed and checked)."""
+    max_tokens: int | None
+    min_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+
+
+def parse_params(body: dict, allowed: set[str]) -> Params:
+    unknown = sorted(set(body) - allowed - _IGNORED)
+    if unknown:
+        raise APIError(400, f"unsupported parameter {unknown[0]!r} (tandem serve implements: "
+                       f"{', '.join(sorted(allowed - set(_OFF)))})", unknown[0])
+    for k, off in _OFF.items():
+        if k in body and body[k] not in off:
+            raise APIError(400, f"{k}={json.dumps(body[k])} is not supported by tandem serve (only "
+                           f"{' or '.join(json.dumps(o) for o in off)})", k)
+    rf = body.get("response_format")
+    if rf not in (None, {"type": "text"}):
+        raise APIError(400, "response_format other than {\"type\": \"text\"} is not supported", "response_format")
+    if "max_tokens" in body and "max_completion_tokens" in body:
+        raise APIError(400, "give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
+    key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    max_tokens = _integer(body, key, 1)
+    min_tokens = _integer(body, "min_tokens", 0) or 0
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise APIError(400, f"min_tokens ({min_tokens}) exceeds {key} ({max_tokens})", "min_tokens")
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise APIError(400, "stop must be a non-empty string or a list of up to 4 non-empty strings", "stop")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise APIError(400, f"stream must be true or false, got {json.dumps(stream)}", "stream")
+    so = body.get("stream_options")
+    if so is not None and (not stream or not isinstance(so, dict) or set(so) - {"include_usage"}
+                           or not isinstance(so.get("include_usage", False), bool)):
+        raise APIError(400, "stream_options takes only {\"include_usage\": true|false}, and only with stream: true",
+                       "stream_options")
+    seed = _integer(body, "seed", -(1 << 63), (1 << 63) - 1)
+    return Params(max_tokens=max_tokens, min_tokens=min_tokens,
+                  temperature=_number(body, "temperature", 0.0, 2.0, 1.0),
+                  top_p=_number(body, "top_p", 0.0, 1.0, 1.0) or 0.0, seed=seed, stop=stop, stream=stream,
+                  include_usage=bool(so and so.get("include_usage")))
+
+
+def message_text(m: Any, i: int) -> dict:
+    """One chat message as {"role", "content": str}; refuses what a text model cannot take."""
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise APIError(400, f"{where} must be an object with role and content", where)
+    role = m.get("role")
+    if role not in ("system", "developer", "user", "assistant"):
+        raise APIError(400, f"{where}.role {json.dumps(role)} is not supported (system, developer, user, assistant)",
+                       f"{where}.role")
+    extra = sorted(set(m) - {"role", "content", "name"})
+    if extra:
+        raise APIError(400, f"{where}.{extra[0]} is not supported (text messages only)", f"{where}.{extra[0]}")
+    content = m.get("content")
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise APIError(400, f"{where}.content[{j}] must be a text part ({{\"type\": \"text\", "
+                               "\"text\": ...}}): this model takes text only", f"{where}.content[{j}]")
+            parts.append(part["text"])
+        content = "".join(parts)
+    if not isinstance(content, str):
+        raise APIError(400, f"{where}.content must be a string or a list of text parts", f"{where}.content")
+    # The developer role (OpenAI's newer name for instructions) is what chat templates call system.
+    return {"role": "system" if role == "developer" else role, "content": content}
+
+
+# ---- generation --------------------------------------------------------------------------
+
+@dataclass
+class Job:
+    """One request: its prompt tokens and parameters, and the channel its pieces go out on."""
+    id: str
+    prompt_ids: Any          # 1-d LongTensor
+    params: Params
+    max_tokens: int
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    text: str = ""           # the whole reply, once done
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    def emit(self, kind: str, value: Any = None) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.out.put_nowait, (kind, value))
+        except RuntimeError:  # the event loop is closed: the server is stopping
+            self.cancelled.set()
+
+
+class TextTracker:
+    """Turns the growing list of generated tokens into text pieces that are safe to send: held
+    back while the text ends in an incomplete character or in what may become a stop string;
+    cut before the first stop string (``stopped`` then holds)."""
+
+    def __init__(self, tok, stop: list[str]):
+        self.tok, self.stop = tok, stop
+        self.sent = ""        # text already handed out
+        self.text = ""        # the whole text so far (cut before a stop string)
+        self.stopped = False
+
+    def update(self, tokens: list[int], final: bool = False) -> str:
+        text = self.tok.decode(tokens, skip_special_tokens=True)
+        if self.stop:
+            start = max(0, len(self.sent) - max(len(s) for s in self.stop))
+            hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                self.stopped = True
+                self.text = text[:min(hits)]
+                return self._take(self.text)
+        self.text = text
+        if not final:
+            if text.endswith("\ufffd"):  # a character's bytes are not all out yet
+                text = text.rstrip("\ufffd")
+            hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+            text = text[:len(text) - hold]
+        return self._take(text)
+
+    def _take(self, text: str) -> str:
+        if len(text) <= len(self.sent) or not text.startswith(self.sent):
+            return ""
+        piece, self.sent = text[len(self.sent):], text
+        return piece
+
+
+_SHUTTING_DOWN = APIError(503, "the server is shutting down", code="shutting_down", kind="server_error")
+
+
+class Generator:
+    """Owns the model: one thread generates the queued jobs in order."""
+
+    def __init__(self, model, tok, max_queue: int, log=print):
+        self.model, self.tok, self.max_queue, self.log = model, tok, max_queue, log
+        cfg = model.config
+        self.context = int(getattr(cfg, "max_position_embeddings", 0) or 0) or None
+        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        eos = gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]
+        self.eos_ids = {int(i) for i in [*eos, tok.eos_token_id] if i is not None}
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else next(iter(self.eos_ids), 0)
+        self.device = next(p.device for p in model.parameters())
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._cv = threading.Condition()
+        self.running: Job | None = None
+        self.counts = collections.Counter()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="tandem-serve-generate", daemon=True)
+        self._thread.start()
+
+    # -- queue ----------------------------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        with self._cv:
+            if self._stop:
+                raise APIError(503, "the server is shutting down", code="shutting_down", kind="server_error")
+            if len(self._waiting) >= self.max_queue and (self.running is not None or self._waiting):
+                self.counts["rejected"] += 1
+                raise APIError(503, f"the server is busy: 1 request running and {len(self._waiting)} waiting "
+                               f"(--max-queue {self.max_queue}); retry later", code="queue_full", kind="server_error")
+            self._waiting.append(job)
+            self._cv.notify()
+
+    def cancel(self, job: Job) -> None:
+        with self._cv:
+            job.cancelled.set()
+            if job in self._waiting:
+                self._waiting.remove(job)
+                self.counts["cancelled"] += 1
+
+    def state(self) -> dict:
+        with self._cv:
+            return {"running": int(self.running is not None), "waiting": len(self._waiting),
+                    "max_queue": self.max_queue, **{k: self.counts[k] for k in
+                                                   ("completed", "cancelled", "failed", "rejected")}}
+
+    def shutdown(self) -> None:
+        """Stops taking requests; each waiting or running one ends at once with a 503 (a
+        stream: an error event), so the HTTP server's graceful shutdown finds them done."""
+        with self._cv:
+            self._stop = True
+            for j in self._waiting:
+                j.cancelled.set()
+                j.emit("error", _SHUTTING_DOWN)
+            self._waiting.clear()
+            if self.running is not None:
+                self.running.cancelled.set()  # _loop answers it when generate returns
+            self._cv.notify()
+
+    def close(self) -> None:
+        self.shutdown()
+        self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._waiting and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                job = self.running = self._waiting.popleft()
+            try:
+                self._generate(job)
+                outcome = "cancelled" if job.cancelled.is_set() else "completed"
+                if outcome == "completed":
+                    job.emit("done", (job.finish_reason, job.text))
+                elif self._stop:
+                    job.emit("error", _SHUTTING_DOWN)
+            except Exception as e:  # noqa: BLE001 (this request fails; the server goes on)
+                outcome = "failed"
+                from .cli_checks import user_message
+
+                job.emit("error", APIError(500, f"generation failed: {type(e).__name__}: {user_message(e)}",
+                                           kind="server_error"))
+            with self._cv:
+                self.running = None
+                self.counts[outcome] += 1
+            pf = len(job.prompt_ids) / job.prefill_s if job.prefill_s > 0 else float("nan")
+            dec = (len(job.tokens) - 1) / job.decode_s if job.decode_s > 0 and len(job.tokens) > 1 else float("nan")
+            self.log(f"[{job.id}] {outcome}: prompt {len(job.prompt_ids)} tokens at {pf:.1f} tokens/s, "
+                     f"{len(job.tokens)} generated at {dec:.1f} tokens/s"
+                     + (f", finish {job.finish_reason}" if outcome == "completed" else ""))
+
+    def _generate(self, job: Job) -> None:
+        import torch
+        from transformers import StoppingCriteria, StoppingCriteriaList
+        from transformers.generation.streamers import BaseStreamer
+
+        p = job.params
+        tracker = TextTracker(self.tok, p.stop)
+        stamps = {"start": time.perf_counter()}
+
+        class Stream(BaseStreamer):
+            prompt_seen = False
+
+            def put(self, value):
+                if not self.prompt_seen:  # generate hands the prompt over first
+                    self.prompt_seen = True
+                    return
+                if "first" not in stamps:
+                    stamps["first"] = time.perf_counter()
+                for t in value.reshape(-1).tolist():
+                    if not tracker.stopped:
+                        job.tokens.append(int(t))
+                piece = tracker.update([t for t in job.tokens if t not in self_eos])
+                if piece:
+                    job.emit("text", piece)
+
+            def end(self):
+                pass
+
+        self_eos = self.eos_ids
+
+        class Stop(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs):
+                done = job.cancelled.is_set() or tracker.stopped
+                return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+        sample = p.temperature > 0
+        gen: dict[str, Any] = dict(max_new_tokens=job.max_tokens, do_sample=sample, pad_token_id=self.pad_id)
+        if p.min_tokens:
+            gen["min_new_tokens"] = p.min_tokens
+        if sample:
+            gen.update(temperature=p.temperature, top_p=p.top_p if p.top_p > 0 else 1e-9, top_k=0)
+            torch.manual_seed(p.seed if p.seed is not None else secrets.randbits(63))
+        ids = job.prompt_ids[None].to(self.device)
+        with torch.no_grad():
+            self.model.generate(ids, attention_mask=torch.ones_like(ids), streamer=Stream(),
+                                stopping_criteria=StoppingCriteriaList([Stop()]), **gen)
+        end = time.perf_counter()
+        first = stamps.get("first", end)
+        job.prefill_s, job.decode_s = first - stamps["start"], end - first
+        if job.cancelled.is_set():
+            return
+        piece = tracker.update([t for t in job.tokens if t not in self.eos_ids], final=True)
+        if piece:
+            job.emit("text", piece)
+        job.text = tracker.text
+        if tracker.stopped or (job.tokens and job.tokens[-1] in self.eos_ids):
+            job.finish_reason = "stop"
+        else:
+            job.finish_reason = "length"
+
+
+# ---- the app -----------------------------------------------------------------------------
+
+def build_app(model, tok, model_id: str, max_queue: int = 8, api_key: str | None = None, log=print):
+    """The FastAPI application serving `model` (a tandem-loaded transformers model) as
+    `model_id`. The generation thread starts with the app and stops at its shutdown."""
+    from contextlib import asynccontextmanager
+
+    from fastapi import Depends, FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    from .chat import PLAIN_TEMPLATE
+
+    template = tok.chat_template or PLAIN_TEMPLATE
+    state: dict[str, Generator] = {}
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app):
+        state["gen"] = Generator(model, tok, max_queue, log)
+        try:
+            yield
+        finally:
+            state["gen"].close()
+
+    async def check_key(request: Request):
+        # A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware hides the client's
+        # disconnect from request.is_disconnected(), which cancels an abandoned request.
+        if api_key is not None and request.url.path.startswith("/v1"):
+            auth = request.headers.get("authorization", "")
+            given = auth[7:] if auth.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(given.encode(), api_key.encode()):
+                raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
+                               code="invalid_api_key")
+
+    app = FastAPI(title="tandem serve", lifespan=lifespan, dependencies=[Depends(check_key)])
+    app.state.shutdown = lambda: state["gen"].shutdown() if "gen" in state else None
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        headers = {"Retry-After": "1"} if e.status == 503 else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    async def read_body(request: Request) -> dict:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON ({e})") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        if body.get("model") != model_id:
+            if "model" not in body:
+                raise APIError(400, f"model is required (this server serves {model_id!r})", "model")
+            raise APIError(404, f"the model {body.get('model')!r} does not exist here (this server serves "
+                           f"{model_id!r})", "model", code="model_not_found")
+        return body
+
+    def make_job(prompt_ids, params: Params, prefix: str) -> Job:
+        n = int(prompt_ids.shape[0])
+        ctx = state["gen"].context
+        if n == 0:
+            raise APIError(400, "the prompt is empty", "prompt")
+        if ctx is not None and n >= ctx:
+            raise APIError(400, f"the prompt has {n} tokens; the model's context is {ctx} tokens",
+                           code="context_length_exceeded")
+        room = ctx - n if ctx is not None else None
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if max_tokens is None:
+            raise APIError(400, "max_tokens is required: the model's config gives no context length", "max_tokens")
+        if room is not None and max_tokens > room:
+            raise APIError(400, f"the prompt has {n} tokens and max_tokens is {max_tokens}: together more than "
+                           f"the model's context of {ctx} tokens", "max_tokens", code="context_length_exceeded")
+        loop = asyncio.get_running_loop()
+        return Job(id=f"{prefix}-{secrets.token_hex(12)}", prompt_ids=prompt_ids, params=params,
+                   max_tokens=max_tokens, loop=loop, out=asyncio.Queue())
+
+    def usage(job: Job) -> dict:
+        n, m = int(job.prompt_ids.shape[0]), len(job.tokens)
+        return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
+
+    async def run(request: Request, job: Job, chunk, final):
+        """Queues the job and answers: one JSON body, or server-sent events of chunk(text)
+        and final(finish_reason); cancels the job when the client goes away."""
+        gen = state["gen"]
+        gen.submit(job)
+        if not job.params.stream:
+            try:
+                while True:
+                    try:
+                        kind, value = await asyncio.wait_for(job.out.get(), timeout=0.5)
+                    except asyncio.TimeoutError:
+                        if await request.is_disconnected():
+                            gen.cancel(job)
+                            return JSONResponse({}, status_code=499)
+                        continue
+                    if kind == "error":
+                        raise value
+                    if kind == "done":  # (finish reason, the whole text)
+                        return JSONResponse(final(value[1], value[0]))
+            finally:
+                gen.cancel(job)  # no-op once it finished
+
+        async def events():
+            try:
+                yield f"data: {json.dumps(chunk(None))}\n\n"  # the role, at once (queued or not)
+                while True:
+                    kind, value = await job.out.get()
+                    if kind == "text":
+                        yield f"data: {json.dumps(chunk(value))}\n\n"
+                    elif kind == "error":
+                        yield f"data: {json.dumps(value.body())}\n\n"
+                        break
+                    else:
+                        yield f"data: {json.dumps(final(None, value[0]))}\n\n"
+                        if job.params.include_usage:
+                            last = final(None, value[0])
+                            last["choices"], last["usage"] = [], usage(job)
+                            yield f"data: {json.dumps(last)}\n\n"
+                        break
+                yield "data: [DONE]\n\n"
+            finally:
+                gen.cancel(job)  # the client went away (or the stream ended: then a no-op)
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def encode(text: str, special: bool):
+        return tok(text, add_special_tokens=special, return_tensors="pt")["input_ids"][0]
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
+                                            "owned_by": "tandem"}]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": model_id, **state["gen"].state()}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await read_body(request)
+        params = parse_params(body, _CHAT)
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise APIError(400, "messages must be a non-empty list", "messages")
+        messages = [message_text(m, i) for i, m in enumerate(msgs)]
+        try:
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                           chat_template=template)
+        except Exception as e:  # noqa: BLE001 (the template refuses these messages: e.g. roles out of order)
+            raise APIError(400, f"the model's chat template refuses these messages: {e}", "messages") from None
+        job = make_job(encode(text, False), params, "chatcmpl")
+        head = {"id": job.id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model_id}
+
+        def chunk(piece):
+            delta = {"role": "assistant", "content": ""} if piece is None else {"content": piece}
+            return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
+
+        def final(text, reason):
+            if text is None:
+                return {**head, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason}]}
+            return {**head, "object": "chat.completion",
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                                 "finish_reason": reason}], "usage": usage(job)}
+
+        return await run(request, job, chunk, final)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await read_body(request)
+        params = parse_params(body, _COMPLETION)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = encode(prompt, True)
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                         for t in prompt):
+            import torch
+
+            vocab = len(tok)
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise APIError(400, f"prompt token {bad[0]} is outside the vocabulary [0, {vocab})", "prompt")
+            ids = torch.tensor(prompt, dtype=torch.long)
+        else:
+            raise APIError(400, "prompt must be a string or a list of token ids (one prompt per request)", "prompt")
+        job = make_job(ids, params, "cmpl")
+        head = {"id": job.id, "object": "text_completion", "created": int(time.time()), "model": model_id}
+
+        def chunk(piece):
+            return {**head, "choices": [{"index": 0, "text": piece or "", "logprobs": None, "finish_reason": None}]}
+
+        def final(text, reason):
+            out = {**head, "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}]}
+            if text is not None:
+                out["usage"] = usage(job)
+            return out
+
+        return await run(request, job, chunk, final)
+
+    return app
+
+
+def run(args: argparse.Namespace) -> int:
+    import socket
+
+    sel = check_arguments(args)
+    from .cli_checks import InputError, check_device, describe
+
+    check_device(args.device, sel, train=False)
+    # Bind first: a port in use fails in a second, before minutes of loading.
+    try:
+        family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((args.host, args.port))
+    except OSError as e:
+        raise InputError(f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e})") from None
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    import tandem
+    from tandem import demo
+
+    model_dir = sel.model or str(demo.ensure_demo_model(progress=not args.no_progress))
+    print(describe(sel, model_dir), flush=True)
+    model = tandem.load_model(model_dir, sel.config, device=args.device, progress=not args.no_progress,
+                              adapter=args.adapter)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model_id = args.served_model_name or os.path.basename(os.path.normpath(model_dir))
+    if not tok.chat_template:
+        print("note: this tokenizer has no chat template; chat turns are rendered as 'role: content' lines")
+    if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: listening on {args.host} without --api-key: anyone who reaches this port can use it")
+    app = build_app(model, tok, model_id, args.max_queue, args.api_key, log=lambda s: print(s, flush=True))
+    host, port = sock.getsockname()[:2]
+    print(f"serving {model_id!r} on http://{host if ':' not in host else f'[{host}]'}:{port}/v1 "
+          f"(OpenAI API; 1 running + up to {args.max_queue} waiting; Ctrl-C stops)", flush=True)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # Ctrl-C / SIGTERM: end the requests first
+            app.state.shutdown()
+            super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn's own raises the signal again once the server has stopped, which
+            # interrupts the app's shutdown with a KeyboardInterrupt traceback: this one
+            # only stops the server (a second Ctrl-C forces it).
+            old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in old.items():
+                    signal.signal(sig, handler)
+
+    server = Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10))
+    server.run(sockets=[sock])
+    print("stopped", flush=True)
+    return 0
