@@ -8,7 +8,9 @@ Endpoints: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/complet
 with ``stream: true`` as server-sent events, ``stream_options.include_usage``), ``GET /health``
 (queue state, no key needed). Request fields: ``max_tokens`` / ``max_completion_tokens``,
 ``temperature`` (0: greedy), ``top_p``, ``seed``, ``stop`` (a string or up to 4), and vLLM's
-``min_tokens`` (the end-of-text token is suppressed until that many tokens are out). A field
+``min_tokens`` (the end-of-text token is suppressed until that many tokens are out) and
+``chat_template_kwargs`` (variables for the chat template, e.g. Qwen3's
+``{"enable_thinking": false}``). A field
 this server does not implement (``n`` > 1, ``logprobs``, ``tools``, penalties, ...) is refused
 with a 400 naming it, never ignored.
 
@@ -54,6 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $TANDEM_API_KEY; none: open)")
     p.add_argument("--max-queue", type=int, default=8, help="requests that may wait while one runs; "
                    "beyond that a request gets 503 at once (default 8)")
+    p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template file to use instead of the "
+                   "tokenizer's")
     p.add_argument("--served-model-name", help="the model id clients send and /v1/models lists "
                    "(default: the model directory's name)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars while loading")
@@ -71,6 +75,19 @@ def check_arguments(args: argparse.Namespace):
         raise InputError("--api-key is empty (give a key, or leave it out for an open server)")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise InputError("--served-model-name is empty")
+    if args.chat_template is not None:
+        try:
+            args.chat_template_text = open(args.chat_template, encoding="utf-8").read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise InputError(f"--chat-template {args.chat_template}: cannot read it "
+                             f"({getattr(e, 'strerror', None) or e})") from None
+        try:
+            import jinja2
+
+            jinja2.Environment().parse(args.chat_template_text)
+        except jinja2.TemplateSyntaxError as e:
+            raise InputError(f"--chat-template {args.chat_template}:{e.lineno}: not a Jinja template ({e.message})") \
+                from None
     return select_model_and_config(args)
 
 
@@ -94,7 +111,7 @@ class APIError(Exception):
 _IGNORED = {"user", "metadata", "store", "service_tier"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
            "min_tokens", "n", "presence_penalty", "frequency_penalty", "logprobs", "logit_bias"}
-_CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+_CHAT = _COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs", "top_logprobs", "tools", "tool_choice",
                    "parallel_tool_calls", "response_format", "functions", "function_call", "modalities",
                    "audio", "reasoning_effort", "prediction", "web_search_options"}
 _COMPLETION = _COMMON | {"prompt", "echo", "suffix", "best_of"}
@@ -424,7 +441,8 @@ class Generator:
 
 # ---- the app -----------------------------------------------------------------------------
 
-def build_app(model, tok, model_id: str, max_queue: int = 8, api_key: str | None = None, log=print):
+def build_app(model, tok, model_id: str, max_queue: int = 8, api_key: str | None = None, log=print,
+              chat_template: str | None = None):
     """The FastAPI application serving `model` (a tandem-loaded transformers model) as
     `model_id`. The generation thread starts with the app and stops at its shutdown."""
     from contextlib import asynccontextmanager
@@ -434,7 +452,7 @@ def build_app(model, tok, model_id: str, max_queue: int = 8, api_key: str | None
 
     from .chat import PLAIN_TEMPLATE
 
-    template = tok.chat_template or PLAIN_TEMPLATE
+    template = chat_template or tok.chat_template or PLAIN_TEMPLATE
     state: dict[str, Generator] = {}
     created = int(time.time())
 
@@ -568,9 +586,18 @@ def build_app(model, tok, model_id: str, max_queue: int = 8, api_key: str | None
         if not isinstance(msgs, list) or not msgs:
             raise APIError(400, "messages must be a non-empty list", "messages")
         messages = [message_text(m, i) for i, m in enumerate(msgs)]
+        extra = body.get("chat_template_kwargs") or {}
+        if not isinstance(extra, dict):
+            raise APIError(400, "chat_template_kwargs must be an object (e.g. {\"enable_thinking\": false})",
+                           "chat_template_kwargs")
+        taken = sorted(set(extra) & {"conversation", "messages", "tokenize", "add_generation_prompt",
+                                     "chat_template", "continue_final_message", "return_dict", "tools"})
+        if taken:
+            raise APIError(400, f"chat_template_kwargs may not set {taken[0]!r} (the server sets it)",
+                           "chat_template_kwargs")
         try:
             text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                           chat_template=template)
+                                           chat_template=template, **extra)
         except Exception as e:  # noqa: BLE001 (the template refuses these messages: e.g. roles out of order)
             raise APIError(400, f"the model's chat template refuses these messages: {e}", "messages") from None
         job = make_job(encode(text, False), params, "chatcmpl")
@@ -653,11 +680,13 @@ def run(args: argparse.Namespace) -> int:
                               adapter=args.adapter)
     tok = AutoTokenizer.from_pretrained(model_dir)
     model_id = args.served_model_name or os.path.basename(os.path.normpath(model_dir))
-    if not tok.chat_template:
-        print("note: this tokenizer has no chat template; chat turns are rendered as 'role: content' lines")
+    if args.chat_template is None and not tok.chat_template:
+        print("note: this tokenizer has no chat template; chat turns are rendered as 'role: content' lines "
+              "(--chat-template FILE gives one)")
     if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: listening on {args.host} without --api-key: anyone who reaches this port can use it")
-    app = build_app(model, tok, model_id, args.max_queue, args.api_key, log=lambda s: print(s, flush=True))
+    app = build_app(model, tok, model_id, args.max_queue, args.api_key, log=lambda s: print(s, flush=True),
+                    chat_template=getattr(args, "chat_template_text", None))
     host, port = sock.getsockname()[:2]
     print(f"serving {model_id!r} on http://{host if ':' not in host else f'[{host}]'}:{port}/v1 "
           f"(OpenAI API; 1 running + up to {args.max_queue} waiting; Ctrl-C stops)", flush=True)

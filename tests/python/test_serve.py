@@ -234,6 +234,10 @@ BAD = [
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), openai.BadRequestError,
      "tools="),
     (dict(response_format={"type": "json_object"}), openai.BadRequestError, "response_format other than"),
+    (dict(extra_body={"chat_template_kwargs": ["x"]}), openai.BadRequestError,
+     "chat_template_kwargs must be an object"),
+    (dict(extra_body={"chat_template_kwargs": {"add_generation_prompt": False}}), openai.BadRequestError,
+     "chat_template_kwargs may not set 'add_generation_prompt'"),
     (dict(model="gpt-4o"), openai.NotFoundError, "the model 'gpt-4o' does not exist here"),
     (dict(messages=[]), openai.BadRequestError, "messages must be a non-empty list"),
     (dict(messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}]), openai.BadRequestError,
@@ -345,11 +349,14 @@ def test_full_queue_503_and_disconnects_free_their_slot(server, client, referenc
     assert cancelled and int(cancelled[-1]) < 4000, log
 
 
-def test_serve_arguments_are_checked_before_loading(cli_refuses):
+def test_serve_arguments_are_checked_before_loading(cli_refuses, tmp_path):
     cli_refuses("serve", ["--port", "70000"], "--port must be in [0, 65535], got 70000")
     cli_refuses("serve", ["--max-queue", "-1"], "--max-queue must be at least 0, got -1")
     cli_refuses("serve", ["--api-key", " "], "--api-key is empty")
     cli_refuses("serve", ["--adapter", "{tmp}"], "--adapter {tmp}: no adapter_config.json there")
+    cli_refuses("serve", ["--chat-template", "{tmp}/none.jinja"], "--chat-template {tmp}/none.jinja: cannot read it")
+    (tmp_path / "bad.jinja").write_text("line one\n{% for m in messages %}")
+    cli_refuses("serve", ["--chat-template", "{tmp}/bad.jinja"], "--chat-template {tmp}/bad.jinja:2: not a Jinja")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
@@ -388,3 +395,25 @@ def test_ctrl_c_ends_running_and_waiting_requests_with_an_error():
     for t in threads:
         t.join(timeout=60)
     assert errors == {"stream": "the server is shutting down", "waiting": "503 the server is shutting down"}, errors
+
+
+def test_chat_template_file_and_its_variables(tmp_path, reference):
+    """--chat-template replaces the tokenizer's; chat_template_kwargs reach it (as Qwen3's
+    enable_thinking would)."""
+    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% if think %}<think>{% endif %}{% endif %}")
+    (tmp_path / "t.jinja").write_text(template)
+    model, tok = reference
+    msgs = [{"role": "user", "content": "hello"}]
+    with live_server("--chat-template", str(tmp_path / "t.jinja")) as (url, lines):
+        c = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
+        for think in (False, True):
+            text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, chat_template=template,
+                                           think=think)
+            assert text.endswith("<think>") == think
+            ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+            r = c.chat.completions.create(model=model_id(c), messages=msgs, max_tokens=12, temperature=0,
+                                          extra_body={"chat_template_kwargs": {"think": think}})
+            assert r.usage.prompt_tokens == ids.shape[0]
+            assert r.choices[0].message.content == greedy(reference, ids, 12)[1]
+        assert "no chat template" not in "".join(lines)
