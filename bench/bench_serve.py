@@ -6,7 +6,8 @@
 Starts `python -m tandem serve --port 0` (queue long enough for every client), then each
 client thread sends streaming chat requests back to back through the official `openai`
 client until the time is up, each asking for exactly --max-tokens tokens (vLLM's
-``min_tokens``, so lengths do not depend on the random model's end-of-text). For each request
+``min_tokens``, so lengths do not depend on the random model's end-of-text; with ``--batch``
+above 1, which has no min_tokens, at most that many). For each request
 it records the time to the first text, the whole latency and the usage the server reports;
 at the end it prints the requests done, any error, latency percentiles, the aggregate
 generation rate, and the same model's single-request rate (one client) for comparison. A
@@ -33,7 +34,7 @@ import time
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "tandem", "serve", "--port", "0", "--no-progress",
-           "--max-queue", str(max(args.clients, 1))]
+           "--max-queue", str(max(args.clients, 1)), "--batch", str(args.batch)]
     if args.model:
         cmd += ["--model", args.model]
     if args.config:
@@ -47,7 +48,7 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     raise SystemExit(f"the server did not start (exit {proc.wait()})")
 
 
-def run_clients(url: str, n: int, seconds: float, max_tokens: int, prompt: str) -> dict:
+def run_clients(url: str, n: int, seconds: float, max_tokens: int, prompt: str, fixed: bool) -> dict:
     import openai
 
     client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
@@ -67,7 +68,7 @@ def run_clients(url: str, n: int, seconds: float, max_tokens: int, prompt: str) 
                 for c in client.chat.completions.create(
                         model=mid, messages=[{"role": "user", "content": f"{prompt} ({i}.{k})"}],
                         max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True},
-                        extra_body={"min_tokens": max_tokens}):
+                        extra_body={"min_tokens": max_tokens} if fixed else None):
                     if c.choices and c.choices[0].delta.content and first is None:
                         first = time.perf_counter()
                     if c.choices and c.choices[0].finish_reason:
@@ -79,7 +80,7 @@ def run_clients(url: str, n: int, seconds: float, max_tokens: int, prompt: str) 
                     errors.append(f"client {i}: {e}")
                 continue
             t1 = time.perf_counter()
-            lost = finish is None or usage is None or usage.completion_tokens != max_tokens
+            lost = finish is None or usage is None or (fixed and usage.completion_tokens != max_tokens)
             with lock:
                 done.append({"ttft": (first or t1) - t0, "latency": t1 - t0, "end": t1,
                              "tokens": usage.completion_tokens if usage else 0, "lost": lost})
@@ -154,6 +155,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt", default="write about mixtures of experts")
+    ap.add_argument("--batch", type=int, default=1, help="the server's --batch (above 1: continuous batching; "
+                    "then no min_tokens, so a request may end early at end-of-text)")
     ap.add_argument("--model")
     ap.add_argument("--config")
     ap.add_argument("--continuous-batching", action="store_true",
@@ -166,9 +169,10 @@ def main() -> int:
     proc, url = start_server(args)
     try:
         print(f"tandem serve at {url}; CPU {cpu}; {args.max_tokens} tokens a request, greedy")
-        run_clients(url, 1, 2.0, args.max_tokens, args.prompt)  # warm-up
-        report("1 client ", run_clients(url, 1, args.seconds / 2, args.max_tokens, args.prompt))
-        r = run_clients(url, args.clients, args.seconds, args.max_tokens, args.prompt)
+        fixed = args.batch == 1
+        run_clients(url, 1, 2.0, args.max_tokens, args.prompt, fixed)  # warm-up
+        report("1 client ", run_clients(url, 1, args.seconds / 2, args.max_tokens, args.prompt, fixed))
+        r = run_clients(url, args.clients, args.seconds, args.max_tokens, args.prompt, fixed)
         report(f"{args.clients} clients", r)
     finally:
         proc.send_signal(2)

@@ -56,6 +56,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $TANDEM_API_KEY; none: open)")
     p.add_argument("--max-queue", type=int, default=8, help="requests that may wait while one runs; "
                    "beyond that a request gets 503 at once (default 8)")
+    p.add_argument("--batch", type=int, default=1, help="requests decoded together (default 1: one at a time, "
+                   "in arrival order); above 1, through transformers' continuous batching (no per-request seed "
+                   "or min_tokens then)")
+    p.add_argument("--batch-context", type=int, metavar="TOKENS", help="with --batch: prompt + reply tokens a "
+                   "request may hold, for sizing the paged KV cache (default: the model's context, at most 8192)")
     p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template file to use instead of the "
                    "tokenizer's")
     p.add_argument("--served-model-name", help="the model id clients send and /v1/models lists "
@@ -71,6 +76,14 @@ def check_arguments(args: argparse.Namespace):
         raise InputError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_queue < 0:
         raise InputError(f"--max-queue must be at least 0, got {args.max_queue}")
+    if not 1 <= args.batch <= 256:
+        raise InputError(f"--batch must be in [1, 256], got {args.batch}")
+    if args.batch_context is not None:
+        if args.batch == 1:
+            raise InputError("--batch-context sizes the KV cache of --batch above 1; with --batch 1 requests may "
+                             "use the model's whole context")
+        if args.batch_context < 16:
+            raise InputError(f"--batch-context must be at least 16 tokens, got {args.batch_context}")
     if args.api_key is not None and not args.api_key.strip():
         raise InputError("--api-key is empty (give a key, or leave it out for an open server)")
     if args.served_model_name is not None and not args.served_model_name.strip():
@@ -293,6 +306,7 @@ class Generator:
         self.model, self.tok, self.max_queue, self.log = model, tok, max_queue, log
         cfg = model.config
         self.context = int(getattr(cfg, "max_position_embeddings", 0) or 0) or None
+        self.context_what = "the model's context"
         gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         eos = gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]
         self.eos_ids = {int(i) for i in [*eos, tok.eos_token_id] if i is not None}
@@ -305,6 +319,9 @@ class Generator:
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="tandem-serve-generate", daemon=True)
         self._thread.start()
+
+    def check(self, params: Params) -> None:
+        """Refuses what this way of generating cannot do (nothing, one at a time)."""
 
     # -- queue ----------------------------------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -439,10 +456,176 @@ class Generator:
             job.finish_reason = "length"
 
 
+class BatchedGenerator:
+    """Up to `batch` requests decoded together through transformers' continuous batching (its
+    ``ContinuousBatchingManager``: paged KV cache, requests joining and leaving the batch at any
+    step, per-request temperature / top-p / top-k). Same interface as `Generator`; the
+    manager's thread runs the model, and its results arrive on the event loop
+    (``register_result_handler``), where they are turned into text. Greedy is top-k 1, since
+    the manager samples or not for all. It has no per-request seed or minimum length: those
+    are refused here."""
+
+    def __init__(self, model, tok, batch: int, context: int | None, max_queue: int, log=print):
+        import math
+
+        from transformers import ContinuousBatchingConfig, GenerationConfig
+
+        self.tok, self.batch, self.max_queue, self.log = tok, batch, max_queue, log
+        cfg = model.config
+        model_ctx = int(getattr(cfg, "max_position_embeddings", 0) or 0) or None
+        self.context = context or min(model_ctx or 8192, 8192)
+        self.context_what = f"the per-request context with --batch (--batch-context {self.context})"
+        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        eos = gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]
+        self.eos_ids = {int(i) for i in [*eos, tok.eos_token_id] if i is not None}
+        self.vocab = int(cfg.vocab_size)
+        self.page = 32
+        self.pages = math.ceil(batch * self.context / self.page)
+        # Temperature, top-k and top-p other than their defaults, so that transformers builds
+        # their per-request processors; every request sets all three.
+        gc = GenerationConfig(do_sample=True, temperature=0.5, top_k=1, top_p=0.5, max_new_tokens=self.context,
+                              eos_token_id=sorted(self.eos_ids) or -1)
+        cb = ContinuousBatchingConfig(page_size=self.page, num_blocks=self.pages, max_requests_per_batch=batch,
+                                      max_batch_tokens=max(256, batch * 64), per_request_processors=True,
+                                      drop_unsupported_processors=False)
+        self.manager = model.init_continuous_batching(generation_config=gc, continuous_batching_config=cb)
+        self.manager.start()
+        self.active: dict[str, tuple[Job, TextTracker]] = {}
+        self.counts = collections.Counter()
+        self._stop = False
+        self._lock = threading.Lock()
+        layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)
+        heads = int(getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_attention_heads", 0) or 0)
+        head_dim = int(getattr(cfg, "head_dim", None) or (cfg.hidden_size // max(cfg.num_attention_heads, 1)))
+        self.kv_bytes = self.pages * self.page * layers * 2 * heads * head_dim * model.dtype.itemsize
+
+    def describe(self) -> str:
+        return (f"continuous batching: up to {self.batch} requests decoded together, {self.context} tokens each "
+                f"(KV cache about {self.kv_bytes / 2**30:.2f} GiB, {self.pages} pages of {self.page} tokens)")
+
+    def check(self, params: Params) -> None:
+        if params.seed is not None:
+            raise APIError(400, "seed is not supported with --batch above 1 (transformers' continuous batching "
+                           "samples every request from one generator); run the server with --batch 1", "seed")
+        if params.min_tokens:
+            raise APIError(400, "min_tokens is not supported with --batch above 1; run the server with --batch 1",
+                           "min_tokens")
+
+    def submit(self, job: Job) -> None:
+        p = job.params
+        sample = p.temperature > 0
+        kwargs = dict(temperature=p.temperature if sample else 1.0, top_k=self.vocab if sample else 1,
+                      top_p=(p.top_p if p.top_p > 0 else 1e-9) if sample else 1.0)
+        tracker = TextTracker(self.tok, p.stop)
+        with self._lock:
+            if self._stop:
+                raise _SHUTTING_DOWN
+            if len(self.active) >= self.batch + self.max_queue:
+                self.counts["rejected"] += 1
+                raise APIError(503, f"the server is busy: {len(self.active)} requests running or waiting (--batch "
+                               f"{self.batch}, --max-queue {self.max_queue}); retry later", code="queue_full",
+                               kind="server_error")
+            self.active[job.id] = (job, tracker)
+        job.prefill_s = time.perf_counter()  # the start, until the first token replaces it by the prefill time
+        # The handler first: a result may come before add_request returns.
+        self.manager.register_result_handler(job.id, lambda r: self._on_result(job, tracker, r))
+        self.manager.add_request(job.prompt_ids.tolist(), request_id=job.id, max_new_tokens=job.max_tokens,
+                                 streaming=True, **kwargs)
+
+    def _on_result(self, job: Job, tracker: TextTracker, r) -> None:
+        """On the event loop: one more token (or the end) of `job`."""
+        if job.id not in self.active:
+            return
+        now = time.perf_counter()
+        if r.error:
+            self._finish(job, "failed", error=APIError(500, f"generation failed: {r.error}", kind="server_error"))
+            return
+        if not job.tokens and r.generated_tokens:
+            job.prefill_s = now - job.prefill_s
+            job.decode_s = now
+        job.tokens = list(r.generated_tokens)
+        text = [t for t in job.tokens if t not in self.eos_ids]
+        finished = r.is_finished()
+        piece = tracker.update(text, final=finished)
+        if piece:
+            job.out.put_nowait(("text", piece))
+        if tracker.stopped:
+            self.manager.cancel_request(job.id)
+            job.finish_reason = "stop"
+        elif finished:
+            job.finish_reason = "stop" if job.tokens and job.tokens[-1] in self.eos_ids else "length"
+        else:
+            return
+        if job.tokens:
+            job.decode_s = now - job.decode_s
+        job.text = tracker.text
+        self._finish(job, "completed")
+
+    def _finish(self, job: Job, outcome: str, error: APIError | None = None) -> None:
+        with self._lock:
+            if self.active.pop(job.id, None) is None:
+                return
+            self.counts[outcome] += 1
+        # The manager drops a handler only when its request finishes, never for one cancelled
+        # (a stop string, a disconnect): drop it here, or each would stay for good.
+        router = getattr(self.manager, "output_router", None)
+        if router is not None and hasattr(router, "result_handlers"):
+            with router._lock:
+                router.result_handlers.pop(job.id, None)
+        if outcome == "completed":
+            job.out.put_nowait(("done", (job.finish_reason, job.text)))
+        elif error is not None:
+            job.emit("error", error)
+        pf = len(job.prompt_ids) / job.prefill_s if job.tokens and job.prefill_s > 0 else float("nan")
+        dec = (len(job.tokens) - 1) / job.decode_s if len(job.tokens) > 1 and job.decode_s > 0 else float("nan")
+        self.log(f"[{job.id}] {outcome}: prompt {len(job.prompt_ids)} tokens at {pf:.1f} tokens/s, "
+                 f"{len(job.tokens)} generated at {dec:.1f} tokens/s"
+                 + (f", finish {job.finish_reason}" if outcome == "completed" else ""))
+
+    def cancel(self, job: Job) -> None:
+        job.cancelled.set()
+        if job.id in self.active:
+            self.manager.cancel_request(job.id)
+            self._finish(job, "cancelled")
+
+    def state(self) -> dict:
+        with self._lock:
+            n = len(self.active)
+            return {"running": min(n, self.batch), "waiting": max(0, n - self.batch), "batch": self.batch,
+                    "max_queue": self.max_queue, **{k: self.counts[k] for k in
+                                                   ("completed", "cancelled", "failed", "rejected")}}
+
+    async def watch(self) -> None:
+        """Fails every request if the manager's thread dies (else they would wait forever)."""
+        while True:
+            await asyncio.sleep(1.0)
+            if not self.manager.is_running():
+                why = getattr(self.manager.background_thread_status, "fatal_error", None)
+                for job, _ in list(self.active.values()):
+                    self._finish(job, "failed", APIError(500, f"the batching thread stopped ({why})",
+                                                         kind="server_error"))
+                with self._lock:
+                    self._stop = True
+                return
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._stop = True
+            jobs = [j for j, _ in self.active.values()]
+        for job in jobs:
+            job.cancelled.set()
+            self.manager.cancel_request(job.id)
+            self._finish(job, "cancelled", _SHUTTING_DOWN)
+
+    def close(self) -> None:
+        self.shutdown()
+        self.manager.stop(block=True, timeout=30)
+
+
 # ---- the app -----------------------------------------------------------------------------
 
 def build_app(model, tok, model_id: str, max_queue: int = 8, api_key: str | None = None, log=print,
-              chat_template: str | None = None):
+              chat_template: str | None = None, batch: int = 1, batch_context: int | None = None, on_ready=None):
     """The FastAPI application serving `model` (a tandem-loaded transformers model) as
     `model_id`. The generation thread starts with the app and stops at its shutdown."""
     from contextlib import asynccontextmanager
@@ -458,10 +641,19 @@ def build_app(model, tok, model_id: str, max_queue: int = 8, api_key: str | None
 
     @asynccontextmanager
     async def lifespan(app):
-        state["gen"] = Generator(model, tok, max_queue, log)
+        if batch > 1:
+            gen = state["gen"] = BatchedGenerator(model, tok, batch, batch_context, max_queue, log)
+            log(gen.describe())
+            watch = asyncio.create_task(gen.watch())
+        else:
+            state["gen"] = Generator(model, tok, max_queue, log)
+        if on_ready is not None:
+            on_ready()
         try:
             yield
         finally:
+            if batch > 1:
+                watch.cancel()
             state["gen"].close()
 
     async def check_key(request: Request):
@@ -502,8 +694,10 @@ def build_app(model, tok, model_id: str, max_queue: int = 8, api_key: str | None
         ctx = state["gen"].context
         if n == 0:
             raise APIError(400, "the prompt is empty", "prompt")
+        gen = state["gen"]
+        gen.check(params)
         if ctx is not None and n >= ctx:
-            raise APIError(400, f"the prompt has {n} tokens; the model's context is {ctx} tokens",
+            raise APIError(400, f"the prompt has {n} tokens; {gen.context_what} is {ctx} tokens",
                            code="context_length_exceeded")
         room = ctx - n if ctx is not None else None
         max_tokens = params.max_tokens if params.max_tokens is not None else room
@@ -511,7 +705,7 @@ def build_app(model, tok, model_id: str, max_queue: int = 8, api_key: str | None
             raise APIError(400, "max_tokens is required: the model's config gives no context length", "max_tokens")
         if room is not None and max_tokens > room:
             raise APIError(400, f"the prompt has {n} tokens and max_tokens is {max_tokens}: together more than "
-                           f"the model's context of {ctx} tokens", "max_tokens", code="context_length_exceeded")
+                           f"{gen.context_what}, {ctx} tokens", "max_tokens", code="context_length_exceeded")
         loop = asyncio.get_running_loop()
         return Job(id=f"{prefix}-{secrets.token_hex(12)}", prompt_ids=prompt_ids, params=params,
                    max_tokens=max_tokens, loop=loop, out=asyncio.Queue())
@@ -685,11 +879,16 @@ def run(args: argparse.Namespace) -> int:
               "(--chat-template FILE gives one)")
     if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: listening on {args.host} without --api-key: anyone who reaches this port can use it")
+    model_ctx = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+    if args.batch_context is not None and model_ctx and args.batch_context > model_ctx:
+        raise InputError(f"--batch-context {args.batch_context}: above the model's context of {model_ctx} tokens")
     app = build_app(model, tok, model_id, args.max_queue, args.api_key, log=lambda s: print(s, flush=True),
-                    chat_template=getattr(args, "chat_template_text", None))
+                    chat_template=getattr(args, "chat_template_text", None), batch=args.batch,
+                    batch_context=args.batch_context, on_ready=lambda: print(ready, flush=True))
     host, port = sock.getsockname()[:2]
-    print(f"serving {model_id!r} on http://{host if ':' not in host else f'[{host}]'}:{port}/v1 "
-          f"(OpenAI API; 1 running + up to {args.max_queue} waiting; Ctrl-C stops)", flush=True)
+    running = f"{args.batch} decoded together" if args.batch > 1 else "1 running"
+    ready = (f"serving {model_id!r} on http://{host if ':' not in host else f'[{host}]'}:{port}/v1 "
+             f"(OpenAI API; {running} + up to {args.max_queue} waiting; Ctrl-C stops)")
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # Ctrl-C / SIGTERM: end the requests first

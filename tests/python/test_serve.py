@@ -222,7 +222,7 @@ BAD = [
     (dict(temperature=3), openai.BadRequestError, "temperature must be a number in [0.0, 2.0], got 3"),
     (dict(top_p=-0.5), openai.BadRequestError, "top_p must be a number in [0.0, 1.0]"),
     (dict(max_tokens=0), openai.BadRequestError, "max_tokens must be an integer at least 1, got 0"),
-    (dict(max_tokens=5000), openai.BadRequestError, "together more than the model's context of 4096 tokens"),
+    (dict(max_tokens=5000), openai.BadRequestError, "together more than the model's context, 4096 tokens"),
     (dict(n=2), openai.BadRequestError, "n=2 is not supported"),
     (dict(logprobs=True), openai.BadRequestError, "logprobs=true is not supported"),
     (dict(frequency_penalty=0.5), openai.BadRequestError, "frequency_penalty=0.5 is not supported"),
@@ -417,3 +417,91 @@ def test_chat_template_file_and_its_variables(tmp_path, reference):
             assert r.usage.prompt_tokens == ids.shape[0]
             assert r.choices[0].message.content == greedy(reference, ids, 12)[1]
         assert "no chat template" not in "".join(lines)
+
+
+# ---- --batch: transformers' continuous batching ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def batched():
+    """A server decoding up to 2 requests together, 1 more waiting."""
+    with live_server("--batch", "2", "--max-queue", "1") as s:
+        yield s
+
+
+def test_batched_single_request_equals_generate_and_stops(batched, reference):
+    url, lines = batched
+    c = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=300)
+    assert "continuous batching: up to 2 requests decoded together, 4096 tokens each" in "".join(lines)
+    prompt = "one request alone"
+    ids = completion_ids(reference, prompt)
+    tokens, text = greedy(reference, ids, 24)
+    r = c.completions.create(model=model_id(c), prompt=prompt, max_tokens=24, temperature=0)
+    assert r.choices[0].text == text and r.usage.completion_tokens == len(tokens)
+    _, text = greedy(reference, completion_ids(reference, "stop sequences"), 40)  # varied text
+    stop, k = _stop_string(text)
+    pieces = list(c.completions.create(model=model_id(c), prompt="stop sequences", max_tokens=40, temperature=0,
+                                       stop=stop, stream=True))
+    assert "".join(p.choices[0].text for p in pieces) == text[:k] and pieces[-1].choices[0].finish_reason == "stop"
+    m = c.chat.completions.create(model=model_id(c), messages=MESSAGES, max_tokens=16, temperature=0.8, top_p=0.9)
+    assert m.usage.completion_tokens <= 16 and m.choices[0].finish_reason in ("stop", "length")
+    for kw, message in [(dict(seed=1), "seed is not supported with --batch above 1"),
+                        (dict(extra_body={"min_tokens": 4}), "min_tokens is not supported with --batch above 1"),
+                        (dict(max_tokens=5000), "together more than the per-request context with --batch")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model=model_id(c), prompt="x", **{"max_tokens": 4, **kw})
+        assert message in e.value.body["message"], e.value.body
+
+
+def test_batched_requests_run_together_queue_and_cancel(batched):
+    """Two long streams both produce text before either ends (decoded together, not one
+    after the other); a third waits, a fourth gets 503; closing a stream cancels it and lets
+    the waiting one in."""
+    url, lines = batched
+    c = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=300)
+    mid = model_id(c)
+    start = health(batched)
+    events: list[tuple[str, int]] = []
+    lock = threading.Lock()
+    streams = [c.completions.create(model=mid, prompt=f"stream {i}", max_tokens=3000, temperature=0, stream=True)
+               for i in range(2)]
+
+    def read(i):
+        seen = False
+        try:
+            for ch in streams[i]:
+                if ch.choices and ch.choices[0].text and not seen:
+                    seen = True
+                    with lock:
+                        events.append(("first", i))
+                if ch.choices and ch.choices[0].finish_reason:
+                    with lock:
+                        events.append(("end", i))
+        except Exception:  # noqa: BLE001 (closed by the test)
+            pass
+
+    readers = [threading.Thread(target=read, args=(i,)) for i in range(2)]
+    for t in readers:
+        t.start()
+    _wait_for(lambda: len([e for e in events if e[0] == "first"]) == 2 or any(e[0] == "end" for e in events),
+              "both streams to produce text", timeout=120)
+    assert [e[0] for e in events[:2]] == ["first", "first"], events
+    h = health(batched)
+    assert h["running"] == 2 and h["waiting"] == 0, h
+    queued: dict[str, object] = {}
+    t3 = threading.Thread(target=lambda: queued.update(r=c.completions.create(model=mid, prompt="third",
+                                                                                max_tokens=8, temperature=0)))
+    t3.start()
+    _wait_for(lambda: health(batched)["waiting"] == 1, "the third request to wait")
+    with pytest.raises(openai.InternalServerError) as e:
+        c.completions.create(model=mid, prompt="fourth", max_tokens=4)
+    assert e.value.status_code == 503 and e.value.body["code"] == "queue_full"
+    for s in streams:
+        s.close()
+    t3.join(timeout=120)
+    assert queued["r"].usage.completion_tokens <= 8 and queued["r"].choices[0].finish_reason in ("stop", "length")
+    for t in readers:
+        t.join(timeout=60)
+    _wait_for(lambda: health(batched)["running"] == 0, "every request to end", timeout=60)
+    h = health(batched)
+    assert h["cancelled"] - start["cancelled"] == 2 and h["rejected"] - start["rejected"] == 1, h
+    assert h["failed"] == 0, h
