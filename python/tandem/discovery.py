@@ -17,9 +17,6 @@ from torch import nn
 
 from .modules import FrozenLinear, TandemExperts
 
-SUPPORTED_MODEL_TYPES = ("qwen3_moe", "mixtral", "deepseek_v3")
-
-
 @dataclass(frozen=True)
 class MoeBlock:
     """Where one MoE layer's routed experts live in a transformers model."""
@@ -37,14 +34,16 @@ def find_moe_blocks(model: nn.Module) -> list[MoeBlock]:
         raise ValueError(f"{type(model).__name__}: no decoder layers found (expected model.model.layers)")
     found = []
     for i, layer in enumerate(layers):
-        for attr in ("mlp", "block_sparse_moe"):
-            block = getattr(layer, attr, None)
-            experts = getattr(block, "experts", None) if block is not None else None
-            if experts is not None:
+        # Wherever the decoder layer keeps its MoE block (mlp, block_sparse_moe, feed_forward,
+        # ...): the child module holding an `experts` module.
+        for attr, block in layer.named_children():
+            experts = getattr(block, "experts", None)
+            if isinstance(experts, nn.Module):
                 found.append(MoeBlock(i, block, attr, experts))
                 break
     if not found:
-        raise ValueError(f"{type(model).__name__}: no layer has routed experts (mlp.experts)")
+        raise ValueError(f"{type(model).__name__}: no decoder layer has a block with routed experts (a child module "
+                         "with an `experts` module, such as mlp.experts)")
     return found
 
 

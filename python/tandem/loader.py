@@ -27,19 +27,14 @@ from . import _C
 from .adapters import merge_for_inference, peft_for_training, read_adapter_config
 from .checkpoint_reader import TensorReader
 from .config import ConfigLike, config_json
-from .discovery import SUPPORTED_MODEL_TYPES, find_moe_blocks
+from .checkpoint_names import CheckpointNames
+from .discovery import find_moe_blocks
 from .engine import make_engine, make_lora_layers, share_cpu_with_torch
 from .experts_check import check_experts
 from .modules import ExpertsSource, TandemExperts, TandemLoraExperts
 from .peft_glue import watch_block
 from .progress import progress_bar
 from .tracing import apply_config
-
-# Model parameter name -> checkpoint name, where transformers v5 renamed a module.
-_RENAMES = {
-    "mixtral": [(".mlp.gate.", ".block_sparse_moe.gate.")],
-}
-
 
 def _pick_device(config_json: dict[str, Any], device: str | torch.device | None) -> torch.device:
     if device is not None:
@@ -50,17 +45,6 @@ def _pick_device(config_json: dict[str, Any], device: str | torch.device | None)
             raise ValueError(f"config gpu.device is {gpu!r} but torch sees no CUDA device")
         return torch.device("cpu")
     return torch.device("cuda", 0 if gpu == "auto" else int(gpu.removeprefix("cuda:")))
-
-
-def checkpoint_key(model_type: str, name: str, ckpt: _C.Checkpoint) -> str | None:
-    """The checkpoint's name of model tensor `name` (None when it has none)."""
-    if name in ckpt:
-        return name
-    for ours, theirs in _RENAMES.get(model_type, []):
-        alt = name.replace(ours, theirs)
-        if alt != name and alt in ckpt:
-            return alt
-    return None
 
 
 def _set_tensor(model: nn.Module, name: str, value: torch.Tensor, is_param: bool) -> None:
@@ -109,11 +93,6 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
         hf_config = AutoConfig.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 (any failure to read it is about config.json: one line naming it)
         raise ValueError(f"{path / 'config.json'}: {type(e).__name__}: {_first_line(e)}") from e
-    if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"{path}: model_type {hf_config.model_type!r} is not supported "
-                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    if hf_config.hidden_act not in ("silu", "swish"):
-        raise ValueError(f"{path}: hidden_act {hf_config.hidden_act!r} is not supported (silu)")
     adapter_cfg = read_adapter_config(adapter) if adapter is not None else None
     device = _pick_device(cfg_json, device)
     if dtype is None:
@@ -129,17 +108,22 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
     except (ValueError, TypeError, KeyError, AttributeError, IndexError, RuntimeError) as e:
         raise ValueError(f"{path / 'config.json'}: transformers cannot build the model from it: "
                          f"{type(e).__name__}: {_first_line(e)}") from e
-    blocks = find_moe_blocks(model)
+    try:
+        blocks = find_moe_blocks(model)
+    except ValueError as e:
+        raise ValueError(f"{path}: model_type {hf_config.model_type!r} is not supported: {e}") from None
     # What the experts classes compute: their structure, and their own forward run on
     # random weights (the meta model has none; the checkpoint's go straight to C++).
     checked: set = set()
     for b in blocks:
-        check_experts(b.experts, f"model layer {b.layer}", checked)
+        check_experts(b.experts, f"model layer {b.layer}", checked)  # its activation too (not config.hidden_act)
     E, H, I = (getattr(blocks[0].experts, a) for a in ("num_experts", "hidden_dim", "intermediate_dim"))
     layers = [b.layer for b in blocks]
 
     # Routed experts: the C++ loader, straight from the mapped files.
-    naming = _C.expert_naming(ckpt, layers[0])
+    names = CheckpointNames(hf_config.model_type, ckpt, str(path))
+    module_names = {id(m): n for n, m in model.named_modules()}
+    naming = names.experts(module_names[id(blocks[0].experts)], layers[0])
     bar = progress_bar(progress, E * len(layers), "loading experts")
     if train:
         engine = make_lora_layers(config, (E, H, I), layers,
@@ -160,7 +144,7 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
     else:
         source = ExpertsSource(str(path), tuple(naming))
         for i, b in enumerate(blocks):
-            b.block.experts = TandemExperts(engine, i, b.layer, hf_config.hidden_act, fused=True, dtype=dtype,
+            b.block.experts = TandemExperts(engine, i, b.layer, "silu", fused=True, dtype=dtype,
                                             device=device, source=source)
             watch_block(b.block, b.block.experts)
     expert_keys = {_C.expert_key(p, L, e) for L in layers for e in range(E) for p in naming}
@@ -179,7 +163,7 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
     except ImportError:  # pragma: no cover
         it = named
     for name, t in it:
-        key = checkpoint_key(hf_config.model_type, name, ckpt)
+        key = names.key(name)
         if key is None:
             if name in tied:
                 continue
@@ -204,7 +188,7 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
         # A tied tensor the checkpoint also holds is the one it is tied to: it must hold the
         # same values, or the checkpoint's would be silently dropped.
         for name in sorted(tied):
-            key = checkpoint_key(hf_config.model_type, name, ckpt)
+            key = names.key(name)
             if key is None or key in used:
                 continue
             now = model.get_parameter(name)
@@ -301,7 +285,10 @@ def _check_config_against_checkpoint(path: Path, hf_config: Any, ckpt: _C.Checkp
     """config.json's sizes within sane bounds, and its layer count the checkpoint's."""
     where = path / "config.json"
     for key, (lo, hi) in _C.config_size_bounds().items():  # the bounds tandem doctor applies too
-        v = getattr(hf_config, key, None)
+        try:
+            v = getattr(hf_config, key, None)
+        except Exception as e:  # noqa: BLE001 (e.g. a per-layer value transformers will not give globally)
+            raise ValueError(f"{where}: {key}: {_first_line(e)} (tandem reads one value for the whole model)") from None
         if v is None:
             continue
         if isinstance(v, bool) or not isinstance(v, int) or not (lo <= v <= hi):
@@ -312,6 +299,10 @@ def _check_config_against_checkpoint(path: Path, hf_config: Any, ckpt: _C.Checkp
         if e is not None and top_k is not None and top_k > e:
             raise ValueError(f"{where}: num_experts_per_tok = {top_k} is more than the {e} experts")
     layers = {int(m.group(1)) for k in ckpt.names() if (m := re.match(r"model\.layers\.(\d+)\.", k))}
+    if not layers:
+        first = min(ckpt.names(), default="(none)")
+        raise ValueError(f"{path}: the checkpoint has no model.layers.N tensors (e.g. {first!r}): tandem loads "
+                         "models whose decoder layers are model.layers.N")
     n = hf_config.num_hidden_layers
     missing = sorted(set(range(n)) - layers)
     if missing:

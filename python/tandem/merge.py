@@ -86,7 +86,7 @@ def plan(model_dir: Path, adapter: Path, ckpt: _C.Checkpoint) -> dict[str, Chang
     """Checkpoint tensor name -> how the adapter changes it."""
     from peft.tuners.lora import LoraLayer
 
-    from .loader import checkpoint_key
+    from .checkpoint_names import CheckpointNames
 
     cfg = read_adapter_config(adapter)
     if getattr(cfg, "lora_bias", False):
@@ -94,9 +94,11 @@ def plan(model_dir: Path, adapter: Path, ckpt: _C.Checkpoint) -> dict[str, Chang
     pm, hf_config = _meta_peft_model(model_dir, adapter, cfg)
     hf = pm.get_base_model()
     changes: dict[str, Change] = {}
+    names = CheckpointNames(hf_config.model_type, ckpt, str(model_dir))
+    module_names = {id(m): n for n, m in hf.named_modules()}
 
     def key_of(name: str) -> str:
-        key = checkpoint_key(hf_config.model_type, name, ckpt)
+        key = names.key(name)
         if key is None:
             raise ValueError(f"{adapter}: the adapter changes {name!r}, which {model_dir} does not hold (a weight "
                              "tied to another one?); tandem merge writes the checkpoint's own tensors")
@@ -116,7 +118,7 @@ def plan(model_dir: Path, adapter: Path, ckpt: _C.Checkpoint) -> dict[str, Chang
         lora = param_wrapper_lora(b.block.experts, E, H, I, where)
         if lora is None:
             continue
-        naming = _C.expert_naming(ckpt, b.layer)
+        naming = names.experts(module_names[id(b.block.experts)], b.layer)
         for e in range(E):
             for j, pattern in enumerate(naming):
                 changes[_C.expert_key(pattern, b.layer, e)] = (

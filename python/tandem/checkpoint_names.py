@@ -1,0 +1,122 @@
+"""Which checkpoint tensor holds which model tensor, by transformers' own conversion rules.
+
+transformers v5 models keep names that checkpoints do not always have: a module renamed
+(Mixtral's ``block_sparse_moe`` is the model's ``mlp``, PhiMoE's ``gate`` its ``router``) and
+routed experts fused into ``experts.gate_up_proj`` / ``experts.down_proj`` where checkpoints
+hold one tensor per expert. ``transformers.conversion_mapping`` lists those rules per model
+type (``WeightRenaming``: checkpoint pattern -> model name; ``WeightConverter``: per-expert
+patterns -> a fused tensor). `CheckpointNames` runs them backwards:
+
+- ``key(model_name)``: the checkpoint's name of a model tensor (its own name first, then the
+  renamings undone), or None;
+- ``experts(module_path, layer)``: the (gate, up, down) per-expert name patterns of one MoE
+  layer's routed experts, with ``{L}`` for the layer and ``{E}`` for the expert, as the C++
+  loader takes them (the converters' per-expert patterns, else the common ``gate_proj /
+  up_proj / down_proj`` and ``w1 / w3 / w2`` namings), checked against the checkpoint.
+
+No hand list per family: a model type transformers has rules for gets them.
+"""
+from __future__ import annotations
+
+import re
+from itertools import combinations
+
+from . import _C
+
+# Per-expert projection names tried when transformers gives no converter for the type.
+_COMMON_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+# Names of fused experts tensors (transformers v5 saved with save_original_format=False,
+# or families that store them fused).
+_FUSED = ("gate_up_proj", "down_proj")
+
+
+def _literal(pattern: str) -> str | None:
+    """A rename pattern as the plain text it matches, or None when it is a real regex."""
+    text = re.sub(r"\\(.)", r"\1", pattern)
+    return None if re.search(r"[*+?\[\]()^$|{}]", text) else text
+
+
+def _mapping(model_type: str) -> list:
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:  # pragma: no cover (older transformers: no rules, exact names only)
+        return []
+    try:
+        return list(get_checkpoint_conversion_mapping(model_type) or [])
+    except Exception:  # noqa: BLE001 (a type without rules)
+        return []
+
+
+class CheckpointNames:
+    """Checkpoint names for a model of `model_type` loaded from `ckpt` (see the module doc)."""
+
+    def __init__(self, model_type: str, ckpt: _C.Checkpoint, where: str = "the checkpoint"):
+        self.model_type, self.ckpt, self.where = model_type, ckpt, where
+        self.renames: list[tuple[str, str]] = []   # (model text, checkpoint text)
+        self.expert_suffixes: list[tuple[str, str, str]] = []
+        gate_up = down = None
+        for rule in _mapping(model_type):
+            kind = type(rule).__name__
+            src, dst = list(getattr(rule, "source_patterns", [])), list(getattr(rule, "target_patterns", []))
+            if kind == "WeightRenaming" and len(src) == 1 and len(dst) == 1:
+                s, d = _literal(src[0]), _literal(dst[0])
+                if s is not None and d is not None and s != d:
+                    self.renames.append((d, s))
+            elif kind == "WeightConverter" and len(dst) == 1:
+                per_expert = [p.split("experts.*.", 1)[1] for p in src if "experts.*." in p]
+                if len(per_expert) != len(src):
+                    continue
+                if dst[0].endswith("experts.gate_up_proj") and len(per_expert) == 2:
+                    gate_up = per_expert
+                elif dst[0].endswith("experts.down_proj") and len(per_expert) == 1:
+                    down = per_expert[0]
+        if gate_up and down:
+            self.expert_suffixes.append((gate_up[0], gate_up[1], down))
+        for g, u, d in _COMMON_EXPERT_NAMES:
+            names = (f"{g}.weight", f"{u}.weight", f"{d}.weight")
+            if names not in self.expert_suffixes:
+                self.expert_suffixes.append(names)
+
+    def candidates(self, name: str) -> list[str]:
+        """`name`, then `name` with each applicable renaming undone, then with several."""
+        out = [name]
+        applicable = [(m, c) for m, c in self.renames if m in name]
+        for n in range(1, len(applicable) + 1):
+            for combo in combinations(applicable, n):
+                alt = name
+                for m, c in combo:
+                    alt = alt.replace(m, c)
+                if alt not in out:
+                    out.append(alt)
+        return out
+
+    def key(self, name: str) -> str | None:
+        """The checkpoint's name of model tensor `name` (None when it holds none)."""
+        for alt in self.candidates(name):
+            if alt in self.ckpt:
+                return alt
+        return None
+
+    def experts(self, module_path: str, layer: int) -> tuple[str, str, str]:
+        """(gate, up, down) name patterns of the routed experts at `module_path` (the experts
+        module's name in the model, e.g. ``model.layers.3.mlp.experts``) in layer `layer`."""
+        marker = f"layers.{layer}."
+        if marker not in module_path:
+            raise ValueError(f"{module_path}: expected a decoder layer's module (…layers.{layer}.…)")
+        pattern = module_path.replace(marker, "layers.{L}.", 1)
+        tried = []
+        for suffixes in self.expert_suffixes:
+            names = tuple(f"{pattern}.{{E}}.{s}" for s in suffixes)
+            for alts in zip(*(self.candidates(n) for n in names)):
+                if all(_C.expert_key(a, layer, 0) in self.ckpt for a in alts):
+                    return alts
+                tried.append(_C.expert_key(alts[0], layer, 0))
+        fused = [a for part in _FUSED for a in self.candidates(f"{module_path}.{part}") if a in self.ckpt]
+        if fused:
+            raise ValueError(f"{self.where} holds layer {layer}'s routed experts fused in one tensor ({fused[0]}): "
+                             "tandem loads routed experts stored one tensor per expert so far (fused ones are what "
+                             "transformers v5 writes with save_original_format=False, and what some families store "
+                             "natively)")
+        shown = ", ".join(tried[:4]) + (f" and {len(tried) - 4} more" if len(tried) > 4 else "")
+        raise ValueError(f"{self.where} has no routed experts for layer {layer} under the names "
+                         f"transformers gives {self.model_type} (tried {shown})")
