@@ -56,7 +56,8 @@ class Session:
         from transformers import DynamicCache
 
         self.model, self.tok, self.system, self.gen = model, tok, system, gen
-        self.template = tok.chat_template or PLAIN_TEMPLATE
+        # None: the tokenizer's own (a string, or a dict of named templates transformers picks from).
+        self.template = None if tok.chat_template else PLAIN_TEMPLATE
         # The ids generate stops at (the generation config may list several, e.g. Qwen3's two).
         stop = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         stop = stop if isinstance(stop, (list, tuple)) else [stop]

@@ -10,7 +10,10 @@ with ``stream: true`` as server-sent events, ``stream_options.include_usage``), 
 ``temperature`` (0: greedy), ``top_p``, ``seed``, ``stop`` (a string or up to 4), and vLLM's
 ``min_tokens`` (the end-of-text token is suppressed until that many tokens are out) and
 ``chat_template_kwargs`` (variables for the chat template, e.g. Qwen3's
-``{"enable_thinking": false}``). A field
+``{"enable_thinking": false}``); a field sent as null is a field not set. The model's
+``generation_config`` sampling defaults and penalties are not applied: a request gets what it
+asks for, with OpenAI's defaults (temperature 1, top_p 1; below 1e-5 a temperature is greedy).
+A field
 this server does not implement (``n`` > 1, ``logprobs``, ``tools``, penalties, ...) is refused
 with a 400 naming it, never ignored.
 
@@ -129,7 +132,7 @@ _CHAT = _COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs", 
                    "audio", "reasoning_effort", "prediction", "web_search_options"}
 _COMPLETION = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 # Fields accepted only at the value meaning "off".
-_OFF = {"n": (1,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logprobs": (False, None, 0),
+_OFF = {"n": (1,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logprobs": (False, None),
         "top_logprobs": (None, 0), "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
         "parallel_tool_calls": (None,), "functions": (None, []), "function_call": (None, "none"),
         "echo": (False,), "suffix": (None, ""), "best_of": (None, 1), "modalities": (None, ["text"]),
@@ -168,13 +171,24 @@ class Params:
     include_usage: bool
 
 
+def _same(v: Any, o: Any) -> bool:
+    """v is the JSON value o (false is not 0, 1 is not true)."""
+    if isinstance(o, bool) or o is None or isinstance(v, bool):
+        return v is o
+    return type(v) in (int, float) and type(o) in (int, float) and v == o if isinstance(o, (int, float)) else v == o
+
+
+# Below this a temperature is greedy (as vLLM does): dividing logits by it overflows.
+MIN_TEMPERATURE = 1e-5
+
+
 def parse_params(body: dict, allowed: set[str]) -> Params:
     unknown = sorted(set(body) - allowed - _IGNORED)
     if unknown:
         raise APIError(400, f"unsupported parameter {unknown[0]!r} (tandem serve implements: "
                        f"{', '.join(sorted(allowed - set(_OFF)))})", unknown[0])
     for k, off in _OFF.items():
-        if k in body and body[k] not in off:
+        if k in body and not any(_same(body[k], o) for o in off):
             raise APIError(400, f"{k}={json.dumps(body[k])} is not supported by tandem serve (only "
                            f"{' or '.join(json.dumps(o) for o in off)})", k)
     rf = body.get("response_format")
@@ -233,7 +247,12 @@ def message_text(m: Any, i: int) -> dict:
     if not isinstance(content, str):
         raise APIError(400, f"{where}.content must be a string or a list of text parts", f"{where}.content")
     # The developer role (OpenAI's newer name for instructions) is what chat templates call system.
-    return {"role": "system" if role == "developer" else role, "content": content}
+    out = {"role": "system" if role == "developer" else role, "content": content}
+    if m.get("name") is not None:  # templates that know participants' names read it
+        if not isinstance(m["name"], str):
+            raise APIError(400, f"{where}.name must be a string", f"{where}.name")
+        out["name"] = m["name"]
+    return out
 
 
 # ---- generation --------------------------------------------------------------------------
@@ -299,6 +318,18 @@ class TextTracker:
 _SHUTTING_DOWN = APIError(503, "the server is shutting down", code="shutting_down", kind="server_error")
 
 
+def log_request(log, job: "Job", outcome: str) -> None:
+    """One line per request; best effort (a closed stdout must not stop the server)."""
+    pf = len(job.prompt_ids) / job.prefill_s if job.tokens and job.prefill_s > 0 else float("nan")
+    dec = (len(job.tokens) - 1) / job.decode_s if job.decode_s > 0 and len(job.tokens) > 1 else float("nan")
+    try:
+        log(f"[{job.id}] {outcome}: prompt {len(job.prompt_ids)} tokens at {pf:.1f} tokens/s, "
+            f"{len(job.tokens)} generated at {dec:.1f} tokens/s"
+            + (f", finish {job.finish_reason}" if outcome == "completed" else ""))
+    except Exception:  # noqa: BLE001 (stdout closed: the request's answer matters, not its log line)
+        pass
+
+
 class Generator:
     """Owns the model: one thread generates the queued jobs in order."""
 
@@ -327,7 +358,10 @@ class Generator:
     def submit(self, job: Job) -> None:
         with self._cv:
             if self._stop:
-                raise APIError(503, "the server is shutting down", code="shutting_down", kind="server_error")
+                raise _SHUTTING_DOWN
+            if not self._thread.is_alive():
+                raise APIError(500, "the generation thread has stopped; restart the server", code="generator_stopped",
+                               kind="server_error")
             if len(self._waiting) >= self.max_queue and (self.running is not None or self._waiting):
                 self.counts["rejected"] += 1
                 raise APIError(503, f"the server is busy: 1 request running and {len(self._waiting)} waiting "
@@ -344,7 +378,8 @@ class Generator:
 
     def state(self) -> dict:
         with self._cv:
-            return {"running": int(self.running is not None), "waiting": len(self._waiting),
+            return {"status": "ok" if self._thread.is_alive() or self._stop else "generation thread stopped",
+                    "running": int(self.running is not None), "waiting": len(self._waiting),
                     "max_queue": self.max_queue, **{k: self.counts[k] for k in
                                                    ("completed", "cancelled", "failed", "rejected")}}
 
@@ -373,27 +408,28 @@ class Generator:
                 if self._stop:
                     return
                 job = self.running = self._waiting.popleft()
+            answer = None
             try:
                 self._generate(job)
                 outcome = "cancelled" if job.cancelled.is_set() else "completed"
                 if outcome == "completed":
-                    job.emit("done", (job.finish_reason, job.text))
+                    answer = ("done", (job.finish_reason, job.text))
                 elif self._stop:
-                    job.emit("error", _SHUTTING_DOWN)
-            except Exception as e:  # noqa: BLE001 (this request fails; the server goes on)
+                    answer = ("error", _SHUTTING_DOWN)
+            except BaseException as e:  # noqa: BLE001 (this request fails; the server goes on)
                 outcome = "failed"
                 from .cli_checks import user_message
 
-                job.emit("error", APIError(500, f"generation failed: {type(e).__name__}: {user_message(e)}",
-                                           kind="server_error"))
+                answer = ("error", APIError(500, f"generation failed: {type(e).__name__}: {user_message(e)}",
+                                            kind="server_error"))
+            # The slot is free before the answer goes out: a client sending its next request
+            # the moment it has this one's must not find the server busy.
             with self._cv:
                 self.running = None
                 self.counts[outcome] += 1
-            pf = len(job.prompt_ids) / job.prefill_s if job.prefill_s > 0 else float("nan")
-            dec = (len(job.tokens) - 1) / job.decode_s if job.decode_s > 0 and len(job.tokens) > 1 else float("nan")
-            self.log(f"[{job.id}] {outcome}: prompt {len(job.prompt_ids)} tokens at {pf:.1f} tokens/s, "
-                     f"{len(job.tokens)} generated at {dec:.1f} tokens/s"
-                     + (f", finish {job.finish_reason}" if outcome == "completed" else ""))
+            if answer is not None:
+                job.emit(*answer)
+            log_request(self.log, job, outcome)
 
     def _generate(self, job: Job) -> None:
         import torch
@@ -430,7 +466,7 @@ class Generator:
                 done = job.cancelled.is_set() or tracker.stopped
                 return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
 
-        sample = p.temperature > 0
+        sample = p.temperature >= MIN_TEMPERATURE
         gen: dict[str, Any] = dict(max_new_tokens=job.max_tokens, do_sample=sample, pad_token_id=self.pad_id)
         if p.min_tokens:
             gen["min_new_tokens"] = p.min_tokens
@@ -513,7 +549,7 @@ class BatchedGenerator:
 
     def submit(self, job: Job) -> None:
         p = job.params
-        sample = p.temperature > 0
+        sample = p.temperature >= MIN_TEMPERATURE
         kwargs = dict(temperature=p.temperature if sample else 1.0, top_k=self.vocab if sample else 1,
                       top_p=(p.top_p if p.top_p > 0 else 1e-9) if sample else 1.0)
         tracker = TextTracker(self.tok, p.stop)
@@ -576,11 +612,7 @@ class BatchedGenerator:
             job.out.put_nowait(("done", (job.finish_reason, job.text)))
         elif error is not None:
             job.emit("error", error)
-        pf = len(job.prompt_ids) / job.prefill_s if job.tokens and job.prefill_s > 0 else float("nan")
-        dec = (len(job.tokens) - 1) / job.decode_s if len(job.tokens) > 1 and job.decode_s > 0 else float("nan")
-        self.log(f"[{job.id}] {outcome}: prompt {len(job.prompt_ids)} tokens at {pf:.1f} tokens/s, "
-                 f"{len(job.tokens)} generated at {dec:.1f} tokens/s"
-                 + (f", finish {job.finish_reason}" if outcome == "completed" else ""))
+        log_request(self.log, job, outcome)
 
     def cancel(self, job: Job) -> None:
         job.cancelled.set()
@@ -591,7 +623,8 @@ class BatchedGenerator:
     def state(self) -> dict:
         with self._lock:
             n = len(self.active)
-            return {"running": min(n, self.batch), "waiting": max(0, n - self.batch), "batch": self.batch,
+            return {"status": "ok" if self.manager.is_running() or self._stop else "batching thread stopped",
+                    "running": min(n, self.batch), "waiting": max(0, n - self.batch), "batch": self.batch,
                     "max_queue": self.max_queue, **{k: self.counts[k] for k in
                                                    ("completed", "cancelled", "failed", "rejected")}}
 
@@ -632,10 +665,21 @@ def build_app(model, tok, model_id: str, max_queue: int = 8, api_key: str | None
 
     from fastapi import Depends, FastAPI, Request
     from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     from .chat import PLAIN_TEMPLATE
 
-    template = chat_template or tok.chat_template or PLAIN_TEMPLATE
+    # The model's generation_config may carry sampling defaults and penalties (temperature,
+    # repetition_penalty, ...) that generate would apply to fields a request leaves unset: the
+    # server keeps its token ids only, so a request gets what it asks for (OpenAI's defaults
+    # otherwise), the same with --batch or without.
+    from transformers import GenerationConfig
+
+    old = getattr(model, "generation_config", None)
+    model.generation_config = GenerationConfig(**{k: getattr(old, k, None) for k in
+                                                  ("bos_token_id", "eos_token_id", "pad_token_id")})
+    # None: the tokenizer's own (a string, or a dict of named templates transformers picks from).
+    template = chat_template if chat_template is not None else (None if tok.chat_template else PLAIN_TEMPLATE)
     state: dict[str, Generator] = {}
     created = int(time.time())
 
@@ -674,6 +718,14 @@ def build_app(model, tok, model_id: str, max_queue: int = 8, api_key: str | None
         headers = {"Retry-After": "1"} if e.status == 503 else None
         return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):  # unknown routes, wrong methods
+        what = {404: f"no route {request.method} {request.url.path} (this server has /v1/models, "
+                     "/v1/chat/completions, /v1/completions, /health)",
+                405: f"{request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
+        return JSONResponse(APIError(e.status_code, what).body(), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
+
     async def read_body(request: Request) -> dict:
         raw = await request.body()
         try:
@@ -682,6 +734,8 @@ def build_app(model, tok, model_id: str, max_queue: int = 8, api_key: str | None
             raise APIError(400, f"the request body is not valid JSON ({e})") from None
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
+        # A field sent as null is a field not set (clients other than openai's send them).
+        body = {k: v for k, v in body.items() if v is not None}
         if body.get("model") != model_id:
             if "model" not in body:
                 raise APIError(400, f"model is required (this server serves {model_id!r})", "model")
@@ -763,14 +817,22 @@ def build_app(model, tok, model_id: str, max_queue: int = 8, api_key: str | None
     def encode(text: str, special: bool):
         return tok(text, add_special_tokens=special, return_tensors="pt")["input_ids"][0]
 
+    card = {"id": model_id, "object": "model", "created": created, "owned_by": "tandem"}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
-                                            "owned_by": "tandem"}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model_card(name: str):
+        if name != model_id:
+            raise APIError(404, f"the model {name!r} does not exist here (this server serves {model_id!r})", "model",
+                           code="model_not_found")
+        return card
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_id, **state["gen"].state()}
+        return {"model": model_id, **state["gen"].state()}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -860,6 +922,9 @@ def run(args: argparse.Namespace) -> int:
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((args.host, args.port))
+        # Listening now: a second server on this port fails here, not after loading, and a
+        # client that connects as soon as "serving ..." is printed waits in the backlog.
+        sock.listen(2048)
     except OSError as e:
         raise InputError(f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e})") from None
     import uvicorn

@@ -120,7 +120,7 @@ def chat_ids(reference, messages) -> torch.Tensor:
 
     _, tok = reference
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                   chat_template=tok.chat_template or PLAIN_TEMPLATE)
+                                   chat_template=None if tok.chat_template else PLAIN_TEMPLATE)
     return tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
 
 
@@ -293,14 +293,64 @@ def test_bad_completion_requests_and_keys(server, client):
     assert client.completions.create(model=mid, prompt="still here", max_tokens=2, temperature=0).choices
 
 
+def _post(server, path: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(server[0] + path, data=json.dumps(body).encode(),
+                                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_nulls_tiny_temperatures_names_and_model_routes(server, client, reference):
+    """Fields sent as null are fields not set; a temperature below 1e-5 is greedy (not a
+    500 from overflowing logits); a message's name is accepted; /v1/models/ID answers and
+    unknown routes get OpenAI-style errors."""
+    mid = model_id(client)
+    prompt = "nulls and tiny temperatures"
+    _, text = greedy(reference, completion_ids(reference, prompt), 12)
+    code, body = _post(server, "/completions", {"model": mid, "prompt": prompt, "max_tokens": 12, "temperature": 1e-40,
+                                                "n": None, "presence_penalty": None, "echo": None, "stop": None,
+                                                "max_completion_tokens": None, "logprobs": None})
+    assert code == 200 and body["choices"][0]["text"] == text, body
+    code, body = _post(server, "/chat/completions", {"model": mid, "max_tokens": 4, "temperature": 0,
+                                                     "messages": [{"role": "user", "content": "hi", "name": "ann"}]})
+    assert code == 200, body
+    code, body = _post(server, "/completions", {"model": mid, "prompt": "x", "max_tokens": 4, "logprobs": 0})
+    assert code == 400 and "logprobs=0 is not supported" in body["error"]["message"], body
+    assert client.models.retrieve(mid).id == mid
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4o")
+    assert e.value.body["code"] == "model_not_found"
+    code, body = _post(server, "/embeddings", {"model": mid, "input": "x"})
+    assert code == 404 and "no route POST /v1/embeddings" in body["error"]["message"], body
+
+
+def test_named_chat_templates_are_chosen_by_transformers(reference):
+    """A tokenizer with several named templates (a dict) renders with its default one."""
+    import copy
+
+    from tandem.chat import PLAIN_TEMPLATE, Session
+
+    model, tok = reference
+    tok = copy.deepcopy(tok)
+    tok.chat_template = {"default": PLAIN_TEMPLATE, "rag": "{{ 'rag' }}"}
+    s = Session(model, tok, None, dict(max_new_tokens=2))
+    assert s.render([{"role": "user", "content": "hi"}]) == "user: hi\nassistant:"
+
+
 def test_two_concurrent_clients_each_get_their_own_answer(client, reference):
     prompts = ["first client says", "a second, longer prompt from another client"]
     want = [greedy(reference, completion_ids(reference, p), 32)[1] for p in prompts]
     got: dict[int, str] = {}
 
     def ask(i):
-        got[i] = "".join(c.choices[0].text for c in client.completions.create(
-            model=model_id(client), prompt=prompts[i], max_tokens=32, temperature=0, stream=True))
+        try:
+            got[i] = "".join(c.choices[0].text for c in client.completions.create(
+                model=model_id(client), prompt=prompts[i], max_tokens=32, temperature=0, stream=True))
+        except Exception as e:  # noqa: BLE001 (reported by the assertion below)
+            got[i] = f"{type(e).__name__}: {e}"
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
     for t in threads:
