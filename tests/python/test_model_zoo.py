@@ -36,7 +36,8 @@ SMALL = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, exp
              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
              num_experts=8, num_local_experts=8, n_routed_experts=8, moe_num_experts=8, num_experts_per_tok=2,
              first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
-             qk_nope_head_dim=8, v_head_dim=16, max_position_embeddings=256, shared_expert_intermediate_size=32,
+             qk_nope_head_dim=8, v_head_dim=16, qk_head_dim=16, index_head_dim=16, index_n_heads=4, index_topk=8,
+             moe_topk=2, expert_ffn_hidden_size=32, zero_expert_num=2, num_layers=2, max_position_embeddings=256, shared_expert_intermediate_size=32,
              n_shared_experts=1, num_shared_experts=1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
              initializer_range=0.08, tie_word_embeddings=False)
 RESULTS: dict[str, tuple[str, str]] = {}
@@ -68,9 +69,11 @@ def tiny_config(model_type: str):
     base = cls().to_dict()
     kw = {k: v for k, v in SMALL.items() if k in base}
     if "qk_rope_head_dim" in base:  # multi-head latent attention: rotary on qk_rope_head_dim
-        kw.pop("head_dim", None)
-    for k in base:
-        if k == "layer_types" or k.endswith("_layer_types"):
+        kw["head_dim"] = kw["qk_rope_head_dim"]
+    layers = base.get("num_hidden_layers")
+    for k, v in base.items():
+        if k == "layer_types" or k.endswith("_layer_types") or (k.endswith("_types") and isinstance(v, list)
+                                                                and len(v) == layers):
             kw[k] = None  # derived again from num_hidden_layers
         elif k == "mlp_only_layers":
             kw[k] = []
