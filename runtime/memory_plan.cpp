@@ -4,6 +4,7 @@
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <map>
 #include <regex>
 #include <set>
 
@@ -118,6 +119,8 @@ const std::vector<ConfigSizeBound>& config_size_bounds() {
       {"num_key_value_heads", 0, 4096},    {"head_dim", 0, 1 << 14},
       {"num_experts", 0, 1 << 16},         {"n_routed_experts", 0, 1 << 16},
       {"num_local_experts", 0, 1 << 16},   {"num_experts_per_tok", 0, 1 << 16},
+      {"moe_num_experts", 0, 1 << 16},    {"moe_k", 0, 1 << 16},
+      {"moe_topk", 0, 1 << 16},
       {"n_shared_experts", 0, 1 << 10},    {"max_position_embeddings", 0, 1 << 24},
       {"first_k_dense_replace", 0, 4096},  {"num_nextn_predict_layers", 0, 64},
       {"shared_expert_intermediate_size", 0, 1 << 20}, {"decoder_sparse_step", 0, 4096},
@@ -148,15 +151,18 @@ ModelInfo read_model_info(const fs::path& model_path) {
   m.model_type = j.value("model_type", std::string());
   m.layers = static_cast<int>(get_int(j, f, "num_hidden_layers"));
   m.shape.hidden = static_cast<int>(get_int(j, f, "hidden_size"));
-  const int64_t experts = first_int(j, f, {"num_experts", "n_routed_experts", "num_local_experts"});
+  const int64_t experts = first_int(j, f, {"num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts"});
   TANDEM_CHECK(experts > 0, Errc::bad_format, f.string(),
-               ": no routed experts (none of num_experts, n_routed_experts, num_local_experts is positive)");
+               ": no routed experts (none of num_experts, n_routed_experts, num_local_experts, moe_num_experts is positive)");
   m.shape.experts = static_cast<int>(experts);
   // Mixtral's experts use intermediate_size; the others name the expert width moe_intermediate_size.
   int64_t inter = first_int(j, f, {"moe_intermediate_size"});
   if (inter <= 0) inter = get_int(j, f, "intermediate_size");
   m.shape.inter = static_cast<int>(inter);
-  m.top_k = static_cast<int>(get_int(j, f, "num_experts_per_tok"));
+  const int64_t top_k = first_int(j, f, {"num_experts_per_tok", "moe_k", "moe_topk"});
+  TANDEM_CHECK(top_k > 0, Errc::bad_format, f.string(),
+               ": no positive num_experts_per_tok (nor moe_k, moe_topk): how many experts route each token");
+  m.top_k = static_cast<int>(top_k);
   TANDEM_CHECK(m.shape.hidden > 0 && m.shape.inter > 0 && m.top_k > 0, Errc::bad_format, f.string(),
                ": hidden_size, the expert intermediate size and num_experts_per_tok must be positive");
   TANDEM_CHECK(m.top_k <= m.shape.experts, Errc::bad_format, f.string(), ": num_experts_per_tok = ", m.top_k,
@@ -190,6 +196,35 @@ ModelInfo read_model_info(const fs::path& model_path) {
   }
   if (have_files) {
     const Checkpoint ckpt = Checkpoint::open(model_path);
+    // The routed experts as the checkpoint holds them (what load_model will pack), where it
+    // stores them one tensor per expert: which layers route, how many experts, their width.
+    // config.json's keys for these differ by family (ERNIE's moe_layer_start_index, ...); the
+    // checkpoint's names do not.
+    {
+      static const std::regex expert_re(R"(^model\.layers\.(\d+)\..*\.experts\.(\d+)\.(gate_proj|w1)\.weight$)");
+      std::map<int, int> experts_of;  // layer -> highest expert index + 1
+      std::string first;
+      for (const std::string& name : ckpt.names()) {
+        std::smatch mm;
+        if (!std::regex_match(name, mm, expert_re)) continue;
+        const int layer = std::stoi(mm[1]), e = std::stoi(mm[2]);
+        if (layer >= m.layers) continue;  // multi-token-prediction layers
+        experts_of[layer] = std::max(experts_of[layer], e + 1);
+        if (first.empty() && e == 0) first = name;
+      }
+      if (!experts_of.empty() && !first.empty()) {
+        m.moe_layers.clear();
+        for (const auto& [layer, n] : experts_of) m.moe_layers.push_back(layer);
+        const int n = experts_of.begin()->second;
+        TANDEM_CHECK(n == m.shape.experts, Errc::bad_format, f.string(), ": says ", m.shape.experts,
+                     " routed experts, the checkpoint holds ", n, " in layer ", experts_of.begin()->first);
+        const TensorInfo& g = ckpt.info(first);
+        TANDEM_CHECK(g.shape.size() == 2 && g.shape[1] == m.shape.hidden, Errc::bad_format, first, " has shape [",
+                     g.shape.size() ? g.shape[0] : 0, ", ...], the experts of a hidden size ", m.shape.hidden, " need [I, ",
+                     m.shape.hidden, "]");
+        m.shape.inter = static_cast<int>(g.shape[0]);
+      }
+    }
     uint64_t bytes = 0;
     int counted = 0;
     static const std::regex layer_re(R"(^model\.layers\.(\d+)\.)");

@@ -293,7 +293,8 @@ def _check_config_against_checkpoint(path: Path, hf_config: Any, ckpt: _C.Checkp
             continue
         if isinstance(v, bool) or not isinstance(v, int) or not (lo <= v <= hi):
             raise ValueError(f"{where}: {key} = {v!r} is not a valid size (expected an integer in [{lo}, {hi}])")
-    experts = [getattr(hf_config, k, None) for k in ("num_experts", "n_routed_experts", "num_local_experts")]
+    experts = [getattr(hf_config, k, None) for k in ("num_experts", "n_routed_experts", "num_local_experts",
+                                                     "moe_num_experts")]
     top_k = getattr(hf_config, "num_experts_per_tok", None)
     for e in experts:
         if e is not None and top_k is not None and top_k > e:

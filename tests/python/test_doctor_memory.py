@@ -49,6 +49,36 @@ def test_estimate_equals_what_load_model_packs(tiny_qwen3_moe_dir, tmp_path, cpu
     assert r.returncode == (0 if mem["fits"] else 1), r.stdout
 
 
+@pytest.fixture(scope="module")
+def tiny_ernie_dir(tmp_path_factory):
+    """An ERNIE-4.5-MoE checkpoint: its own config keys (moe_num_experts, moe_k,
+    moe_layer_start_index: layer 0 dense), unlike the Qwen / DeepSeek / Mixtral ones."""
+    from transformers import AutoModelForCausalLM, Ernie4_5_MoeConfig
+
+    cfg = Ernie4_5_MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, moe_num_experts=8,
+                             moe_k=2, moe_layer_start_index=1, moe_layer_end_index=2, moe_num_shared_experts=1,
+                             tie_word_embeddings=False)
+    torch.manual_seed(3)
+    out = tmp_path_factory.mktemp("ernie")
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    return out
+
+
+def test_estimate_reads_the_experts_from_the_checkpoint(tiny_ernie_dir, tmp_path):
+    """Which layers route, how many experts and their width come from the checkpoint's
+    expert tensors, whatever a family's config.json calls them."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model:\n  path: {tiny_ernie_dir}\ncpu: {{format: bf16, threads: 1}}\ngpu: {{device: none}}\n")
+    r = doctor(cfg, "--json")
+    mem = json.loads(r.stdout)["config"]["memory"]
+    model = tandem.load_model(tiny_ernie_dir, str(cfg), progress=False)
+    engine = model.tandem_engine
+    assert mem["model"]["moe_layers"] == engine.moe_layers == 2  # layers 1 and 2; the config pattern said 3
+    assert mem["cpu_expert_bytes"] == engine.cpu_bytes
+    assert mem["model"]["non_expert_bytes"] == sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def test_config_json_claiming_a_huge_model_does_not_fit(tmp_path):
     model = tmp_path / "huge"
     model.mkdir()
