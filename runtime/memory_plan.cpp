@@ -163,8 +163,8 @@ ModelInfo read_model_info(const fs::path& model_path) {
   TANDEM_CHECK(top_k > 0, Errc::bad_format, f.string(),
                ": no positive num_experts_per_tok (nor moe_k, moe_topk): how many experts route each token");
   m.top_k = static_cast<int>(top_k);
-  TANDEM_CHECK(m.shape.hidden > 0 && m.shape.inter > 0 && m.top_k > 0, Errc::bad_format, f.string(),
-               ": hidden_size, the expert intermediate size and num_experts_per_tok must be positive");
+  TANDEM_CHECK(m.shape.hidden > 0 && m.shape.inter > 0, Errc::bad_format, f.string(),
+               ": hidden_size and the expert intermediate size must be positive");
   TANDEM_CHECK(m.top_k <= m.shape.experts, Errc::bad_format, f.string(), ": num_experts_per_tok = ", m.top_k,
                " is more than the ", m.shape.experts, " experts");
   // Which layers route (the transformers modeling code): Qwen MoE skips mlp_only_layers and

@@ -22,6 +22,14 @@ PLAIN_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{
                   "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
+def end_ids(model, tok) -> set[int]:
+    """The token ids generation stops at: the generation config's (it may list several, e.g.
+    Qwen3's two) and the tokenizer's end-of-text."""
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = ids if isinstance(ids, (list, tuple)) else [ids]
+    return {int(i) for i in [*ids, tok.eos_token_id] if i is not None}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from .cli_checks import add_adapter_argument, add_generation_arguments, add_model_arguments
 
@@ -58,10 +66,7 @@ class Session:
         self.model, self.tok, self.system, self.gen = model, tok, system, gen
         # None: the tokenizer's own (a string, or a dict of named templates transformers picks from).
         self.template = None if tok.chat_template else PLAIN_TEMPLATE
-        # The ids generate stops at (the generation config may list several, e.g. Qwen3's two).
-        stop = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        stop = stop if isinstance(stop, (list, tuple)) else [stop]
-        self.stop_ids = {int(i) for i in [*stop, tok.eos_token_id] if i is not None}
+        self.stop_ids = end_ids(model, tok)
         self._cache_type = DynamicCache
         self.reset()
 

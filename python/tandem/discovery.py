@@ -24,6 +24,7 @@ class MoeBlock:
     block: nn.Module       # the MoE block (mlp / block_sparse_moe)
     attr: str              # its attribute name on the decoder layer
     experts: nn.Module     # the experts module (fused v5) or ModuleList (v4 layout)
+    path: str              # the experts module's name in the model ("model.layers.3.mlp.experts")
 
 
 def find_moe_blocks(model: nn.Module) -> list[MoeBlock]:
@@ -39,7 +40,8 @@ def find_moe_blocks(model: nn.Module) -> list[MoeBlock]:
         for attr, block in layer.named_children():
             experts = getattr(block, "experts", None)
             if isinstance(experts, nn.Module):
-                found.append(MoeBlock(i, block, attr, experts))
+                prefix = "model." if base is not model else ""
+                found.append(MoeBlock(i, block, attr, experts, f"{prefix}layers.{i}.{attr}.experts"))
                 break
     if not found:
         raise ValueError(f"{type(model).__name__}: no decoder layer has a block with routed experts (a child module "

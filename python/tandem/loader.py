@@ -122,8 +122,7 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
 
     # Routed experts: the C++ loader, straight from the mapped files.
     names = CheckpointNames(hf_config.model_type, ckpt, str(path))
-    module_names = {id(m): n for n, m in model.named_modules()}
-    naming = names.experts(module_names[id(blocks[0].experts)], layers[0])
+    naming = names.experts(blocks[0].path, layers[0])
     bar = progress_bar(progress, E * len(layers), "loading experts")
     if train:
         engine = make_lora_layers(config, (E, H, I), layers,

@@ -95,7 +95,6 @@ def plan(model_dir: Path, adapter: Path, ckpt: _C.Checkpoint) -> dict[str, Chang
     hf = pm.get_base_model()
     changes: dict[str, Change] = {}
     names = CheckpointNames(hf_config.model_type, ckpt, str(model_dir))
-    module_names = {id(m): n for n, m in hf.named_modules()}
 
     def key_of(name: str) -> str:
         key = names.key(name)
@@ -118,7 +117,7 @@ def plan(model_dir: Path, adapter: Path, ckpt: _C.Checkpoint) -> dict[str, Chang
         lora = param_wrapper_lora(b.block.experts, E, H, I, where)
         if lora is None:
             continue
-        naming = names.experts(module_names[id(b.block.experts)], b.layer)
+        naming = names.experts(b.path, b.layer)
         for e in range(E):
             for j, pattern in enumerate(naming):
                 changes[_C.expert_key(pattern, b.layer, e)] = (

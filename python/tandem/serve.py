@@ -19,12 +19,12 @@ with a 400 naming it, never ignored.
 
 Built on FastAPI + uvicorn rather than ``transformers serve``: that server loads its models
 itself through ``from_pretrained`` (which cannot hold a 235B checkpoint in RAM, and has no way
-to take a model that ``tandem.load_model`` built), and its continuous batching measured 40x
-slower than plain ``generate`` on the demo model on this project's CPU machines (bench/RESULTS.md).
+to take a model that ``tandem.load_model`` built).
 
-Requests run one at a time, in arrival order, on one generation thread that owns the model
-(tandem's expert pool already uses every core for one sequence); up to ``--max-queue`` more
-wait, and one beyond that gets a 503 at once. A client that disconnects (streaming or not)
+By default requests run one at a time, in arrival order, on one generation thread that owns
+the model; with ``--batch N`` up to N are decoded together through transformers' continuous
+batching (``BatchedGenerator``; no per-request seed or min_tokens there). Up to
+``--max-queue`` more wait, and one beyond that gets a 503 at once. A client that disconnects (streaming or not)
 cancels its request: out of the queue if it waits, or at the next token if it runs. One
 request's failure is that request's error (a 500 naming it); the server goes on.
 """
@@ -43,6 +43,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from .chat import end_ids
 
 DEFAULT_PORT = 8000
 
@@ -170,12 +172,26 @@ class Params:
     stream: bool
     include_usage: bool
 
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def nucleus(self) -> float:
+        """top_p as a sampler takes it: 0 (the most likely token only) as a tiny positive share."""
+        return self.top_p if self.top_p > 0 else 1e-9
+
 
 def _same(v: Any, o: Any) -> bool:
     """v is the JSON value o (false is not 0, 1 is not true)."""
     if isinstance(o, bool) or o is None or isinstance(v, bool):
         return v is o
-    return type(v) in (int, float) and type(o) in (int, float) and v == o if isinstance(o, (int, float)) else v == o
+    return v == o
+
+
+def model_context(config) -> int | None:
+    """The model's context length in tokens (None when its config gives none)."""
+    return int(getattr(config, "max_position_embeddings", 0) or 0) or None
 
 
 # Below this a temperature is greedy (as vLLM does): dividing logits by it overflows.
@@ -336,11 +352,9 @@ class Generator:
     def __init__(self, model, tok, max_queue: int, log=print):
         self.model, self.tok, self.max_queue, self.log = model, tok, max_queue, log
         cfg = model.config
-        self.context = int(getattr(cfg, "max_position_embeddings", 0) or 0) or None
+        self.context = model_context(cfg)
         self.context_what = "the model's context"
-        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        eos = gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]
-        self.eos_ids = {int(i) for i in [*eos, tok.eos_token_id] if i is not None}
+        self.eos_ids = end_ids(model, tok)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else next(iter(self.eos_ids), 0)
         self.device = next(p.device for p in model.parameters())
         self._waiting: collections.deque[Job] = collections.deque()
@@ -466,12 +480,11 @@ class Generator:
                 done = job.cancelled.is_set() or tracker.stopped
                 return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
 
-        sample = p.temperature >= MIN_TEMPERATURE
-        gen: dict[str, Any] = dict(max_new_tokens=job.max_tokens, do_sample=sample, pad_token_id=self.pad_id)
+        gen: dict[str, Any] = dict(max_new_tokens=job.max_tokens, do_sample=not p.greedy, pad_token_id=self.pad_id)
         if p.min_tokens:
             gen["min_new_tokens"] = p.min_tokens
-        if sample:
-            gen.update(temperature=p.temperature, top_p=p.top_p if p.top_p > 0 else 1e-9, top_k=0)
+        if not p.greedy:
+            gen.update(temperature=p.temperature, top_p=p.nucleus, top_k=0)
             torch.manual_seed(p.seed if p.seed is not None else secrets.randbits(63))
         ids = job.prompt_ids[None].to(self.device)
         with torch.no_grad():
@@ -508,12 +521,9 @@ class BatchedGenerator:
 
         self.tok, self.batch, self.max_queue, self.log = tok, batch, max_queue, log
         cfg = model.config
-        model_ctx = int(getattr(cfg, "max_position_embeddings", 0) or 0) or None
-        self.context = context or min(model_ctx or 8192, 8192)
+        self.context = context or min(model_context(cfg) or 8192, 8192)
         self.context_what = f"the per-request context with --batch (--batch-context {self.context})"
-        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        eos = gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]
-        self.eos_ids = {int(i) for i in [*eos, tok.eos_token_id] if i is not None}
+        self.eos_ids = end_ids(model, tok)
         self.vocab = int(cfg.vocab_size)
         self.page = 32
         self.pages = math.ceil(batch * self.context / self.page)
@@ -549,9 +559,8 @@ class BatchedGenerator:
 
     def submit(self, job: Job) -> None:
         p = job.params
-        sample = p.temperature >= MIN_TEMPERATURE
-        kwargs = dict(temperature=p.temperature if sample else 1.0, top_k=self.vocab if sample else 1,
-                      top_p=(p.top_p if p.top_p > 0 else 1e-9) if sample else 1.0)
+        kwargs = (dict(temperature=1.0, top_k=1, top_p=1.0) if p.greedy else
+                  dict(temperature=p.temperature, top_k=self.vocab, top_p=p.nucleus))
         tracker = TextTracker(self.tok, p.stop)
         with self._lock:
             if self._stop:
@@ -726,6 +735,10 @@ def build_app(model, tok, model_id: str, max_queue: int = 8, api_key: str | None
         return JSONResponse(APIError(e.status_code, what).body(), status_code=e.status_code,
                             headers=getattr(e, "headers", None))
 
+    def unknown_model(name) -> APIError:
+        return APIError(404, f"the model {name!r} does not exist here (this server serves {model_id!r})", "model",
+                        code="model_not_found")
+
     async def read_body(request: Request) -> dict:
         raw = await request.body()
         try:
@@ -739,17 +752,16 @@ def build_app(model, tok, model_id: str, max_queue: int = 8, api_key: str | None
         if body.get("model") != model_id:
             if "model" not in body:
                 raise APIError(400, f"model is required (this server serves {model_id!r})", "model")
-            raise APIError(404, f"the model {body.get('model')!r} does not exist here (this server serves "
-                           f"{model_id!r})", "model", code="model_not_found")
+            raise unknown_model(body["model"])
         return body
 
     def make_job(prompt_ids, params: Params, prefix: str) -> Job:
         n = int(prompt_ids.shape[0])
-        ctx = state["gen"].context
         if n == 0:
             raise APIError(400, "the prompt is empty", "prompt")
         gen = state["gen"]
         gen.check(params)
+        ctx = gen.context
         if ctx is not None and n >= ctx:
             raise APIError(400, f"the prompt has {n} tokens; {gen.context_what} is {ctx} tokens",
                            code="context_length_exceeded")
@@ -780,8 +792,7 @@ def build_app(model, tok, model_id: str, max_queue: int = 8, api_key: str | None
                         kind, value = await asyncio.wait_for(job.out.get(), timeout=0.5)
                     except asyncio.TimeoutError:
                         if await request.is_disconnected():
-                            gen.cancel(job)
-                            return JSONResponse({}, status_code=499)
+                            return JSONResponse({}, status_code=499)  # the finally cancels it
                         continue
                     if kind == "error":
                         raise value
@@ -826,8 +837,7 @@ def build_app(model, tok, model_id: str, max_queue: int = 8, api_key: str | None
     @app.get("/v1/models/{name:path}")
     async def model_card(name: str):
         if name != model_id:
-            raise APIError(404, f"the model {name!r} does not exist here (this server serves {model_id!r})", "model",
-                           code="model_not_found")
+            raise unknown_model(name)
         return card
 
     @app.get("/health")
@@ -935,6 +945,12 @@ def run(args: argparse.Namespace) -> int:
 
     model_dir = sel.model or str(demo.ensure_demo_model(progress=not args.no_progress))
     print(describe(sel, model_dir), flush=True)
+    if args.batch_context is not None:  # before minutes of loading
+        from transformers import AutoConfig
+
+        model_ctx = model_context(AutoConfig.from_pretrained(model_dir))
+        if model_ctx and args.batch_context > model_ctx:
+            raise InputError(f"--batch-context {args.batch_context}: above the model's context of {model_ctx} tokens")
     model = tandem.load_model(model_dir, sel.config, device=args.device, progress=not args.no_progress,
                               adapter=args.adapter)
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -944,9 +960,6 @@ def run(args: argparse.Namespace) -> int:
               "(--chat-template FILE gives one)")
     if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: listening on {args.host} without --api-key: anyone who reaches this port can use it")
-    model_ctx = int(getattr(model.config, "max_position_embeddings", 0) or 0)
-    if args.batch_context is not None and model_ctx and args.batch_context > model_ctx:
-        raise InputError(f"--batch-context {args.batch_context}: above the model's context of {model_ctx} tokens")
     app = build_app(model, tok, model_id, args.max_queue, args.api_key, log=lambda s: print(s, flush=True),
                     chat_template=getattr(args, "chat_template_text", None), batch=args.batch,
                     batch_context=args.batch_context, on_ready=lambda: print(ready, flush=True))

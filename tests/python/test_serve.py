@@ -414,6 +414,14 @@ def test_serve_arguments_are_checked_before_loading(cli_refuses, tmp_path):
         cli_refuses("serve", ["--port", str(port)], f"--host 127.0.0.1 --port {port}: cannot listen there")
 
 
+def test_batch_context_beyond_the_model_is_refused_before_loading(capsys):
+    from tandem import cli
+
+    assert cli.main(["serve", "--no-progress", "--batch", "2", "--batch-context", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tandem: error: --batch-context 100000: above the model's context of 4096 tokens"), err
+
+
 def test_ctrl_c_ends_running_and_waiting_requests_with_an_error():
     """Ctrl-C while one request streams and one waits: both get "the server is shutting
     down" (a 503; an error event in the stream) and the server exits 0 (live_server checks)."""
