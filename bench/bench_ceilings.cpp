@@ -63,7 +63,7 @@ int main(int argc, char** argv) {
   ReadBandwidth bw(static_cast<size_t>(gib * (1ull << 30)), threads);
   DnnlMatmul peer(1024);
   peer.run();  // warm-up: primitive creation, page faults
-  std::vector<double> r_bw, r_fma, r_fma_ymm, r_bf16, r_vnni, r_madd, r_madd_ymm, r_amx_bf16, r_amx_l1, r_amx_l2, r_amx_int8, r_dnnl;
+  std::vector<double> r_bw, r_fma, r_fma_ymm, r_bf16, r_vnni, r_madd, r_madd_ymm, r_amx_bf16, r_amx_data, r_amx_l1, r_amx_l2, r_amx_int8, r_dnnl;
   for (int r = 0; r < reps; ++r) {  // interleaved, so drift hits every figure alike
     r_bw.push_back(bw.measure(2));
     r_fma.push_back(peak_fma_f32(threads));
@@ -73,6 +73,7 @@ int main(int argc, char** argv) {
     r_madd.push_back(peak_maddubs(threads));
     r_madd_ymm.push_back(peak_maddubs_ymm(threads));
     r_amx_bf16.push_back(peak_tdpbf16ps(threads));
+    r_amx_data.push_back(peak_tdpbf16ps_data(threads));
     r_amx_l1.push_back(peak_tdpbf16ps_loaded(threads, 16 << 10));
     r_amx_l2.push_back(peak_tdpbf16ps_loaded(threads, 256 << 10));
     r_amx_int8.push_back(peak_tdpbsud(threads));
@@ -91,6 +92,7 @@ int main(int argc, char** argv) {
   row("peak vpmaddubsw+vpmaddwd zmm (int8)", "GOP/s", r_madd);
   row("peak vpmaddubsw+vpmaddwd ymm (int8)", "GOP/s", r_madd_ymm);
   row("peak AMX tdpbf16ps (bf16)", "GFLOP/s", r_amx_bf16);
+  row("AMX tdpbf16ps, random operands", "GFLOP/s", r_amx_data);
   row("AMX tdpbf16ps, tiles from 16 KB (L1)", "GFLOP/s", r_amx_l1);
   row("AMX tdpbf16ps, tiles from 256 KB (L2)", "GFLOP/s", r_amx_l2);
   row("peak AMX tdpbsud (int8)", "GOP/s", r_amx_int8);

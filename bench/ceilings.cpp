@@ -134,6 +134,13 @@ double peak_tdpbf16ps(int threads) {
   return peak(threads, 4.0 * 16 * 16 * 32 * 2, [](long n) { tdpbf16ps_loop(n); });
 }
 
+void tdpbf16ps_data_loop(long iters);
+
+double peak_tdpbf16ps_data(int threads) {
+  if (!cpu_features().amx_bf16) return 0;
+  return peak(threads, 4.0 * 16 * 16 * 32 * 2, [](long n) { tdpbf16ps_data_loop(n); });
+}
+
 void tdpbf16ps_loaded_loop(long iters, size_t bytes);
 
 double peak_tdpbf16ps_loaded(int threads, size_t bytes) {

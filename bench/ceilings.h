@@ -41,6 +41,7 @@ double peak_maddubs(int threads);     // vpmaddubsw + vpmaddwd + vpaddd zmm: 128
 double peak_maddubs_ymm(int threads); // the same on ymm: 64 OP/sequence
 double peak_dpbusd_ymm(int threads);  // {vex} vpdpbusd ymm (AVX-VNNI): 64 OP/instruction
 double peak_tdpbf16ps(int threads);   // AMX tdpbf16ps, 16x16x32: 16384 FLOP/instruction
+double peak_tdpbf16ps_data(int threads);  // the same, random bf16 operands instead of zeros
 double peak_tdpbf16ps_loaded(int threads, size_t bytes);  // the same 2 x 2 step, its 4 tiles loaded
                                                           // from a footprint of `bytes` per thread
 double peak_tdpbsud(int threads);     // AMX tdpbsud, 16x16x64: 32768 OP/instruction

@@ -2,6 +2,7 @@
 // own 2 x 2 blocking (cpu_kernels/amx_tiles.h), four independent products per iteration.
 // Compiled with -mamx-tile -mamx-bf16 -mamx-int8; callers check cpu_features() (which also
 // requested the tile permission) first.
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 
@@ -26,6 +27,38 @@ void tile_loop(long iters) {
     TANDEM_AMX_DOT(Integer, 1, 4, 7);
     TANDEM_AMX_DOT(Integer, 2, 5, 6);
     TANDEM_AMX_DOT(Integer, 3, 5, 7);
+  }
+  _tile_release();
+}
+// The register-resident step on random bf16 operands (normal values of either sign, as
+// weights and activations are) instead of the zeros above: the tile unit draws more power
+// on real data, and the core may run slower for it.
+void tile_loop_data(long iters) {
+  alignas(64) static uint16_t operands[4 * 512];
+  static const bool filled = [] {
+    uint32_t x = 12345;
+    for (auto& v : operands) {
+      x = x * 1664525u + 1013904223u;  // a fixed LCG: the same operands every run
+      v = static_cast<uint16_t>(0x3c00 + ((x >> 8) & 0x7ff)) | static_cast<uint16_t>((x >> 31) << 15);
+    }
+    return true;
+  }();
+  (void)filled;
+  amx::configure_2x2(64);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const char* p = reinterpret_cast<const char*>(operands);
+  _tile_loadd(4, p, 64);
+  _tile_loadd(5, p + 1024, 64);
+  _tile_loadd(6, p + 2048, 64);
+  _tile_loadd(7, p + 3072, 64);
+  for (long i = 0; i < iters; ++i) {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
   }
   _tile_release();
 }
@@ -69,6 +102,7 @@ void tdpbf16ps_loaded_loop(long iters, size_t bytes) { tile_load_loop(iters, byt
 
 // 4 x 16x16x32 bf16 products per iteration: 65536 FLOP.
 void tdpbf16ps_loop(long iters) { tile_loop<false>(iters); }
+void tdpbf16ps_data_loop(long iters) { tile_loop_data(iters); }
 // 4 x 16x16x64 int8 products per iteration: 131072 OP.
 void tdpbsud_loop(long iters) { tile_loop<true>(iters); }
 

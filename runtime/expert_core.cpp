@@ -173,11 +173,12 @@ std::array<std::vector<float>, 3> ExpertPacks::dequantized(int e) const {
 
 // ---- planner, gather, products, merge -----------------------------------------------
 
-WorkRuns WorkRuns::plan(int n, int weights, int panels, size_t panel_bytes, int threads) {
+WorkRuns WorkRuns::plan(int n, int weights, int panels, size_t panel_bytes, int threads, size_t input_bytes) {
   WorkRuns r;
   r.panels = panels;
   r.weights = weights;
-  int c = static_cast<int>(std::max<size_t>(1, kItemBytes / std::max<size_t>(1, panel_bytes)));
+  const size_t item_bytes = std::max(kItemBytes, kInputReuse * input_bytes);
+  int c = static_cast<int>(std::max<size_t>(1, item_bytes / std::max<size_t>(1, panel_bytes)));
   c = std::min(c, std::max(1, n * weights * panels / (4 * std::max(1, threads))));
   r.chunk = std::max(1, std::min(c, panels));
   r.per = (panels + r.chunk - 1) / r.chunk;
@@ -319,13 +320,14 @@ int ExpertForward::items(int phase, int s) {
     case kGather: return n / S + (s < n % S ? 1 : 0);  // active expert i goes to subpool i % S
     case kGateUp:
       if (!len || !n) return 0;
-      gu_runs_[s] = WorkRuns::plan(n, 1, (len + kPanel - 1) / kPanel, 2 * P.gate_up(s, active[0]).panel_stride, threads_[s]);
+      gu_runs_[s] = WorkRuns::plan(n, 1, (len + kPanel - 1) / kPanel, 2 * P.gate_up(s, active[0]).panel_stride, threads_[s],
+                                   WorkRuns::input_bytes(P.gate_up(s, active[0]), total_rows, n));
       return gu_runs_[s].items(n);
     case kAct: return quant && len ? n : 0;
     case kDown:
       if (!len || !n) return 0;
       dn_runs_[s] = WorkRuns::plan(n, 1, (P.shape().hidden + kPanel - 1) / kPanel, P.down(s, active[0]).panel_stride,
-                                   threads_[s]);
+                                   threads_[s], WorkRuns::input_bytes(P.down(s, active[0]), total_rows, n));
       return dn_runs_[s].items(n);
     case kMerge: {
       const int64_t total = static_cast<int64_t>(in_.tokens) * merge_blocks(P.shape().hidden);

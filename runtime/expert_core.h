@@ -103,16 +103,27 @@ class ExpertPacks {
 
 // Work items that are runs of `chunk` panels of one active expert's weight(s): about
 // kItemBytes of weights each (one panel of a small expert is too little to amortize an
-// item's fixed cost and the prefetcher's ramp), but at least 4 items per thread.
+// item's fixed cost and the prefetcher's ramp), more for many rows (kInputReuse), but at
+// least 4 items per thread.
 struct WorkRuns {
   static constexpr size_t kItemBytes = 512 << 10;
+  // An item holds at least kInputReuse times what a call reads of its expert's input rows
+  // (input_bytes, their mean over the active experts): the AMX kernels pack those rows
+  // into tiles on every call, so at prefill sizes (128 rows of 4096 bf16: 1 MB) items of
+  // kItemBytes would spend as much on the rows as on the weights.
+  static constexpr size_t kInputReuse = 4;
   int panels = 0, chunk = 1, per = 1, weights = 1;  // per = ceil(panels / chunk)
   // n active experts, `weights` weights of `panels` panels of panel_bytes each per expert.
-  static WorkRuns plan(int n, int weights, int panels, size_t panel_bytes, int threads);
+  static WorkRuns plan(int n, int weights, int panels, size_t panel_bytes, int threads, size_t input_bytes = 0);
   int items(int n) const { return panels ? n * weights * per : 0; }
   struct Item {
     int i, w, begin, end;  // active expert, which weight, panel range
   };
+  // What a call on w reads of an active expert's input rows, for `rows` rows over n
+  // experts (their mean; bf16, or int8 for the integer formats): plan's input_bytes.
+  static size_t input_bytes(const PackedWeight& w, int rows, int n) {
+    return n > 0 ? static_cast<size_t>(rows) * w.k * (w.format == WeightFormat::bf16 ? 2 : 1) / n : 0;
+  }
   Item item(int k) const {
     const int b = (k % per) * chunk;
     return {k / (per * weights), (k / per) % weights, b, std::min(panels, b + chunk)};

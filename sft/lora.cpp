@@ -342,12 +342,14 @@ class SftForwardTask : public SftTask {
       case kGather: return spread(int(rows.size()), s);
       case kBaseGU:
         if (!len(s)) return 0;
-        gu_runs[s] = Runs::plan(n, 2, (len(s) + kPanel - 1) / kPanel, L.packs_->gate(s, g.active[0]).panel_stride, L.pool_.threads(s));
+        gu_runs[s] = Runs::plan(n, 2, (len(s) + kPanel - 1) / kPanel, L.packs_->gate(s, g.active[0]).panel_stride, L.pool_.threads(s),
+                                Runs::input_bytes(L.packs_->gate(s, g.active[0]), g.total_rows, n));
         return gu_runs[s].items(n);
       case kLoraGU: return len(s) ? static_cast<int>(rows.size()) : 0;
       case kBaseDown:
         if (!len(s)) return 0;
-        dn_runs[s] = Runs::plan(n, 1, (H + kPanel - 1) / kPanel, L.packs_->down(s, g.active[0]).panel_stride, L.pool_.threads(s));
+        dn_runs[s] = Runs::plan(n, 1, (H + kPanel - 1) / kPanel, L.packs_->down(s, g.active[0]).panel_stride, L.pool_.threads(s),
+                                Runs::input_bytes(L.packs_->down(s, g.active[0]), g.total_rows, n));
         return dn_runs[s].items(n);
       case kLoraDown: return st_.lora ? spread(int(rows.size()), s) : 0;
       case kMerge: return spread(in_.tokens * merge_blocks(), s);
@@ -531,13 +533,14 @@ class SftBackwardTask : public SftTask {
       case kBaseDh:
         if (!len(s)) return 0;
         dh_runs[s] = Runs::plan(n, 1, (len(s) + kPanel - 1) / kPanel, L.back_[s].down_t[g.active[0]].panel_stride,
-                                L.pool_.threads(s));
+                                L.pool_.threads(s), Runs::input_bytes(L.back_[s].down_t[g.active[0]], g.total_rows, n));
         return dh_runs[s].items(n);
       case kAct: return len(s) ? static_cast<int>(rows.size()) : 0;
       case kSliceGrads: return lora && len(s) ? static_cast<int>(scols[s].size()) : 0;
       case kBaseDx:
         if (!len(s) || !gr.d_x) return 0;
-        dx_runs[s] = Runs::plan(n, 1, (H + kPanel - 1) / kPanel, L.back_[s].gu_t[g.active[0]].panel_stride, L.pool_.threads(s));
+        dx_runs[s] = Runs::plan(n, 1, (H + kPanel - 1) / kPanel, L.back_[s].gu_t[g.active[0]].panel_stride, L.pool_.threads(s),
+                                Runs::input_bytes(L.back_[s].gu_t[g.active[0]], g.total_rows, n));
         return dx_runs[s].items(n);
       case kLoraDx: return lora ? spread(int(rows.size()), s) : 0;
       case kAGrads: return lora && (gw[0] || gw[2]) ? spread(int(hcols.size()), s) : 0;

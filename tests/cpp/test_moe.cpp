@@ -15,6 +15,7 @@
 #include <cmath>
 #include <random>
 
+#include "expert_core.h"
 #include "tandem/error.h"
 #include "tandem/moe.h"
 #include "tandem/pool_config.h"
@@ -417,3 +418,46 @@ TEST(MoeEngineApi, LayersQueueInOrder) {
 
 }  // namespace
 }  // namespace tandem
+
+// The work-item planner: runs of about 512 KB of one expert's panels, more when a call
+// reads many input rows (the AMX kernels pack them per call), never fewer than 4 items
+// per thread.
+TEST(WorkRuns, ItemsGrowWithTheInputRowsAndKeepFourPerThread) {
+  using tandem::core::WorkRuns;
+  const size_t pair = 1 << 20;  // a bf16 gate/up panel pair at k = 4096: 2 x 64 x 4096 x 2 bytes
+  // Decode-sized input: items of one pair (512 KB rounds up to one panel run).
+  WorkRuns r = WorkRuns::plan(128, 1, 24, pair, 2, 8 << 10);
+  EXPECT_EQ(r.chunk, 1);
+  EXPECT_EQ(r.items(128), 128 * 24);
+  // 128 rows of 4096 bf16 (1 MB) per call: at least 4 MB of weights per item.
+  r = WorkRuns::plan(128, 1, 24, pair, 2, 1 << 20);
+  EXPECT_EQ(r.chunk, 4);
+  EXPECT_EQ(r.per, 6);
+  // One expert on 2 threads: 24 panels / (4 x 2) = 3 panels per item, 8 items.
+  r = WorkRuns::plan(1, 1, 24, pair, 2, 1 << 20);
+  EXPECT_EQ(r.chunk, 3);
+  EXPECT_EQ(r.items(1), 8);
+  // Every panel still in exactly one item.
+  for (const auto& [n, input] : {std::pair{5, size_t(0)}, {5, size_t(3) << 20}, {1, size_t(64) << 20}}) {
+    r = WorkRuns::plan(n, 2, 24, pair, 3, input);
+    std::vector<int> seen(static_cast<size_t>(n) * 2 * 24, 0);
+    for (int k = 0; k < r.items(n); ++k) {
+      const auto it = r.item(k);
+      for (int p = it.begin; p < it.end; ++p) ++seen[(static_cast<size_t>(it.i) * 2 + it.w) * 24 + p];
+    }
+    for (int c : seen) EXPECT_EQ(c, 1);
+  }
+}
+
+TEST(WorkRuns, InputBytesAreTheMeanRowsOfTheFormat) {
+  using tandem::core::WorkRuns;
+  tandem::PackedWeight w;
+  w.k = 4096;
+  w.format = tandem::WeightFormat::bf16;
+  EXPECT_EQ(WorkRuns::input_bytes(w, 256, 2), size_t(128) * 4096 * 2);
+  w.format = tandem::WeightFormat::int8;
+  EXPECT_EQ(WorkRuns::input_bytes(w, 256, 2), size_t(128) * 4096);
+  w.format = tandem::WeightFormat::int4;
+  EXPECT_EQ(WorkRuns::input_bytes(w, 3, 2), size_t(3) * 4096 / 2);
+  EXPECT_EQ(WorkRuns::input_bytes(w, 0, 0), 0u);
+}
