@@ -3,6 +3,7 @@
 // tandem::Error to Python exceptions with the same message:
 //   invalid_argument, bad_format, unsupported -> ValueError
 //   io -> OSError;  internal -> RuntimeError
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <pybind11/stl/filesystem.h>
@@ -17,6 +18,7 @@
 #include "tandem/engine.h"
 #include "tandem/error.h"
 #include "tandem/lora.h"
+#include "tandem/dense.h"
 #include "tandem/lora_engine.h"
 #include "tandem/memory_plan.h"
 #include "tandem/pool_config.h"
@@ -320,8 +322,40 @@ PYBIND11_MODULE(_C, m) {
              d["tokens"] = c.tokens;
              return d;
            }, "Routed (token, expert) pairs of MoE layer i by where they ran (after synchronize).")
+      .def("dense_linear", [](Engine& e, uintptr_t w, int n, int k, const std::string& dtype, const std::string& format,
+                              int group_size, bool zero_point, const std::string& name) {
+             PackOptions o;
+             o.format = parse_format(format);
+             o.group = group_size;
+             o.symmetric = !zero_point;
+             WeightView v{reinterpret_cast<const void*>(w), source_type(dtype), n, k};
+             py::gil_scoped_release nogil;
+             return std::make_shared<DenseLinear>(e.pool(), kernel_table(e.isa()), v, o, name);
+           }, py::arg("weight"), py::arg("n"), py::arg("k"), py::arg("dtype"), py::arg("format"),
+           py::arg("group_size") = 128, py::arg("zero_point") = false, py::arg("name") = "dense",
+           py::keep_alive<0, 1>(),
+           "Packs a row-major [n x k] weight (nn.Linear layout) for forward on this engine's pool (tandem/dense.h).")
       .def("reset_counts", [](Engine& e) { e.hybrid().reset_counts(); })
       .def("write_statistics", [](Engine& e, const std::filesystem::path& p) { e.hybrid().write_statistics(p); });
+
+  py::class_<DenseLinear, std::shared_ptr<DenseLinear>>(m, "DenseLinear",
+                                                        "A dense layer's weight on tandem's kernels (tandem/dense.h).")
+      .def("forward", [](DenseLinear& d, uintptr_t x, bool x_bf16, int m, int ldx, uintptr_t y, int ldy) {
+             py::gil_scoped_release nogil;
+             d.forward(reinterpret_cast<const void*>(x), x_bf16, m, ldx, reinterpret_cast<float*>(y), ldy);
+           }, py::arg("x"), py::arg("x_bf16"), py::arg("m"), py::arg("ldx"), py::arg("y"), py::arg("ldy"),
+           "y [m x n] fp32 (row stride ldy) = x [m x k] (bf16 or fp32, row stride ldx) . W^T; waits for the pool.")
+      .def("dequantized", [](const DenseLinear& d) {
+             std::vector<float> v = d.dequantized();
+             py::array_t<float> a({d.n(), d.k()});
+             std::copy(v.begin(), v.end(), a.mutable_data());
+             return a;
+           }, "The packed weight as fp32 [n x k]: what forward multiplies by.")
+      .def_property_readonly("n", &DenseLinear::n)
+      .def_property_readonly("k", &DenseLinear::k)
+      .def_property_readonly("bytes", &DenseLinear::bytes)
+      .def_property_readonly("name", &DenseLinear::name)
+      .def_property_readonly("format", [](const DenseLinear& d) { return std::string(format_name(d.format().format)); });
 
   // ---- LoRA fine-tuning (tandem/lora.h) ----
   py::class_<Pool, std::shared_ptr<Pool>>(m, "Pool", "CPU worker pools (one per NUMA node) from a config's cpu section.")

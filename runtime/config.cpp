@@ -384,13 +384,22 @@ fs::path resolve(const Ctx& c, const std::string& p) {
 void parse_cpu(const Section& s, Config::Cpu& cpu) {
   const Ctx& c = s.ctx();
   if (auto n = s.value("format"); present(n)) cpu.format = read_choice(c, n, s.key("format"), {"bf16", "int8", "int4"});
+  if (auto n = s.value("dense_format"); present(n))
+    cpu.dense_format = read_choice(c, n, s.key("dense_format"), {"auto", "torch", "bf16", "int8", "int4"});
+  const bool int4 = cpu.format == "int4" || cpu.dense_format == "int4";
   if (auto n = s.value("group_size"); present(n)) {
-    if (cpu.format != "int4") fail(c, n, s.key("group_size"), str_cat("applies only to format int4 (format is ", cpu.format, ")"));
+    if (!int4)
+      fail(c, n, s.key("group_size"),
+           str_cat("applies only to format or dense_format int4 (format is ", cpu.format, ", dense_format ",
+                   cpu.dense_format, ")"));
     const std::string v = read_choice(c, n, s.key("group_size"), {"32", "64", "128"});
     cpu.group_size = std::stoi(v);
   }
   if (auto n = s.value("zero_point"); present(n)) {
-    if (cpu.format != "int4") fail(c, n, s.key("zero_point"), str_cat("applies only to format int4 (format is ", cpu.format, ")"));
+    if (!int4)
+      fail(c, n, s.key("zero_point"),
+           str_cat("applies only to format or dense_format int4 (format is ", cpu.format, ", dense_format ",
+                   cpu.dense_format, ")"));
     cpu.zero_point = read_bool(c, n, s.key("zero_point"));
   }
   if (auto n = s.value("numa_nodes"); present(n)) {
@@ -526,7 +535,8 @@ Config parse_config(std::string_view yaml, std::string_view origin, const fs::pa
   if (auto n = model.value("path"); present(n)) cfg.model.path = resolve(c, read_string(c, n, "model.path"));
 
   parse_cpu(Section(top.get("cpu"), "cpu", c,
-                    {"format", "group_size", "zero_point", "numa_nodes", "virtual_subpools", "threads", "isa"}),
+                    {"format", "dense_format", "group_size", "zero_point", "numa_nodes", "virtual_subpools", "threads",
+                     "isa"}),
             cfg.cpu);
   parse_gpu(Section(top.get("gpu"), "gpu", c, {"device", "hot_experts", "deferred_experts"}), cfg.gpu);
 
@@ -579,6 +589,7 @@ std::string Config::to_json() const {
   j["version"] = version;
   j["model"]["path"] = model.path.string();
   j["cpu"] = {{"format", cpu.format},
+              {"dense_format", cpu.dense_format},
               {"group_size", cpu.group_size},
               {"zero_point", cpu.zero_point},
               {"numa_nodes", cpu.numa_nodes.empty() ? nlohmann::ordered_json("auto") : nlohmann::ordered_json(cpu.numa_nodes)},

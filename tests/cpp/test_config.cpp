@@ -91,6 +91,16 @@ train:
   EXPECT_EQ(j["cpu"]["numa_nodes"], nlohmann::json({0, 1}));
 }
 
+TEST(Config, DenseFormat) {
+  EXPECT_EQ(parse_config("", "p.yaml").cpu.dense_format, "auto");
+  const Config c = parse_config("cpu:\n  dense_format: int4\n  group_size: 64\n  zero_point: true\n", "p.yaml");
+  EXPECT_EQ(c.cpu.dense_format, "int4");
+  EXPECT_EQ(c.cpu.format, "bf16");
+  EXPECT_EQ(c.cpu.group_size, 64);
+  EXPECT_TRUE(c.cpu.zero_point);
+  EXPECT_NE(c.to_json().find("\"dense_format\": \"int4\""), std::string::npos) << c.to_json();
+}
+
 TEST(Config, HotExpertForms) {
   Config a = parse_config("gpu:\n  hot_experts: 8\n");
   EXPECT_EQ(a.gpu.hot_experts.policy, HotExpertsConfig::Policy::uniform);
@@ -107,7 +117,7 @@ TEST(Config, HotExpertForms) {
 
 TEST(Config, UnknownKeys) {
   EXPECT_EQ(err("cpu:\n  formt: int8\n"),
-            "p.yaml:2:3: cpu.formt: unknown key; allowed here: format, group_size, zero_point, numa_nodes, virtual_subpools, threads, isa");
+            "p.yaml:2:3: cpu.formt: unknown key; allowed here: format, dense_format, group_size, zero_point, numa_nodes, virtual_subpools, threads, isa");
   EXPECT_EQ(err("cpus: {}\n"), "p.yaml:1:1: cpus: unknown key; allowed here: version, model, cpu, gpu, buffers, trace, train");
   EXPECT_EQ(err("gpu:\n  hot_experts:\n    cnt: 3\n"),
             "p.yaml:3:5: gpu.hot_experts.cnt: unknown key; allowed here: count, statistics, layers");
@@ -120,7 +130,10 @@ TEST(Config, RepeatedKey) {
 TEST(Config, BadValues) {
   EXPECT_EQ(err("cpu:\n  format: fp8\n"), "p.yaml:2:11: cpu.format: 'fp8' is not one of: bf16, int8, int4");
   EXPECT_EQ(err("cpu:\n  format: int4\n  group_size: 48\n"), "p.yaml:3:15: cpu.group_size: '48' is not one of: 32, 64, 128");
-  EXPECT_EQ(err("cpu:\n  group_size: 64\n"), "p.yaml:2:15: cpu.group_size: applies only to format int4 (format is bf16)");
+  EXPECT_EQ(err("cpu:\n  group_size: 64\n"),
+            "p.yaml:2:15: cpu.group_size: applies only to format or dense_format int4 (format is bf16, dense_format auto)");
+  EXPECT_EQ(err("cpu:\n  dense_format: fp8\n"),
+            "p.yaml:2:17: cpu.dense_format: 'fp8' is not one of: auto, torch, bf16, int8, int4");
   EXPECT_EQ(err("cpu:\n  threads: many\n"), "p.yaml:2:12: cpu.threads: expected an integer, got 'many'");
   EXPECT_EQ(err("cpu:\n  threads: 0\n"), "p.yaml:2:12: cpu.threads: 0 is outside the allowed range [1, 4096]");
   EXPECT_EQ(err("cpu:\n  numa_nodes: [0, 0]\n"), "p.yaml:2:19: cpu.numa_nodes[1]: 0 is listed twice");
@@ -149,7 +162,7 @@ TEST(Config, HotExpertConflicts) {
 TEST(Config, StructureErrors) {
   EXPECT_EQ(err("- a\n- b\n"), "p.yaml:1:1: top level: expected a mapping with keys version, model, cpu, gpu, buffers, trace, train, got a list");
   EXPECT_EQ(err("cpu: bf16\n"),
-            "p.yaml:1:6: cpu: expected a mapping with keys format, group_size, zero_point, numa_nodes, virtual_subpools, threads, isa, got 'bf16'");
+            "p.yaml:1:6: cpu: expected a mapping with keys format, dense_format, group_size, zero_point, numa_nodes, virtual_subpools, threads, isa, got 'bf16'");
   std::string syntax = err("cpu:\n  format: [bf16\n");
   EXPECT_EQ(syntax.rfind("p.yaml:3:1: YAML syntax error: ", 0), 0u) << syntax;
 }

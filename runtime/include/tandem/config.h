@@ -11,9 +11,11 @@
 //   model:
 //     path: /models/Qwen3-30B-A3B     # checkpoint dir/file; relative to this file
 //   cpu:
-//     format: bf16                    # bf16 | int8 | int4
-//     group_size: 128                 # int4 only: 32 | 64 | 128
-//     zero_point: false               # int4 only: asymmetric groups
+//     format: bf16                    # bf16 | int8 | int4 (the routed experts)
+//     dense_format: auto              # auto | torch | bf16 | int8 | int4: the other linear
+//                                     # layers that run on the CPU (tandem.load_model)
+//     group_size: 128                 # int4 only (either format): 32 | 64 | 128
+//     zero_point: false               # int4 only (either format): asymmetric groups
 //     numa_nodes: auto                # auto | [0, 1] (physical node ids)
 //     virtual_subpools: 1             # subpools per node (tests NUMA paths on 1 node)
 //     threads: auto                   # auto | threads per subpool
@@ -62,6 +64,9 @@ struct Config {
 
   struct Cpu {
     std::string format = "bf16";
+    // The CPU's other linear layers: "auto" (tandem's bf16 kernels for bf16 weights,
+    // torch for the rest), "torch" (transformers' own), or a format every one is packed in.
+    std::string dense_format = "auto";
     int group_size = 128;       // meaningful for int4
     bool zero_point = false;    // meaningful for int4
     std::vector<int> numa_nodes;  // empty: all nodes

@@ -1,0 +1,57 @@
+// tandem/dense.h: a dense linear layer (nn.Linear without its bias) on tandem's expert
+// kernels and worker pool, for the layers of a model that run on the CPU besides its
+// routed experts (attention projections, shared experts and dense MLPs, lm_head).
+//
+// The weight [n x k] is packed once in the chosen format (the experts' formats: bf16,
+// int8 per output row, int4 with groups) and split by output panels over the pool's
+// subpools, each slice packed and first touched by its own subpool's threads. forward()
+// runs one task on the pool and waits for it (and so for every task queued before it:
+// an engine's MoE layers share the pool, FIFO): the input is rounded to bf16 (or
+// quantized) once, then every subpool's threads run runs of its panels through the
+// kernel table's gemm for the row count (AMX / VNNI / AVX-512 as for the experts).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tandem/kernels.h"
+#include "tandem/pool.h"
+
+namespace tandem {
+
+class DenseLinear {
+ public:
+  // Packs w (checked: shape, finite values in the integer formats; errors name `name`).
+  DenseLinear(Pool& pool, const KernelTable& kernels, const WeightView& w, const PackOptions& format, std::string name);
+  ~DenseLinear();
+  DenseLinear(const DenseLinear&) = delete;
+  DenseLinear& operator=(const DenseLinear&) = delete;
+
+  // y [m x n] (fp32, row stride ldy >= n) = x [m x k] . W^T, x bf16 (x_bf16) or fp32 with
+  // row stride ldx >= k. Blocks until done; rethrows a task's error.
+  void forward(const void* x, bool x_bf16, int m, int ldx, float* y, int ldy);
+
+  int n() const { return n_; }
+  int k() const { return k_; }
+  const PackOptions& format() const { return format_; }
+  const std::string& name() const { return name_; }
+  size_t bytes() const;  // packed bytes, all slices
+  // The packed weight as fp32 [n x k] (nn.Linear layout): what forward multiplies by.
+  std::vector<float> dequantized() const;
+
+ private:
+  struct Slice {
+    int n0 = 0, n = 0;  // output columns [n0, n0 + n)
+    PackedWeight w;
+  };
+  class Forward;
+  Pool& pool_;
+  const KernelTable& kt_;
+  PackOptions format_;
+  std::string name_;
+  int n_ = 0, k_ = 0;
+  std::vector<Slice> slices_;  // one per subpool (empty n: that subpool holds none)
+};
+
+}  // namespace tandem

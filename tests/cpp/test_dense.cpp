@@ -1,0 +1,140 @@
+// DenseLinear (tandem/dense.h): a dense layer on the expert kernels and the pool. Its
+// output must be exactly the kernel's on the whole, unsliced pack (a subpool's slice of
+// output panels changes no scale: int8 scales are per output row, int4 groups run along
+// k, activations are quantized per row over the whole k), for every subpool count; the
+// whole-pack kernels are checked against fp64 references in test_kernels_*.cpp, and the
+// BF16 case once more here.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+#include "tandem/config.h"
+#include "tandem/dense.h"
+#include "tandem/error.h"
+#include "tandem/pool_config.h"
+#include "test_util.h"
+
+namespace tandem {
+namespace {
+
+std::unique_ptr<Pool> dense_pool(int subpools) {
+  Config::Cpu cpu;
+  cpu.virtual_subpools = subpools;
+  cpu.threads = 1;
+  return std::make_unique<Pool>(pool_options(cpu));
+}
+
+PackOptions fmt(WeightFormat f, int group = 128, bool symmetric = true) {
+  PackOptions o;
+  o.format = f;
+  o.group = group;
+  o.symmetric = symmetric;
+  return o;
+}
+
+TEST(Dense, EqualsTheKernelOnTheWholePackForEverySplit) {
+  std::mt19937_64 rng(test::test_seed());
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const KernelTable& kt = kernels();
+  for (const PackOptions& o : {fmt(WeightFormat::bf16), fmt(WeightFormat::int8), fmt(WeightFormat::int4, 32),
+                               fmt(WeightFormat::int4, 128, false)}) {
+    for (const auto [n, k] : {std::pair{200, 256}, {64, 512}, {7, 128}}) {
+      std::vector<bf16_t> w(static_cast<size_t>(n) * k);
+      for (auto& v : w) v = fp32_to_bf16(nd(rng) / std::sqrt(float(k)));
+      const WeightView view{w.data(), SourceType::bf16, n, k};
+      const PackedWeight whole = pack(view, o);
+      for (const int m : {1, 5, 40}) {
+        std::vector<float> x(static_cast<size_t>(m) * k);
+        for (auto& v : x) v = nd(rng);
+        std::vector<bf16_t> xb(x.size());
+        fp32_to_bf16(x.data(), xb.data(), x.size());
+        // The reference: one kernel call on the whole pack, bf16 input (fp32 input is
+        // rounded to bf16 first in every format).
+        std::vector<float> ref(static_cast<size_t>(m) * n);
+        GemmArgs g = test::gemm_args(xb.data(), m, k, ref.data(), n);
+        QuantizedActs qa;
+        if (o.format != WeightFormat::bf16) {
+          qa.prepare(whole, m);
+          quantize_activations(qa, xb.data(), k, 0, m, &kt);
+          g.a = nullptr;
+          g.qa = &qa;
+        }
+        kt.of(o.format).pick(m).gemm(whole, g);
+        for (const int subpools : {1, 2, 3}) {
+          auto pool = dense_pool(subpools);
+          DenseLinear d(*pool, kt, view, o, "model.layers.0.self_attn.q_proj");
+          EXPECT_EQ(d.n(), n);
+          EXPECT_EQ(d.bytes(), whole.bytes());  // slices end on panel boundaries: no padding added
+          for (const bool in_bf16 : {true, false}) {
+            std::vector<float> y(static_cast<size_t>(m) * (n + 3), -1.0f);  // ldy > n: the gap stays
+            d.forward(in_bf16 ? static_cast<const void*>(xb.data()) : x.data(), in_bf16, m, k, y.data(), n + 3);
+            for (int r = 0; r < m; ++r) {
+              for (int j = 0; j < n; ++j)
+                ASSERT_EQ(y[static_cast<size_t>(r) * (n + 3) + j], ref[static_cast<size_t>(r) * n + j])
+                    << format_name(o.format) << " g" << o.group << " n=" << n << " k=" << k << " m=" << m
+                    << " subpools=" << subpools << " bf16 in=" << in_bf16 << " at (" << r << ", " << j << ")";
+              for (int j = n; j < n + 3; ++j) ASSERT_EQ(y[static_cast<size_t>(r) * (n + 3) + j], -1.0f);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// BF16 against fp64: products of bf16 values are exact in fp32, so the only error is the
+// fp32 accumulation of k terms, |err| <= k * 2^-24 * sum |x_c w_c| (a loose bound on the
+// order-dependent rounding of k - 1 additions).
+TEST(Dense, Bf16MatchesFp64) {
+  std::mt19937_64 rng(test::test_seed());
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const int n = 130, k = 320, m = 9;
+  std::vector<bf16_t> w(static_cast<size_t>(n) * k), x(static_cast<size_t>(m) * k);
+  for (auto& v : w) v = fp32_to_bf16(nd(rng));
+  for (auto& v : x) v = fp32_to_bf16(nd(rng));
+  auto pool = dense_pool(2);
+  DenseLinear d(*pool, kernels(), {w.data(), SourceType::bf16, n, k}, fmt(WeightFormat::bf16), "lm_head");
+  std::vector<float> y(static_cast<size_t>(m) * n);
+  d.forward(x.data(), true, m, k, y.data(), n);
+  const std::vector<float> dq = d.dequantized();
+  for (int r = 0; r < m; ++r)
+    for (int j = 0; j < n; ++j) {
+      double exact = 0, mag = 0;
+      for (int c = 0; c < k; ++c) {
+        const double p = double(bf16_to_fp32(x[static_cast<size_t>(r) * k + c])) * bf16_to_fp32(w[static_cast<size_t>(j) * k + c]);
+        exact += p;
+        mag += std::fabs(p);
+        ASSERT_EQ(dq[static_cast<size_t>(j) * k + c], bf16_to_fp32(w[static_cast<size_t>(j) * k + c]));
+      }
+      ASSERT_NEAR(y[static_cast<size_t>(r) * n + j], exact, k * std::ldexp(1.0, -24) * mag) << r << ", " << j;
+    }
+}
+
+TEST(Dense, BadInputIsRefused) {
+  auto pool = dense_pool(1);
+  std::vector<bf16_t> w(64 * 100, fp32_to_bf16(1.0f));
+  // int4 needs k to be a multiple of the group.
+  EXPECT_NE(test::error_of([&] {
+              DenseLinear d(*pool, kernels(), {w.data(), SourceType::bf16, 64, 100}, fmt(WeightFormat::int4, 32),
+                            "model.layers.3.mlp.down_proj");
+            }).find("model.layers.3.mlp.down_proj"),
+            std::string::npos);
+  DenseLinear d(*pool, kernels(), {w.data(), SourceType::bf16, 64, 100}, fmt(WeightFormat::bf16), "o_proj");
+  std::vector<float> y(64);
+  std::vector<bf16_t> x(100);
+  EXPECT_NE(test::error_of([&] { d.forward(x.data(), true, 1, 99, y.data(), 64); }).find("o_proj: row strides 99"),
+            std::string::npos);
+  EXPECT_NE(test::error_of([&] { d.forward(x.data(), true, -1, 100, y.data(), 64); }).find("is negative"),
+            std::string::npos);
+  d.forward(nullptr, true, 0, 100, nullptr, 64);  // no rows: nothing to do
+  // A NaN weight in an integer format: the pack refuses it, naming the layer.
+  w[5] = fp32_to_bf16(std::nanf(""));
+  EXPECT_NE(test::error_of([&] {
+              DenseLinear q(*pool, kernels(), {w.data(), SourceType::bf16, 64, 100}, fmt(WeightFormat::int8), "k_proj");
+            }).find("k_proj"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace tandem
