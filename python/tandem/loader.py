@@ -28,6 +28,7 @@ from .adapters import merge_for_inference, peft_for_training, read_adapter_confi
 from .checkpoint_reader import TensorReader
 from .config import ConfigLike, config_json
 from .checkpoint_names import CheckpointNames
+from .dense import replace_dense
 from .discovery import find_moe_blocks
 from .engine import make_engine, make_lora_layers, share_cpu_with_torch
 from .experts_check import check_experts
@@ -71,7 +72,9 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
     the inference engine; backward_format "int8" halves the training path's transposed
     packs; default: the config's train.backward_format, bf16). The model is returned in
     eval mode, with ``model.tandem_engine``
-    holding the engine (a ``LoraEngine`` when training).
+    holding the engine (a ``LoraEngine`` when training). For inference on the CPU, the
+    model's other linear layers run on tandem's kernels too (``tandem.dense``: config
+    ``cpu.dense_format``, by default bf16 weights only; ``model.tandem_dense`` lists them).
 
     adapter: a PEFT LoRA adapter directory (``save_pretrained``'s output) for this
     checkpoint. For inference it is merged (``tandem.adapters``: the expert layers it
@@ -208,6 +211,11 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
             model = peft_for_training(model, adapter, adapter_cfg)
         else:
             model = merge_for_inference(model, engine, adapter, adapter_cfg, ckpt, naming, bar)
+    if not train and device.type == "cpu":
+        # The other linear layers on tandem's kernels (cpu.dense_format); the routers and
+        # shared-expert gates (direct children of a MoE block) stay in torch.
+        keep = {id(m) for b in blocks for m in b.block.children() if isinstance(m, nn.Linear)}
+        model.tandem_dense = replace_dense(model, engine, cfg_json["cpu"], keep)
     share_cpu_with_torch(engine, device)
     apply_config(cfg_json)  # trace.enabled: record from now on, write trace.path at exit
     model.tandem_engine = engine
