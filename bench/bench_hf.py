@@ -4,6 +4,10 @@ memory is that variant's own).
 
     .venv/bin/python bench/bench_hf.py                        # demo model + Qwen3-30B-A3B shapes
     .venv/bin/python bench/bench_hf.py --models demo --prompt 64 --new 32
+    .venv/bin/python bench/bench_hf.py --models qwen3-30b-a3b --dense torch,auto,int8
+
+--dense: the cpu.dense_format values to run tandem with (tandem.dense: the non-expert
+linear layers in torch, or on tandem's kernels in bf16 / int8 / int4); each is a variant.
 
 Random-weight checkpoints are built once under $TANDEM_CACHE (default ~/.cache/tandem).
 Qwen3-30B-A3B shapes (hidden 2048, 128 experts, top-8, expert intermediate 768, 32 heads,
@@ -75,7 +79,8 @@ def run_variant(args) -> dict:
     torch.manual_seed(0)
     t0 = time.perf_counter()
     if args.variant.startswith("tandem"):
-        cfg = {"version": 1, "cpu": {"format": args.format}, "gpu": {"device": "auto"}}
+        cfg = {"version": 1, "cpu": {"format": args.format, "dense_format": args.variant.split("/")[1]},
+               "gpu": {"device": "auto"}}
         model = tandem.load_model(args.dir, cfg, progress=False)
     else:
         model = AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.bfloat16).eval()
@@ -98,6 +103,7 @@ def run_variant(args) -> dict:
     n_moe = sum(1 for layer in model.model.layers if hasattr(layer.mlp, "experts"))
     expert_bytes = 3 * c.hidden_size * c.moe_intermediate_size * 2
     non_expert = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".mlp.experts." not in n)
+    non_expert += sum(m.packed_bytes for m in model.modules() if hasattr(m, "packed_bytes"))  # tandem.dense layers
     # Decode reads every non-expert weight except the embedding table (one row) per token,
     # and top_k experts per MoE layer (at one token: distinct experts, weights read once).
     embed = model.model.embed_tokens.weight
@@ -127,6 +133,7 @@ def main() -> int:
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--format", default="bf16")
+    p.add_argument("--dense", default="torch,auto", help="cpu.dense_format values, one tandem variant each")
     p.add_argument("--variant", help=argparse.SUPPRESS)
     p.add_argument("--dir", help=argparse.SUPPRESS)
     p.add_argument("--json", help="also write the results here")
@@ -144,11 +151,12 @@ def main() -> int:
         d = model_dir(name, args.layers)
         row = {"model": name}
         cores = os.cpu_count() or 1
-        for variant in ("transformers", "tandem", f"tandem-t{cores}"):
+        dense = args.dense.split(",")
+        for variant in ["transformers"] + [f"tandem/{d}" for d in dense] + [f"tandem-t{cores}/{dense[0]}"]:
             cmd = [sys.executable, __file__, "--variant", variant, "--dir", str(d), "--prompt", str(args.prompt),
                    "--new", str(args.new), "--repeat", str(args.repeat), "--format", args.format]
             env = dict(os.environ)
-            if variant != "tandem":  # tandem-tN: torch keeps N threads next to the pool
+            if not variant.startswith("tandem/"):  # tandem-tN: torch keeps N threads next to the pool
                 env["TANDEM_TORCH_THREADS"] = str(cores)
             r = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if r.returncode:
@@ -156,21 +164,23 @@ def main() -> int:
                 return 1
             row[variant] = json.loads(r.stdout.strip().splitlines()[-1])
         results.append(row)
-        hf, td = row["transformers"], row["tandem"]
+        hf, td = row["transformers"], row[f"tandem/{dense[0]}"]
         print(f"\n{name} ({d.name}), device {td['device']}")
-        print(f"{'':14}{'torch thr':>10}{'prefill tok/s':>14}{'decode tok/s':>14}{'load s':>8}{'peak RSS GiB':>14}"
+        print(f"{'':18}{'torch thr':>10}{'prefill tok/s':>14}{'decode tok/s':>14}{'load s':>8}{'peak RSS GiB':>14}"
               f"{'RSS after load':>16}")
         for label, x in row.items():
             if label == "model":
                 continue
-            print(f"{label:14}{x['threads']:>10}{x['prefill_tps']:>14.1f}{x['decode_tps']:>14.2f}{x['load_s']:>8.1f}"
+            print(f"{label:18}{x['threads']:>10}{x['prefill_tps']:>14.1f}{x['decode_tps']:>14.2f}{x['load_s']:>8.1f}"
                   f"{x['peak_rss_gib']:>14.2f}{x['rss_after_load_gib']:>16.2f}")
-        print(f"tandem / transformers: prefill {td['prefill_tps'] / hf['prefill_tps']:.2f}x, "
-              f"decode {td['decode_tps'] / hf['decode_tps']:.2f}x")
-        if bw:
-            rate = td["decode_bytes"] * td["decode_tps"] / 1e9
-            print(f"tandem decode reads {td['decode_bytes'] / 2**20:.1f} MiB/token -> {rate:.1f} GB/s = "
-                  f"{rate / bw:.0%} of the measured read bandwidth")
+        for df in dense:
+            t = row[f"tandem/{df}"]
+            line = (f"tandem/{df} vs transformers: prefill {t['prefill_tps'] / hf['prefill_tps']:.2f}x, decode "
+                    f"{t['decode_tps'] / hf['decode_tps']:.2f}x; decode reads {t['decode_bytes'] / 2**20:.1f} MiB/token")
+            if bw:
+                rate = t["decode_bytes"] * t["decode_tps"] / 1e9
+                line += f" -> {rate:.1f} GB/s = {rate / bw:.0%} of the measured read bandwidth"
+            print(line)
         print(f"tandem packed experts {td['tandem_cpu_gib']:.2f} GiB; peak RSS during load {td['peak_rss_gib']:.2f} GiB")
     if args.json:
         Path(args.json).write_text(json.dumps({"ceilings": ceil, "results": results}, indent=1))
