@@ -5,12 +5,38 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <cstdint>
 
 #include "expert_core.h"
 #include "tandem/error.h"
 #include "tandem/trace.h"
 
 namespace tandem {
+
+namespace {
+// Whether a bf16 pack holds a NaN or Inf (exponent all ones): one pass over the packed bytes.
+bool has_non_finite_bf16(const PackedWeight& w) {
+  const uint16_t* p = reinterpret_cast<const uint16_t*>(w.data.data());
+  const size_t n = w.bytes() / 2;
+  bool bad = false;
+  for (size_t i = 0; i < n; ++i) bad |= (p[i] & 0x7f80) == 0x7f80;
+  return bad;
+}
+
+// The first non-finite element of rows [r0, r0 + rows) of w, as an error naming it.
+[[noreturn]] void refuse_non_finite(const WeightView& w, int r0, int rows, const std::string& name) {
+  std::vector<float> row(w.k);
+  for (int r = r0; r < r0 + rows; ++r) {
+    decode_rows(w, r, 1, row.data());
+    for (int c = 0; c < w.k; ++c)
+      if (!std::isfinite(row[c]))
+        TANDEM_FAIL(Errc::bad_format, name, ": weight element (", r, ", ", c, ") is ",
+                    std::isnan(row[c]) ? "nan" : row[c] > 0 ? "inf" : "-inf", ": not finite");
+  }
+  TANDEM_FAIL(Errc::bad_format, name, ": the packed weight holds a non-finite value");
+}
+}  // namespace
 
 DenseLinear::DenseLinear(Pool& pool, const KernelTable& kernels, const WeightView& w, const PackOptions& format,
                          std::string name)
@@ -21,19 +47,27 @@ DenseLinear::DenseLinear(Pool& pool, const KernelTable& kernels, const WeightVie
                ": k = ", w.k, " is not a multiple of the int4 group size ", format.group,
                " (choose a group that divides it, or another dense_format)");
   const int S = pool.subpools(), panels = (w.n + kPanel - 1) / kPanel;
-  slices_.resize(S);
+  pieces_.resize(S);
+  int most = 0;
   for (int s = 0; s < S; ++s) {
     const int p0 = static_cast<int>(static_cast<int64_t>(panels) * s / S);
     const int p1 = static_cast<int>(static_cast<int64_t>(panels) * (s + 1) / S);
-    slices_[s].n0 = std::min(w.n, p0 * kPanel);
-    slices_[s].n = std::min(w.n, p1 * kPanel) - slices_[s].n0;
+    const int T = std::max(1, std::min(pool.threads(s), p1 - p0));
+    for (int t = 0; t < T && p1 > p0; ++t) {
+      const int a = p0 + (p1 - p0) * t / T, b = p0 + (p1 - p0) * (t + 1) / T;
+      if (b > a) pieces_[s].push_back({std::min(w.n, a * kPanel), std::min(w.n, b * kPanel) - std::min(w.n, a * kPanel), {}});
+    }
+    most = std::max(most, static_cast<int>(pieces_[s].size()));
   }
   WeightView named = w;
   if (!named.name) named.name = name_.c_str();
-  // Each subpool packs (first touches) its own slice on its own threads.
-  for_each_item(pool, 1, [&](int s, int) {
-    Slice& sl = slices_[s];
-    if (sl.n > 0) sl.w = pack(sub_view(named, sl.n0, sl.n, 0, w.k), format_);
+  // Each subpool packs (first touches) its own pieces on its own threads.
+  for_each_item(pool, most, [&](int s, int i) {
+    if (i >= static_cast<int>(pieces_[s].size())) return;
+    Piece& pc = pieces_[s][i];
+    pc.w = pack(sub_view(named, pc.n0, pc.n, 0, w.k), format_);
+    // The integer packs refuse non-finite weights themselves; bf16 would carry them.
+    if (format_.format == WeightFormat::bf16 && has_non_finite_bf16(pc.w)) refuse_non_finite(w, pc.n0, pc.n, name_);
   }, {}, "pack_dense");
 }
 
@@ -41,53 +75,59 @@ DenseLinear::~DenseLinear() = default;
 
 size_t DenseLinear::bytes() const {
   size_t b = 0;
-  for (const Slice& s : slices_) b += s.w.bytes();
+  for (const auto& ps : pieces_)
+    for (const Piece& p : ps) b += p.w.bytes();
   return b;
 }
 
 std::vector<float> DenseLinear::dequantized() const {
   std::vector<float> out(static_cast<size_t>(n_) * k_);
-  for (const Slice& s : slices_) {
-    if (s.n == 0) continue;
-    const std::vector<float> part = unpack(s.w);
-    std::copy(part.begin(), part.end(), out.begin() + static_cast<size_t>(s.n0) * k_);
-  }
+  for (const auto& ps : pieces_)
+    for (const Piece& p : ps) {
+      const std::vector<float> part = unpack(p.w);
+      std::copy(part.begin(), part.end(), out.begin() + static_cast<size_t>(p.n0) * k_);
+    }
   return out;
 }
 
 // phase 0: fp32 input rounded to bf16, and quantized (integer formats), in blocks of
 //          kPrepRows rows;
-// phase 1: per subpool, runs of its slice's panels (WorkRuns) through the kernel table.
+// phase 1: per subpool, runs of its pieces' panels (chunk from WorkRuns over the whole
+//          slice) through the kernel table.
 class DenseLinear::Forward final : public Task {
  public:
   Forward(DenseLinear& d, const void* x, bool x_bf16, int m, int ldx, float* y, int ldy)
-      : d_(d), x_(x), x_bf16_(x_bf16), m_(m), ldx_(ldx), y_(y), ldy_(ldy), runs_(d.slices_.size()) {
-    const bool quant = d.format_.format != WeightFormat::bf16;
-    if (quant) {
-      for (const Slice& s : d.slices_)
-        if (s.n > 0) {
-          qa_.prepare(s.w, m);
+      : d_(d), x_(x), x_bf16_(x_bf16), m_(m), ldx_(ldx), y_(y), ldy_(ldy), chunk_(d.pieces_.size(), 1),
+        first_(d.pieces_.size()) {
+    if (d.format_.format != WeightFormat::bf16)
+      for (const auto& ps : d.pieces_)
+        if (!ps.empty()) {
+          qa_.prepare(ps[0].w, m);
           break;
         }
-    }
     if (!x_bf16) xb_.resize(static_cast<size_t>(m) * d.k_);
   }
   int phases() const override { return 2; }
   int items(int phase, int s) override {
-    const int S = static_cast<int>(d_.slices_.size());
+    const int S = static_cast<int>(d_.pieces_.size());
     if (phase == 0) {
       const bool work = d_.format_.format != WeightFormat::bf16 || !x_bf16_;
       const int blocks = work ? (m_ + kPrepRows - 1) / kPrepRows : 0;
       return blocks * (s + 1) / S - blocks * s / S;
     }
-    const Slice& sl = d_.slices_[s];
-    if (sl.n == 0 || m_ == 0) return 0;
-    const size_t input = static_cast<size_t>(m_) * d_.k_ * (sl.w.format == WeightFormat::bf16 ? 2 : 1);
-    runs_[s] = core::WorkRuns::plan(1, 1, sl.w.panels, sl.w.panel_stride, d_.pool_.threads(s), input);
-    return runs_[s].items(1);
+    const auto& ps = d_.pieces_[s];
+    if (ps.empty() || m_ == 0) return 0;
+    int panels = 0;
+    for (const Piece& p : ps) panels += p.w.panels;
+    const PackedWeight& w0 = ps[0].w;
+    const size_t input = core::WorkRuns::input_bytes(w0, m_, 1);
+    chunk_[s] = core::WorkRuns::plan(1, 1, panels, w0.panel_stride, d_.pool_.threads(s), input).chunk;
+    first_[s].assign(1, 0);  // first_[s][i]: the first item of piece i
+    for (const Piece& p : ps) first_[s].push_back(first_[s].back() + (p.w.panels + chunk_[s] - 1) / chunk_[s]);
+    return first_[s].back();
   }
   void run(int phase, int s, int item, int) override {
-    const int S = static_cast<int>(d_.slices_.size());
+    const int S = static_cast<int>(d_.pieces_.size());
     if (phase == 0) {
       const int blocks = (m_ + kPrepRows - 1) / kPrepRows;
       const int b = blocks * s / S + item;
@@ -104,13 +144,14 @@ class DenseLinear::Forward final : public Task {
       }
       return;
     }
-    const Slice& sl = d_.slices_[s];
-    const auto it = runs_[s].item(item);
+    const std::vector<int>& first = first_[s];
+    const int i = static_cast<int>(std::upper_bound(first.begin(), first.end(), item) - first.begin()) - 1;
+    const Piece& pc = d_.pieces_[s][i];
+    const int begin = (item - first[i]) * chunk_[s], end = std::min(pc.w.panels, begin + chunk_[s]);
     const bf16_t* a = x_bf16_ ? static_cast<const bf16_t*>(x_) : xb_.data();
     const int lda = x_bf16_ ? ldx_ : d_.k_;
     const bool quant = d_.format_.format != WeightFormat::bf16;
-    core::run_gemm(d_.kt_, sl.w, m_, it.begin, it.end, quant ? nullptr : a, quant ? &qa_ : nullptr, lda,
-                   y_ + sl.n0, ldy_);
+    core::run_gemm(d_.kt_, pc.w, m_, begin, end, quant ? nullptr : a, quant ? &qa_ : nullptr, lda, y_ + pc.n0, ldy_);
   }
   void finished() override { trace::record("dense", begin_ns_, trace::now_ns(), {-1, -1, m_}); }
 
@@ -122,7 +163,8 @@ class DenseLinear::Forward final : public Task {
   int m_, ldx_;
   float* y_;
   int ldy_;
-  std::vector<core::WorkRuns> runs_;
+  std::vector<int> chunk_;                // per subpool: panels per item
+  std::vector<std::vector<int>> first_;  // per subpool: prefix sums of its pieces' items
   QuantizedActs qa_;
   std::vector<bf16_t> xb_;
   int64_t begin_ns_ = trace::now_ns();

@@ -18,10 +18,10 @@
 namespace tandem {
 namespace {
 
-std::unique_ptr<Pool> dense_pool(int subpools) {
+std::unique_ptr<Pool> dense_pool(int subpools, int threads = 1) {
   Config::Cpu cpu;
   cpu.virtual_subpools = subpools;
-  cpu.threads = 1;
+  cpu.threads = threads;
   return std::make_unique<Pool>(pool_options(cpu));
 }
 
@@ -61,8 +61,9 @@ TEST(Dense, EqualsTheKernelOnTheWholePackForEverySplit) {
           g.qa = &qa;
         }
         kt.of(o.format).pick(m).gemm(whole, g);
-        for (const int subpools : {1, 2, 3}) {
-          auto pool = dense_pool(subpools);
+        // 1 x 2 threads: two pieces per subpool, packed and run in parallel.
+        for (const auto [subpools, threads] : {std::pair{1, 1}, {1, 2}, {2, 1}, {3, 1}}) {
+          auto pool = dense_pool(subpools, threads);
           DenseLinear d(*pool, kt, view, o, "model.layers.0.self_attn.q_proj");
           EXPECT_EQ(d.n(), n);
           EXPECT_EQ(d.bytes(), whole.bytes());  // slices end on panel boundaries: no padding added
@@ -73,7 +74,7 @@ TEST(Dense, EqualsTheKernelOnTheWholePackForEverySplit) {
               for (int j = 0; j < n; ++j)
                 ASSERT_EQ(y[static_cast<size_t>(r) * (n + 3) + j], ref[static_cast<size_t>(r) * n + j])
                     << format_name(o.format) << " g" << o.group << " n=" << n << " k=" << k << " m=" << m
-                    << " subpools=" << subpools << " bf16 in=" << in_bf16 << " at (" << r << ", " << j << ")";
+                    << " subpools=" << subpools << " x " << threads << " bf16 in=" << in_bf16 << " at (" << r << ", " << j << ")";
               for (int j = n; j < n + 3; ++j) ASSERT_EQ(y[static_cast<size_t>(r) * (n + 3) + j], -1.0f);
             }
           }
@@ -128,8 +129,22 @@ TEST(Dense, BadInputIsRefused) {
   EXPECT_NE(test::error_of([&] { d.forward(x.data(), true, -1, 100, y.data(), 64); }).find("is negative"),
             std::string::npos);
   d.forward(nullptr, true, 0, 100, nullptr, 64);  // no rows: nothing to do
-  // A NaN weight in an integer format: the pack refuses it, naming the layer.
+  // A NaN or Inf weight is refused in every format, naming the layer (and, in bf16, the
+  // element: row 0, column 5; row 1, column 7 in the second slice of 2 subpools).
   w[5] = fp32_to_bf16(std::nanf(""));
+  EXPECT_NE(test::error_of([&] {
+              DenseLinear q(*pool, kernels(), {w.data(), SourceType::bf16, 64, 100}, fmt(WeightFormat::bf16), "v_proj");
+            }).find("v_proj: weight element (0, 5) is nan: not finite"),
+            std::string::npos);
+  {
+    auto pool2 = dense_pool(2);
+    std::vector<bf16_t> w2(200 * 64, fp32_to_bf16(0.5f));
+    w2[130 * 64 + 7] = fp32_to_bf16(-INFINITY);
+    EXPECT_NE(test::error_of([&] {
+                DenseLinear q(*pool2, kernels(), {w2.data(), SourceType::bf16, 200, 64}, fmt(WeightFormat::bf16), "lm_head");
+              }).find("lm_head: weight element (130, 7) is -inf: not finite"),
+              std::string::npos);
+  }
   EXPECT_NE(test::error_of([&] {
               DenseLinear q(*pool, kernels(), {w.data(), SourceType::bf16, 64, 100}, fmt(WeightFormat::int8), "k_proj");
             }).find("k_proj"),

@@ -4,7 +4,8 @@
 //
 // The weight [n x k] is packed once in the chosen format (the experts' formats: bf16,
 // int8 per output row, int4 with groups) and split by output panels over the pool's
-// subpools, each slice packed and first touched by its own subpool's threads. forward()
+// subpools, each subpool's slice in one piece per thread, packed (and first touched) by
+// its own threads in parallel. forward()
 // runs one task on the pool and waits for it (and so for every task queued before it:
 // an engine's MoE layers share the pool, FIFO): the input is rounded to bf16 (or
 // quantized) once, then every subpool's threads run runs of its panels through the
@@ -22,7 +23,8 @@ namespace tandem {
 
 class DenseLinear {
  public:
-  // Packs w (checked: shape, finite values in the integer formats; errors name `name`).
+  // Packs w; errors name `name` (and the element, for a NaN or Inf weight: refused in
+  // every format).
   DenseLinear(Pool& pool, const KernelTable& kernels, const WeightView& w, const PackOptions& format, std::string name);
   ~DenseLinear();
   DenseLinear(const DenseLinear&) = delete;
@@ -41,7 +43,7 @@ class DenseLinear {
   std::vector<float> dequantized() const;
 
  private:
-  struct Slice {
+  struct Piece {
     int n0 = 0, n = 0;  // output columns [n0, n0 + n)
     PackedWeight w;
   };
@@ -51,7 +53,7 @@ class DenseLinear {
   PackOptions format_;
   std::string name_;
   int n_ = 0, k_ = 0;
-  std::vector<Slice> slices_;  // one per subpool (empty n: that subpool holds none)
+  std::vector<std::vector<Piece>> pieces_;  // per subpool: its slice of output panels, in pieces
 };
 
 }  // namespace tandem
