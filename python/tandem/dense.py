@@ -25,7 +25,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _C
 
 DENSE_FORMATS = ("auto", "torch", "bf16", "int8", "int4")
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -60,7 +59,13 @@ class TandemLinear(nn.Module):
 
     @property
     def packed_bytes(self) -> int:
+        """Bytes of the packed weight (what a forward reads)."""
         return self._dense.bytes
+
+    @property
+    def source_bytes(self) -> int:
+        """Bytes the weight had as a torch tensor (what ``tandem doctor`` counts for it)."""
+        return self.in_features * self.out_features * self.source_dtype.itemsize
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:

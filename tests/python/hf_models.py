@@ -49,6 +49,21 @@ def build(kind: str, seed: int, dtype: torch.dtype, out: Path) -> nn.Module:
     return AutoModelForCausalLM.from_pretrained(out, dtype=dtype).eval()
 
 
+def checkpoint_cache(tmp_path_factory, prefix: str = ""):
+    """A function (kind, dtype "fp32" / "bf16") -> checkpoint directory, each built once
+    (seed 1) under pytest's tmp_path_factory: the body of a module-scoped fixture."""
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    cache: dict = {}
+
+    def get(kind: str, dtype: str) -> Path:
+        if (kind, dtype) not in cache:
+            out = tmp_path_factory.mktemp(f"{prefix}{kind}-{dtype}")
+            build(kind, 1, dtypes[dtype], out)
+            cache[kind, dtype] = out
+        return cache[kind, dtype]
+    return get
+
+
 def moe_experts(model: nn.Module) -> list[nn.Module]:
     return [l.mlp.experts for l in model.model.layers if hasattr(l.mlp, "experts")]
 

@@ -10,13 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from hf_models import VOCAB, build
+from hf_models import VOCAB, checkpoint_cache
 
 import tandem
 from tandem.dense import TandemLinear, dense_choice
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
 
 def cfg(dense: str | None = None, **cpu) -> dict:
     c = {"virtual_subpools": 2, **cpu}
@@ -27,15 +24,7 @@ def cfg(dense: str | None = None, **cpu) -> dict:
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    cache = {}
-
-    def get(kind: str, dtype: str):
-        if (kind, dtype) not in cache:
-            out = tmp_path_factory.mktemp(f"dense-{kind}-{dtype}")
-            build(kind, 1, DTYPES[dtype], out)
-            cache[(kind, dtype)] = out
-        return cache[(kind, dtype)]
-    return get
+    return checkpoint_cache(tmp_path_factory, "dense-")
 
 
 def linear_names(model: nn.Module) -> set[str]:

@@ -57,7 +57,7 @@ import weakref
 
 import pytest
 import torch
-from hf_models import VOCAB, V4Block, build, clean_tokens
+from hf_models import VOCAB, V4Block, checkpoint_cache, clean_tokens
 from torch import nn
 
 import tandem
@@ -94,16 +94,7 @@ def lora_config(kind: str):
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """(kind, dtype) -> checkpoint directory, built once per module."""
-    cache = {}
-
-    def get(kind: str, dtype: str):
-        if (kind, dtype) not in cache:
-            out = tmp_path_factory.mktemp(f"{kind}-{dtype}")
-            build(kind, 1, DTYPES[dtype], out)
-            cache[kind, dtype] = out
-        return cache[kind, dtype]
-
-    return get
+    return checkpoint_cache(tmp_path_factory)
 
 
 def stock_model(path, dtype: str = "fp32") -> nn.Module:
