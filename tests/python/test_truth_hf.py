@@ -19,6 +19,7 @@ from torch import nn
 
 import tandem
 from tandem import experts_check as tcheck
+from tandem.dense import TandemLinear
 from tandem import modules as tmodules
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -55,6 +56,11 @@ def fresh(kind: str, dtype: torch.dtype = torch.float32, seed: int = 5) -> nn.Mo
 def non_expert_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     out = dict(model.named_parameters())
     out.update(model.named_buffers())  # persistent and not (rotary inv_freq)
+    # tandem.dense layers (bf16 weights on tandem's kernels): their packed weight, as it
+    # multiplies (a bf16 pack holds the bf16 values exactly), in the source's dtype.
+    for name, m in model.named_modules():
+        if isinstance(m, TandemLinear):
+            out[f"{name}.weight"] = torch.from_numpy(m._dense.dequantized()).to(m.source_dtype)
     return {k: v for k, v in out.items() if ".mlp.experts." not in k}
 
 
@@ -66,6 +72,9 @@ def test_every_non_expert_tensor_matches_from_pretrained(fp32_dirs, kind, dtype)
     path = fp32_dirs(kind)
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
     model = tandem.load_model(path, cfg(), dtype=DTYPES[dtype], progress=False)
+    # bf16: the linear layers run on tandem's kernels (cpu.dense_format auto), compared by
+    # their packed weights; fp32 / fp16: torch's own.
+    assert any(isinstance(m, TandemLinear) for m in model.modules()) == (dtype == "bf16")
     want, got = non_expert_tensors(ref), non_expert_tensors(model)
     assert sorted(got) == sorted(want)
     bad = [f"{k}: {got[k].dtype} vs transformers' {want[k].dtype}" for k in want if got[k].dtype != want[k].dtype]
