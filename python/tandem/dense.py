@@ -130,3 +130,18 @@ def replace_dense(model: nn.Module, engine: Any, cpu_cfg: dict, keep: set[int] |
         if progress:
             progress(i + 1)
     return done
+
+
+def describe_dense(model: nn.Module) -> str:
+    """One line for the CLI: which linear layers run on tandem's kernels, in which formats."""
+    done = getattr(model, "tandem_dense", None)
+    if done is None:
+        return "dense layers: transformers' own (not CPU inference)"
+    if not done:
+        return "dense layers: transformers' own (cpu.dense_format torch, or no bf16 weights for auto)"
+    counts: dict[str, int] = {}
+    for f in done.values():
+        counts[f] = counts.get(f, 0) + 1
+    packed = sum(m.packed_bytes for m in model.modules() if isinstance(m, TandemLinear))
+    formats = ", ".join(f"{n} {f}" for f, n in sorted(counts.items()))
+    return f"dense layers: {len(done)} on tandem's kernels ({formats}; {packed / 2**20:.1f} MiB packed)"

@@ -176,6 +176,7 @@ def test_run_uses_the_configs_model_path_and_trace_section(cache, tmp_path, monk
     assert out[0] == f"model: {copy} (model.path of {cfg})", out
     assert out[1] == f"config: {cfg}", out
     assert out[2].startswith("loaded: qwen3_moe"), out
+    assert out[3].startswith("dense layers: ") and "on tandem's kernels (" in out[3], out  # bf16 demo: auto
     events = json.loads((work / "run_trace.json").read_text())["traceEvents"]
     assert {"gate_up", "down"} <= {e.get("name") for e in events}
     assert tracing.pending() == [] and not tandem.trace.enabled(), "the CLI wrote the trace itself"
