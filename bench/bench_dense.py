@@ -9,10 +9,7 @@ against the machine's read bandwidth (build/bench/bench_ceilings).
 from __future__ import annotations
 
 import argparse
-import re
-import subprocess
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -21,19 +18,10 @@ import tandem
 from tandem import demo
 from tandem.dense import TandemLinear
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench_hf import ceilings  # the machine line and read bandwidth of build/bench/bench_ceilings
+
 # (name, n, k): Qwen3-30B-A3B's q_proj, o_proj, k_proj and lm_head
 SHAPES = [("q_proj", 4096, 2048), ("o_proj", 2048, 4096), ("k_proj", 512, 2048), ("lm_head", 151936, 2048)]
-
-
-def read_bandwidth() -> float | None:
-    exe = ROOT / "build" / "bench" / "bench_ceilings"
-    if not exe.exists():
-        return None
-    out = subprocess.run([str(exe), "--reps", "3"], capture_output=True, text=True).stdout
-    m = re.search(r"read bandwidth\s+([\d.]+) GB/s", out)
-    print(out.splitlines()[0] if out else "")
-    return float(m.group(1)) if m else None
 
 
 def best_time(fn, reps: int) -> float:
@@ -52,7 +40,9 @@ def main() -> int:
     p.add_argument("--formats", default="bf16,int8,int4")
     p.add_argument("--reps", type=int, default=10)
     args = p.parse_args()
-    bw = read_bandwidth()
+    ceil = ceilings()
+    print(ceil.get("machine", ""))
+    bw = ceil.get("read_gbs")
     model = tandem.load_model(demo.ensure_demo_model(), {"version": 1, "gpu": {"device": "none"}}, progress=False)
     engine = model.tandem_engine
     cores = torch.get_num_threads()

@@ -34,16 +34,12 @@ void tile_loop(long iters) {
 // weights and activations are) instead of the zeros above: the tile unit draws more power
 // on real data, and the core may run slower for it.
 void tile_loop_data(long iters) {
-  alignas(64) static uint16_t operands[4 * 512];
-  static const bool filled = [] {
-    uint32_t x = 12345;
-    for (auto& v : operands) {
-      x = x * 1664525u + 1013904223u;  // a fixed LCG: the same operands every run
-      v = static_cast<uint16_t>(0x3c00 + ((x >> 8) & 0x7ff)) | static_cast<uint16_t>((x >> 31) << 15);
-    }
-    return true;
-  }();
-  (void)filled;
+  alignas(64) uint16_t operands[4 * 512];
+  uint32_t x = 12345;
+  for (auto& v : operands) {
+    x = x * 1664525u + 1013904223u;  // a fixed LCG: the same operands every run
+    v = static_cast<uint16_t>(0x3c00 + ((x >> 8) & 0x7ff)) | static_cast<uint16_t>((x >> 31) << 15);
+  }
   amx::configure_2x2(64);
   _tile_zero(0);
   _tile_zero(1);

@@ -4,9 +4,7 @@
 #include "tandem/dense.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <cstdint>
 
 #include "expert_core.h"
 #include "tandem/error.h"
@@ -15,15 +13,6 @@
 namespace tandem {
 
 namespace {
-// Whether a bf16 pack holds a NaN or Inf (exponent all ones): one pass over the packed bytes.
-bool has_non_finite_bf16(const PackedWeight& w) {
-  const uint16_t* p = reinterpret_cast<const uint16_t*>(w.data.data());
-  const size_t n = w.bytes() / 2;
-  bool bad = false;
-  for (size_t i = 0; i < n; ++i) bad |= (p[i] & 0x7f80) == 0x7f80;
-  return bad;
-}
-
 // The first non-finite element of rows [r0, r0 + rows) of w, as an error naming it.
 [[noreturn]] void refuse_non_finite(const WeightView& w, int r0, int rows, const std::string& name) {
   std::vector<float> row(w.k);
@@ -55,7 +44,8 @@ DenseLinear::DenseLinear(Pool& pool, const KernelTable& kernels, const WeightVie
     const int T = std::max(1, std::min(pool.threads(s), p1 - p0));
     for (int t = 0; t < T && p1 > p0; ++t) {
       const int a = p0 + (p1 - p0) * t / T, b = p0 + (p1 - p0) * (t + 1) / T;
-      if (b > a) pieces_[s].push_back({std::min(w.n, a * kPanel), std::min(w.n, b * kPanel) - std::min(w.n, a * kPanel), {}});
+      const int n0 = std::min(w.n, a * kPanel), n1 = std::min(w.n, b * kPanel);
+      if (n1 > n0) pieces_[s].push_back({n0, n1 - n0, {}});
     }
     most = std::max(most, static_cast<int>(pieces_[s].size()));
   }
@@ -67,7 +57,7 @@ DenseLinear::DenseLinear(Pool& pool, const KernelTable& kernels, const WeightVie
     Piece& pc = pieces_[s][i];
     pc.w = pack(sub_view(named, pc.n0, pc.n, 0, w.k), format_);
     // The integer packs refuse non-finite weights themselves; bf16 would carry them.
-    if (format_.format == WeightFormat::bf16 && has_non_finite_bf16(pc.w)) refuse_non_finite(w, pc.n0, pc.n, name_);
+    if (!core::finite_bf16(pc.w)) refuse_non_finite(w, pc.n0, pc.n, name_);
   }, {}, "pack_dense");
 }
 

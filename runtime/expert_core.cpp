@@ -20,6 +20,14 @@ ExpertPacks::ExpertPacks(const MoeShape& shape, const PackOptions& format, int s
     for (auto* v : {&sh.gate_up, &sh.gate, &sh.up, &sh.down}) v->resize(shape.experts);
 }
 
+bool finite_bf16(const PackedWeight& p) {
+  if (p.format != WeightFormat::bf16) return true;
+  const auto* v = reinterpret_cast<const uint16_t*>(p.data.data());
+  uint16_t bad = 0;
+  for (size_t i = 0; i < p.data.size / 2; ++i) bad |= static_cast<uint16_t>((v[i] & 0x7f80) == 0x7f80);
+  return !bad;
+}
+
 namespace {
 
 struct Source {
@@ -48,16 +56,6 @@ struct Source {
   }
   if (cause) TANDEM_FAIL(cause->code(), sources.begin()->where, ": ", cause->message());
   TANDEM_FAIL(Errc::internal, sources.begin()->where, ": a packed weight holds a non-finite value its source does not");
-}
-
-// A bf16 pack holds its source's values as they are: NaN / Inf there is refused like the
-// integer packs refuse it (one pass over the pack just written; the sources only on error).
-bool finite_bf16(const PackedWeight& p) {
-  if (p.format != WeightFormat::bf16) return true;
-  const auto* v = reinterpret_cast<const uint16_t*>(p.data.data());
-  uint16_t bad = 0;
-  for (size_t i = 0; i < p.data.size / 2; ++i) bad |= static_cast<uint16_t>((v[i] & 0x7f80) == 0x7f80);
-  return !bad;
 }
 
 // Runs make() (a pack of the sources); errors come out naming the layer, expert and

@@ -101,6 +101,11 @@ class ExpertPacks {
   std::vector<uint8_t> skipped_;
 };
 
+// A bf16 pack holds its source's values as they are, NaN / Inf included, where the integer
+// packs refuse them: false when p (bf16) holds one. One pass over the pack just written; the
+// callers look for the element in the source only on error. Other formats: true.
+bool finite_bf16(const PackedWeight& p);
+
 // Work items that are runs of `chunk` panels of one active expert's weight(s): about
 // kItemBytes of weights each (one panel of a small expert is too little to amortize an
 // item's fixed cost and the prefetcher's ramp), more for many rows (kInputReuse), but at

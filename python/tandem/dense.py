@@ -20,6 +20,7 @@ gradient, and training (``train=True``) leaves every layer to torch.
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
@@ -51,7 +52,6 @@ class TandemLinear(nn.Module):
         self.format = fmt
         self.name = name
         self.source_dtype = w.dtype
-        self._engine = engine  # the pool the packs live on (keep it alive)
         self._dense = engine.dense_linear(w.data_ptr(), self.out_features, self.in_features, _DTYPES[w.dtype], fmt,
                                           group_size=group_size, zero_point=zero_point, name=name)
         bias = linear.bias
@@ -104,8 +104,7 @@ def dense_choice(fmt: str, weight_dtype: torch.dtype) -> str | None:
     return fmt
 
 
-def replace_dense(model: nn.Module, engine: Any, cpu_cfg: dict, keep: set[int] | None = None,
-                  progress: Any = None) -> dict[str, str]:
+def replace_dense(model: nn.Module, engine: Any, cpu_cfg: dict, keep: set[int] | None = None) -> dict[str, str]:
     """Swaps the model's CPU ``nn.Linear`` layers for ``TandemLinear`` under
     ``cpu_cfg['dense_format']``; `keep`: ids of modules left alone (routers). Returns
     {module name: format} of the layers replaced. Tied weights (lm_head tied to the
@@ -117,18 +116,16 @@ def replace_dense(model: nn.Module, engine: Any, cpu_cfg: dict, keep: set[int] |
         for child_name, child in mod.named_children():
             if type(child) is not nn.Linear or id(child) in keep:
                 continue
-            if child.weight.device.type != "cpu" or child.weight.device.type == "meta":
+            if child.weight.device.type != "cpu":
                 continue
             f = dense_choice(fmt, child.weight.dtype)
             if f is not None:
                 todo.append((mod, child_name, f"{name}.{child_name}" if name else child_name, child, f))
     done: dict[str, str] = {}
-    for i, (parent, attr, full, child, f) in enumerate(todo):
+    for parent, attr, full, child, f in todo:
         setattr(parent, attr, TandemLinear(engine, child, f, name=full, group_size=int(cpu_cfg.get("group_size", 128)),
                                            zero_point=bool(cpu_cfg.get("zero_point", False))))
         done[full] = f
-        if progress:
-            progress(i + 1)
     return done
 
 
@@ -139,9 +136,7 @@ def describe_dense(model: nn.Module) -> str:
         return "dense layers: transformers' own (not CPU inference)"
     if not done:
         return "dense layers: transformers' own (cpu.dense_format torch, or no bf16 weights for auto)"
-    counts: dict[str, int] = {}
-    for f in done.values():
-        counts[f] = counts.get(f, 0) + 1
+    counts = Counter(done.values())
     packed = sum(m.packed_bytes for m in model.modules() if isinstance(m, TandemLinear))
     formats = ", ".join(f"{n} {f}" for f, n in sorted(counts.items()))
     return f"dense layers: {len(done)} on tandem's kernels ({formats}; {packed / 2**20:.1f} MiB packed)"
