@@ -11,8 +11,9 @@
 //            that ran under the longer one (1 = fully overlapped, 0 = serialized);
 //            "-" when the shorter part is under 10% of the longer
 //   peer     the CPU engine with every expert (no device), and its ratio to hybrid
-// On the host stream the "device" is a thread running the CPU BF16 kernels; the pool
-// then gets one core less (--threads), so both sides have cores of their own.
+// On the host stream the "device" is a thread running the CPU BF16 kernels. On either
+// stream the pool leaves one core (unless --threads says otherwise) to the thread that
+// drives the stream, as the engine does.
 //
 //   build/bench/bench_hybrid [--stream host|cuda] [--shape qwen3-30b] [--layers 2]
 //                            [--tokens 1,64,512] [--hot 0,10,25,50] [--threads N] [--format bf16]
@@ -57,9 +58,8 @@ int main(int argc, char** argv) {
   }
   std::unique_ptr<Stream> stream = stream_kind == "cuda" ? make_cuda_stream(0) : make_host_stream();
   Config::Cpu cpu_cfg;
-  const int cores = default_threads();
-  cpu_cfg.threads = threads > 0 ? threads : stream->is_cuda() ? 0 : std::max(1, cores - 1);
-  Pool pool(pool_options(cpu_cfg));
+  cpu_cfg.threads = threads > 0 ? threads : 0;
+  Pool pool(pool_options(cpu_cfg, 1));  // as the engine: a core for the thread driving the stream
   const int E = sh->experts, H = sh->hidden, I = sh->inter, K = sh->top_k;
   std::printf("machine: %s\nstream: %s; shape %s (experts %d, hidden %d, inter %d, top-%d); %d layers; CPU format %s, "
               "%d pool threads\n",

@@ -32,8 +32,9 @@ Engine::Engine(const Config& config, EngineSpec spec, std::unique_ptr<Stream> st
 
   const PackOptions format = pack_options(config_.cpu);
   isa_ = config_.isa();
-  pool_ = std::make_unique<Pool>(pool_options(config_.cpu));
   stream_ = stream ? std::move(stream) : make_stream(config_);
+  // With a CUDA stream, one core stays free for the thread that drives the GPU.
+  pool_ = std::make_unique<Pool>(pool_options(config_.cpu, stream_->is_cuda() ? 1 : 0));
   std::vector<MoeLayer*> raw;
   for (int l : spec_.layers) {
     layers_.push_back(std::make_unique<MoeLayer>(*pool_, spec_.shape, format, l));

@@ -7,7 +7,7 @@
 
 namespace tandem {
 
-PoolOptions pool_options(const Config::Cpu& cpu) {
+PoolOptions pool_options(const Config::Cpu& cpu, int reserved_cores) {
   const Topology& topo = topology();
   TANDEM_CHECK(!topo.nodes.empty(), Errc::internal, "pool: the topology lists no NUMA node");
   std::vector<const NumaNodeInfo*> nodes;
@@ -43,7 +43,8 @@ PoolOptions pool_options(const Config::Cpu& cpu) {
       sp.numa_node = n->os_index;
       // Each virtual subpool takes its share of the node's cores; with more subpools than
       // cores (tests on small machines) they share cores round-robin.
-      const int threads = cpu.threads > 0 ? cpu.threads : std::max(1, cores / v);
+      int threads = cpu.threads > 0 ? cpu.threads : std::max(1, cores / v);
+      if (cpu.threads == 0 && o.subpools.empty() && cores >= v) threads = std::max(1, threads - reserved_cores);
       const int first = cores >= v ? s * (cores / v) : s % cores;
       for (int t = 0; t < threads; ++t) sp.cpus.push_back(n->cores[(first + t) % cores].pus.front());
       sp.threads = threads;

@@ -22,6 +22,7 @@
 #   6 bench     bench_hybrid --stream cuda (a short run)
 #   7 run       `tandem run` with the demo model on cuda:0
 # Logs: $GPU_CHECK_LOGS, else $OUT/gpu_check, else /tmp/gpu_check (one file per step).
+# Each step is stopped after $GPU_CHECK_STEP_TIMEOUT seconds (default 600).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -39,6 +40,7 @@ while (($#)); do
   esac
 done
 PY=${PYTHON:-python3}
+STEP_TIMEOUT=${GPU_CHECK_STEP_TIMEOUT:-600}  # seconds one step may run (a hang must not eat a short lease)
 LOGS=${GPU_CHECK_LOGS:-${OUT:-/tmp}/gpu_check}
 mkdir -p "$LOGS"
 
@@ -151,7 +153,7 @@ fi
 # gtest_step NAME FILTER: runs the filtered tests; FAIL on a failure, a skip, or nothing run.
 gtest_step() {
   local name=$1 filter=$2 logf="$LOGS/$1.log" rc
-  timeout 600 "$BUILD/tests/tandem_tests" --gtest_filter="$filter" >"$logf" 2>&1
+  timeout "$STEP_TIMEOUT" "$BUILD/tests/tandem_tests" --gtest_filter="$filter" >"$logf" 2>&1
   rc=$?
   local passed skipped failed
   passed=$(grep -a -c '^\[       OK \]' "$logf")
@@ -181,6 +183,27 @@ else
   record amx SKIP "no build"
 fi
 
+# python_tests WHAT: imports tandem, runs pytest's CUDA tests, records the python step.
+python_tests() {
+  if ! PYTHONPATH="$PKG" "$PY" -c 'import tandem; print("tandem", tandem.__version__, tandem.__file__)' >>"$LOGS/python_build.log" 2>&1; then
+    record python FAIL "$1 does not import: $(tail -1 "$LOGS/python_build.log" | cut -c1-160)"
+    return
+  fi
+  py_ok=1
+  pypath="$PKG"
+  "$PY" -c 'import pytest' 2>/dev/null || pypath="$PKG:$root/$BUILD/pylib"
+  PYTHONPATH="$pypath" timeout "$STEP_TIMEOUT" "$PY" -m pytest tests/python -k cuda -p no:cacheprovider -rs -q >"$LOGS/python.log" 2>&1
+  rc=$?
+  last=$(tail -1 "$LOGS/python.log")
+  if ((rc != 0)); then
+    record python FAIL "pytest -k cuda exit $rc: $last"
+  elif grep -q 'SKIPPED.*no CUDA device' "$LOGS/python.log"; then
+    record python FAIL "CUDA tests skipped: torch sees no CUDA device ($last)"
+  else
+    record python PASS "$1; pytest -k cuda: $last"
+  fi
+}
+
 # ---- 5. the Python module for this Python, and pytest's CUDA tests ------------------------
 PKG="$root/$BUILD/py"
 py_ok=0
@@ -192,12 +215,19 @@ elif [[ ! -f $BUILD/libtandem.a ]]; then
   record python SKIP "$BUILD/libtandem.a missing (a pack_gpu_build.sh bundle has it)"
 elif ! "$PY" -c 'import torch, pybind11, transformers' >/dev/null 2>&1; then
   record python SKIP "$PY lacks torch, pybind11 or transformers"
+elif ext=$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))'); [[ -f $PKG/tandem/_C$ext ]]; then
+  # Built by pack_gpu_build.sh (TANDEM_GPU_PYTHON_INCLUDE) with the compiler that built libtandem.a.
+  for f in "$root"/python/tandem/*; do ln -sfn "$f" "$PKG/tandem/"; done
+  log "using the prebuilt $BUILD/py/tandem/_C$ext"
+  python_tests "prebuilt tandem._C$ext"
 elif ! command -v "${CXX:-g++}" >/dev/null; then
   record python SKIP "no C++ compiler (${CXX:-g++}) to build tandem._C"
 elif [[ ! -f $("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h ]]; then
   record python SKIP "no Python.h for $PY (the python3-dev headers)"
 else
-  ext=$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+  # Only when no prebuilt module came along: this compiler may differ from the one that built
+  # libtandem.a, and two libstdc++ versions' inline code in one module can crash (g++ 13 here
+  # against a g++ 12 library crashed in the engine's constructor on an H200).
   mkdir -p "$PKG/tandem"
   for f in "$root"/python/tandem/*; do ln -sfn "$f" "$PKG/tandem/"; done
   # CUDA runtime (static when the toolkit is here, else torch's shared one), cuBLAS, NCCL.
@@ -221,19 +251,7 @@ else
        python/bindings.cpp -o "$PKG/tandem/_C$ext" "$BUILD/libtandem.a" "${carried[@]}" "${cuda_link[@]}" \
        -ldl -lrt -lpthread -Wl,-rpath,"$rpath" >"$LOGS/python_build.log" 2>&1 &&
      PYTHONPATH="$PKG" "$PY" -c 'import tandem; print("tandem", tandem.__version__, tandem.__file__)' >>"$LOGS/python_build.log" 2>&1; then
-    py_ok=1
-    pypath="$PKG"
-    "$PY" -c 'import pytest' 2>/dev/null || pypath="$PKG:$root/$BUILD/pylib"
-    PYTHONPATH="$pypath" timeout 600 "$PY" -m pytest tests/python -k cuda -p no:cacheprovider -rs -q >"$LOGS/python.log" 2>&1
-    rc=$?
-    last=$(tail -1 "$LOGS/python.log")
-    if ((rc != 0)); then
-      record python FAIL "pytest -k cuda exit $rc: $last"
-    elif grep -q 'SKIPPED.*no CUDA device' "$LOGS/python.log"; then
-      record python FAIL "CUDA tests skipped: torch sees no CUDA device ($last)"
-    else
-      record python PASS "tandem._C built for $("$PY" --version 2>&1 | cut -d' ' -f2); pytest -k cuda: $last"
-    fi
+    python_tests "tandem._C built for $("$PY" --version 2>&1 | cut -d' ' -f2)"
   else
     record python FAIL "building or importing tandem._C failed: $(grep -m1 -i 'error' "$LOGS/python_build.log" | cut -c1-160)"
   fi
@@ -244,7 +262,7 @@ if ((!DO_BENCH)); then
   record bench SKIP "--no-bench"
 elif ((!build_ok)) || [[ ! -x $BUILD/bench/bench_hybrid ]]; then
   record bench SKIP "no bench_hybrid in $BUILD/"
-elif timeout 600 "$BUILD/bench/bench_hybrid" --stream cuda --shape qwen3-30b --layers 2 --tokens 1,64 --hot 0,25 \
+elif timeout "$STEP_TIMEOUT" "$BUILD/bench/bench_hybrid" --stream cuda --shape qwen3-30b --layers 2 --tokens 1,64 --hot 0,25 \
        >"$LOGS/bench.log" 2>&1; then
   record bench PASS "bench_hybrid --stream cuda (table in $LOGS/bench.log)"
   tail -8 "$LOGS/bench.log"
@@ -259,7 +277,7 @@ elif ((!py_ok)); then
   record run SKIP "no tandem._C for $PY (see the python step)"
 else
   export TANDEM_CACHE=${TANDEM_CACHE:-$LOGS/cache}
-  if PYTHONPATH="$PKG" timeout 600 "$PY" -m tandem run --device cuda:0 --max-new-tokens 16 --no-progress \
+  if PYTHONPATH="$PKG" timeout "$STEP_TIMEOUT" "$PY" -m tandem run --device cuda:0 --max-new-tokens 16 --no-progress \
        >"$LOGS/run.log" 2>&1; then
     if grep -q 'device stream cuda' "$LOGS/run.log"; then
       record run PASS "$(grep -m1 '^decode' "$LOGS/run.log")"

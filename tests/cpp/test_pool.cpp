@@ -202,5 +202,19 @@ TEST(Pool, OptionsComeFromTheConfigAndBadOnesAreNamed) {
   for (const auto& s : o.subpools) EXPECT_EQ(s.cpus.size(), static_cast<size_t>(s.threads));
 }
 
+// A pool beside a GPU leaves a core to the thread driving it: the first subpool of an auto
+// pool has one thread less (never none), the others and explicit thread counts are as asked.
+TEST(Pool, ReservedCoresComeOffTheFirstAutoSubpool) {
+  Config::Cpu cpu;
+  const PoolOptions all = pool_options(cpu), spared = pool_options(cpu, 1);
+  ASSERT_EQ(all.subpools.size(), spared.subpools.size());
+  EXPECT_EQ(spared.subpools[0].threads, std::max(1, all.subpools[0].threads - 1));
+  EXPECT_EQ(spared.subpools[0].cpus.size(), static_cast<size_t>(spared.subpools[0].threads));
+  for (size_t i = 1; i < all.subpools.size(); ++i) EXPECT_EQ(spared.subpools[i].threads, all.subpools[i].threads);
+  EXPECT_EQ(pool_options(cpu, 1000).subpools[0].threads, 1);
+  cpu.threads = 1;
+  EXPECT_EQ(pool_options(cpu, 1).subpools[0].threads, 1);
+}
+
 }  // namespace
 }  // namespace tandem
