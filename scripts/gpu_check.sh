@@ -20,7 +20,8 @@
 #   5 python    tandem._C built here for this Python (g++ against the carried libtandem.a),
 #               then pytest's CUDA tests (tests/python -k cuda)
 #   6 bench     bench_hybrid --stream cuda (a short run)
-#   7 run       `tandem run` with the demo model on cuda:0
+#   7 run       `tandem run` with the demo model on cuda:0 (with a Chrome trace), and on the
+#               CPU alone for comparison
 # Logs: $GPU_CHECK_LOGS, else $OUT/gpu_check, else /tmp/gpu_check (one file per step).
 # Each step is stopped after $GPU_CHECK_STEP_TIMEOUT seconds (default 600).
 set -uo pipefail
@@ -277,10 +278,15 @@ elif ((!py_ok)); then
   record run SKIP "no tandem._C for $PY (see the python step)"
 else
   export TANDEM_CACHE=${TANDEM_CACHE:-$LOGS/cache}
-  if PYTHONPATH="$PKG" timeout "$STEP_TIMEOUT" "$PY" -m tandem run --device cuda:0 --max-new-tokens 16 --no-progress \
-       >"$LOGS/run.log" 2>&1; then
+  # 200 new tokens: the first few carry CUDA's lazy kernel loading. The same run on the CPU
+  # alone is the yardstick (in 2026-11 the CUDA decode was 10x slower: see bench/RESULTS.md),
+  # and the CUDA run's Chrome trace comes back in the logs.
+  if PYTHONPATH="$PKG" timeout "$STEP_TIMEOUT" "$PY" -m tandem run --device cuda:0 --max-new-tokens 200 --no-progress \
+       --trace "$LOGS/run_trace.json" >"$LOGS/run.log" 2>&1; then
+    PYTHONPATH="$PKG" timeout "$STEP_TIMEOUT" "$PY" -m tandem run --device cpu --max-new-tokens 200 --no-progress \
+      >"$LOGS/run_cpu.log" 2>&1
     if grep -q 'device stream cuda' "$LOGS/run.log"; then
-      record run PASS "$(grep -m1 '^decode' "$LOGS/run.log")"
+      record run PASS "cuda $(grep -m1 '^decode' "$LOGS/run.log" | sed 's/.*= //'); cpu only $(grep -m1 '^decode' "$LOGS/run_cpu.log" | sed 's/.*= //')"
     else
       record run FAIL "tandem run did not use a CUDA stream: $(grep -m1 'device stream' "$LOGS/run.log")"
     fi
