@@ -22,6 +22,9 @@
 #   6 bench     bench_hybrid --stream cuda (a short run)
 #   7 run       `tandem run` with the demo model on cuda:0 (with a Chrome trace), and on the
 #               CPU alone for comparison
+#   8 decode    bench/bench_cuda_decode.py: decode tokens/s of plain transformers on cuda:0,
+#               tandem on cuda:0 (default and side stream) and tandem on the CPU, with the
+#               experts calls' host and stream time per token
 # Logs: $GPU_CHECK_LOGS, else $OUT/gpu_check, else /tmp/gpu_check (one file per step).
 # Each step is stopped after $GPU_CHECK_STEP_TIMEOUT seconds (default 600).
 set -uo pipefail
@@ -293,6 +296,18 @@ else
   else
     record run FAIL "tandem run exit: $(tail -1 "$LOGS/run.log" | cut -c1-160)"
   fi
+fi
+
+# ---- 8. where a decode step's time goes (bench/bench_cuda_decode.py) ----------------------
+if ((!DO_RUN)); then
+  record decode SKIP "--no-run"
+elif ((!py_ok)); then
+  record decode SKIP "no tandem._C for $PY (see the python step)"
+elif PYTHONPATH="$PKG" timeout "$STEP_TIMEOUT" "$PY" bench/bench_cuda_decode.py >"$LOGS/decode.log" 2>&1; then
+  record decode PASS "table in $LOGS/decode.log"
+  grep -A6 '^variant' "$LOGS/decode.log"
+else
+  record decode FAIL "bench_cuda_decode.py exit: $(tail -1 "$LOGS/decode.log" | cut -c1-160)"
 fi
 
 summary
