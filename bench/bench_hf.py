@@ -101,7 +101,9 @@ def run_variant(args) -> dict:
         dec.append(t.decode_tps)
     c = model.config
     n_moe = sum(1 for layer in model.model.layers if hasattr(layer.mlp, "experts"))
-    expert_bytes = 3 * c.hidden_size * c.moe_intermediate_size * 2
+    expert_bytes = 3 * c.hidden_size * c.moe_intermediate_size * 2  # transformers: bf16
+    if args.variant.startswith("tandem"):  # the packed format's bytes (scales included)
+        expert_bytes = model.tandem_engine.cpu_bytes / (model.tandem_engine.moe_layers * c.num_experts)
     non_expert = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".mlp.experts." not in n)
     non_expert += sum(m.packed_bytes for m in model.modules() if hasattr(m, "packed_bytes"))  # tandem.dense layers
     # Decode reads every non-expert weight except the embedding table (one row) per token,
