@@ -253,11 +253,10 @@ else
   if "${CXX:-g++}" -O2 -std=c++20 -shared -fPIC -fvisibility=hidden -fopenmp -DTANDEM_WITH_CUDA=1 \
        $("$PY" -m pybind11 --includes) -I cpu_kernels/include -I runtime/include -I gpu/include -I sft/include \
        python/bindings.cpp -o "$PKG/tandem/_C$ext" "$BUILD/libtandem.a" "${carried[@]}" "${cuda_link[@]}" \
-       -ldl -lrt -lpthread -Wl,-rpath,"$rpath" >"$LOGS/python_build.log" 2>&1 &&
-     PYTHONPATH="$PKG" "$PY" -c 'import tandem; print("tandem", tandem.__version__, tandem.__file__)' >>"$LOGS/python_build.log" 2>&1; then
+       -ldl -lrt -lpthread -Wl,-rpath,"$rpath" >"$LOGS/python_build.log" 2>&1; then
     python_tests "tandem._C built for $("$PY" --version 2>&1 | cut -d' ' -f2)"
   else
-    record python FAIL "building or importing tandem._C failed: $(grep -m1 -i 'error' "$LOGS/python_build.log" | cut -c1-160)"
+    record python FAIL "building tandem._C failed: $(grep -m1 -i 'error' "$LOGS/python_build.log" | cut -c1-160)"
   fi
 fi
 

@@ -77,9 +77,9 @@ chmod 644 "$OUT"/lib/*
 if [[ -n ${TANDEM_GPU_PYTHON_INCLUDE:-} ]]; then
   inc=$TANDEM_GPU_PYTHON_INCLUDE
   [[ -f $inc/Python.h ]] || die "TANDEM_GPU_PYTHON_INCLUDE=$inc has no Python.h"
-  ver=$(basename "$inc")                      # python3.12
-  suffix=${TANDEM_GPU_PYTHON_SUFFIX:-.cpython-${ver#python}-x86_64-linux-gnu.so}
-  suffix=${suffix/3./3}                       # .cpython-3.12 -> .cpython-312
+  ver=$(basename "$inc")                      # python3.12 -> .cpython-312-x86_64-linux-gnu.so
+  ver=${ver#python}
+  suffix=${TANDEM_GPU_PYTHON_SUFFIX:-.cpython-${ver//./}-x86_64-linux-gnu.so}
   cuda_lib=$(dirname "$(command -v nvcc)")/../lib64
   [[ -f $cuda_lib/libcudart_static.a ]] || die "no libcudart_static.a in $cuda_lib"
   nccl=()
@@ -99,12 +99,12 @@ fi
 # pytest for a Python that lacks it (pure Python: any 3.x the GPU machine has).
 site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 if [[ ${TANDEM_GPU_PYLIB:-1} == 1 ]]; then  # TANDEM_GPU_PYLIB=0: the GPU machine has pytest (6 MiB less)
-mkdir -p "$OUT/pylib"
-for p in _pytest pytest pluggy iniconfig packaging pygments py.py; do
-  [[ -e "$site/$p" ]] && cp -r "$site/$p" "$OUT/pylib/"
-done
-for d in "$site"/{pytest,pluggy,iniconfig,packaging,pygments}-*.dist-info; do cp -r "$d" "$OUT/pylib/"; done
-find "$OUT/pylib" -name __pycache__ -type d -prune -exec rm -rf {} +
+  mkdir -p "$OUT/pylib"
+  for p in _pytest pytest pluggy iniconfig packaging pygments py.py; do
+    [[ -e "$site/$p" ]] && cp -r "$site/$p" "$OUT/pylib/"
+  done
+  for d in "$site"/{pytest,pluggy,iniconfig,packaging,pygments}-*.dist-info; do cp -r "$d" "$OUT/pylib/"; done
+  find "$OUT/pylib" -name __pycache__ -type d -prune -exec rm -rf {} +
 fi
 
 {

@@ -345,7 +345,11 @@ def test_two_concurrent_clients_each_get_their_own_answer(server, client, refere
     want = [greedy(reference, completion_ids(reference, p), 32)[1] for p in prompts]
     # The server is shared with --max-queue 1: a request an earlier test's client gave up on
     # may still be finishing, and then one of these two would get a 503 (seen once in CI).
-    _wait_for(lambda: (lambda h: h["running"] == 0 and h["waiting"] == 0)(health(server)), "the server to be idle")
+    def idle() -> bool:
+        h = health(server)
+        return h["running"] == 0 and h["waiting"] == 0
+
+    _wait_for(idle, "the server to be idle")
     got: dict[int, str] = {}
 
     def ask(i):
