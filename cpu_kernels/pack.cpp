@@ -254,8 +254,9 @@ void write_bf16(const PackedWeight& p, std::byte* dst, const float* rows, int va
       }
 }
 
+// amax (optional): each row's max |w| over a wider range than these columns (pack_cols).
 void write_int8(const PackedWeight& p, std::byte* dst, const float* rows, int valid, const WeightView& w,
-                const char* what, int r0) {
+                const char* what, int r0, const float* amax_of = nullptr) {
   uint8_t* d = reinterpret_cast<uint8_t*>(dst);
   float* scale = reinterpret_cast<float*>(dst + static_cast<size_t>(p.k_pad) * kPanel);
   std::memset(d, 128, static_cast<size_t>(p.k_pad) * kPanel);  // q = 0
@@ -268,6 +269,7 @@ void write_int8(const PackedWeight& p, std::byte* dst, const float* rows, int va
       if (!std::isfinite(row[c])) non_finite(w, what, r0 + j, row);
       amax = std::max(amax, std::fabs(row[c]));
     }
+    if (amax_of) amax = amax_of[r0 + j];
     scale[j] = amax / 127.0f;
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     for (int c = 0; c < p.k; ++c) {
@@ -327,7 +329,8 @@ void write_int4(const PackedWeight& p, std::byte* dst, const float* rows, int va
 // OpenMP regions cannot throw across their boundary: run the region, keep the first
 // error, rethrow it afterwards.
 template <size_t N>
-void pack_panels_checked(PackedWeight& p, const WeightView* (&views)[N], const char* const (&what)[N]) {
+void pack_panels_checked(PackedWeight& p, const WeightView* (&views)[N], const char* const (&what)[N],
+                         const float* amax = nullptr) {
   std::exception_ptr err;
   const int stored = static_cast<int>(N) * p.panels;
   std::byte* base = p.data.data();
@@ -344,7 +347,7 @@ void pack_panels_checked(PackedWeight& p, const WeightView* (&views)[N], const c
         std::byte* dst = base + static_cast<size_t>(i) * p.panel_stride;
         switch (p.format) {
           case WeightFormat::bf16: write_bf16(p, dst, rows.data(), valid); break;
-          case WeightFormat::int8: write_int8(p, dst, rows.data(), valid, w, what[i % N], r0); break;
+          case WeightFormat::int8: write_int8(p, dst, rows.data(), valid, w, what[i % N], r0, amax); break;
           case WeightFormat::int4: write_int4(p, dst, rows.data(), valid, w, what[i % N], r0); break;
         }
       } catch (...) {
@@ -386,6 +389,106 @@ PackedWeight pack_gate_up(const WeightView& gate, const WeightView& up, const Pa
   const WeightView* views[2] = {&gate, &up};
   const char* const what[2] = {"gate weight", "up weight"};
   pack_panels_checked(p, views, what);
+  return p;
+}
+
+int column_unit(const PackOptions& opt) {
+  switch (opt.format) {
+    case WeightFormat::bf16: return 2;
+    case WeightFormat::int8: return 64;  // k_pad's step: a slice's padding is the whole's
+    case WeightFormat::int4: return opt.group;
+  }
+  return 1;
+}
+
+namespace {
+void check_cols(const PackOptions& opt, int k, int c0, int cols) {
+  TANDEM_CHECK(c0 >= 0 && cols > 0 && c0 + cols <= k, Errc::invalid_argument, "pack: columns [", c0, ", ", c0 + cols,
+               ") are outside [0, ", k, ")");
+  const int unit = column_unit(opt);
+  TANDEM_CHECK(c0 % unit == 0 && (c0 + cols == k || cols % unit == 0), Errc::invalid_argument, "pack: columns [", c0,
+               ", ", c0 + cols, ") of ", k, " do not fall on ", format_name(opt.format), "'s column unit ", unit);
+}
+}  // namespace
+
+PackedWeight pack_cols(const WeightView& w, int c0, int cols, const PackOptions& opt) {
+  check_view("weight", w);
+  check_options(opt, cols);
+  check_cols(opt, w.k, c0, cols);
+  const WeightView v = sub_view(w, 0, w.n, c0, cols);
+  if (opt.format != WeightFormat::int8 || (c0 == 0 && cols == w.k)) return pack(v, opt);
+  // int8: each row's scale from the whole row, the values from these columns.
+  std::vector<float> amax(w.n, 0.0f);
+  std::exception_ptr err;
+#pragma omp parallel
+  {
+    std::vector<float> row(w.k);
+#pragma omp for schedule(static)
+    for (int r = 0; r < w.n; ++r) {
+      try {
+        decode_rows(w, r, 1, row.data());
+        float a = 0.0f;
+        for (int c = 0; c < w.k; ++c) {
+          if (!std::isfinite(row[c])) non_finite(w, "weight", r, row.data());
+          a = std::max(a, std::fabs(row[c]));
+        }
+        amax[r] = a;
+      } catch (...) {
+#pragma omp critical(tandem_pack_error)
+        if (!err) err = std::current_exception();
+      }
+    }
+  }
+  if (err) std::rethrow_exception(err);
+  PackedWeight p = layout(opt, v.n, v.k, 1);
+  const WeightView* views[1] = {&v};
+  const char* const what[1] = {"weight"};
+  pack_panels_checked(p, views, what, amax.data());
+  return p;
+}
+
+PackedWeight empty_pack(const PackOptions& opt, int n, int k, bool gate_up) {
+  TANDEM_CHECK(n > 0 && k > 0, Errc::invalid_argument, "pack: shape [", n, " x ", k, "] must be positive");
+  check_options(opt, k);
+  PackedWeight p = layout(opt, n, k, gate_up ? 2 : 1);
+  p.gate_up = gate_up;
+  return p;
+}
+
+ColumnBytes column_bytes(const PackedWeight& full, int c0, int cols) {
+  PackOptions opt{full.format, full.group, full.symmetric};
+  check_cols(opt, full.k, c0, cols);
+  const PackedWeight part = layout(opt, full.n, cols);
+  ColumnBytes b;
+  switch (full.format) {
+    case WeightFormat::bf16:  // [k_pad / 2][64][2] bf16
+      b.offset = static_cast<size_t>(c0 / 2) * kPanel * 2 * sizeof(bf16_t);
+      b.bytes = part.panel_stride;
+      break;
+    case WeightFormat::int8:  // [k_pad / 4][64][4] bytes, then the row scales
+      b.offset = static_cast<size_t>(c0 / 4) * kPanel * 4;
+      b.bytes = static_cast<size_t>(part.k_pad) * kPanel;
+      b.tail_offset = static_cast<size_t>(full.k_pad) * kPanel;
+      b.tail_bytes = kPanel * sizeof(float);
+      break;
+    case WeightFormat::int4:  // whole groups
+      b.offset = static_cast<size_t>(c0 / full.group) * full.group_stride;
+      b.bytes = part.panel_stride;
+      break;
+  }
+  return b;
+}
+
+PackedWeight slice_cols(const PackedWeight& full, int c0, int cols) {
+  TANDEM_CHECK(!full.gate_up, Errc::invalid_argument, "slice_cols: a gate_up pack is cut by panels, not columns");
+  const ColumnBytes b = column_bytes(full, c0, cols);
+  PackedWeight p = empty_pack({full.format, full.group, full.symmetric}, full.n, cols);
+  for (int i = 0; i < full.panels; ++i) {
+    std::byte* dst = p.data.data() + static_cast<size_t>(i) * p.panel_stride;
+    const std::byte* src = full.panel_data(i);
+    std::memcpy(dst, src + b.offset, b.bytes);
+    if (b.tail_bytes) std::memcpy(dst + b.bytes, src + b.tail_offset, b.tail_bytes);
+  }
   return p;
 }
 

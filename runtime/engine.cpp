@@ -110,6 +110,38 @@ void Engine::load(const Checkpoint& ckpt, const ExpertNaming& naming, const Prog
   }
 }
 
+void Engine::load_store(const ExpertStore& store, const Checkpoint& ckpt, const ExpertNaming& naming,
+                        const Progress& progress) {
+  const StoreSpec& s = store.spec();
+  TANDEM_CHECK(s.layers == spec_.layers, Errc::invalid_argument, "engine: store ", store.dir().string(),
+               " holds other MoE layers than this model's");
+  for (int i = 0; i < moe_layers(); ++i)
+    TANDEM_CHECK(!layers_[i]->loaded(), Errc::invalid_argument, "engine: MoE layer ", i, " is already loaded");
+  const int E = spec_.shape.experts, L = moe_layers();
+  // The hot experts' tensors are checked before anything is read.
+  for (int i = 0; i < L; ++i)
+    for (int e : hot_[i]) checkpoint_expert(ckpt, spec_.layers[i], e, naming, spec_.shape);
+  std::vector<int> begun;
+  try {
+    for (int i = 0; i < L; ++i) {
+      const int model_layer = spec_.layers[i];
+      Progress p;  // (subpool, expert) items: rescaled to experts over all layers
+      if (progress)
+        p = [&, i](int done, int of) { progress(i * E + (of > 0 ? static_cast<int>(int64_t{done} * E / of) : 0), L * E); };
+      MoeLayer& l = *layers_[i];
+      begun.push_back(i);
+      l.exclude(hot_[i]);
+      l.load(store, i, p);
+      hybrid_->set_hot(i, hot_[i], [&](int e) { return checkpoint_expert(ckpt, model_layer, e, naming, spec_.shape); });
+      for (int e : hot_[i]) release_checkpoint_expert(ckpt, model_layer, e, naming);
+    }
+  } catch (...) {
+    for (int i : begun) drop_layer(i);
+    throw;
+  }
+  if (progress) progress(L * E, L * E);
+}
+
 bool Engine::loaded(int i) const {
   check_index(i);
   return layers_[i]->loaded();

@@ -81,19 +81,20 @@ void ExpertPacks::pack_slice(int s, int e, const ExpertSource& src) {
   if (i0 == i1) return;
   const int H = shape_.hidden;
   Shard& sh = shards_[s];
-  const WeightView g = sub_view(src.gate, i0, i1 - i0, 0, H), u = sub_view(src.up, i0, i1 - i0, 0, H),
-                   d = sub_view(src.down, 0, H, i0, i1 - i0);
+  const WeightView g = sub_view(src.gate, i0, i1 - i0, 0, H), u = sub_view(src.up, i0, i1 - i0, 0, H);
   auto where = [&](const char* proj) {
     return layer_ >= 0 ? str_cat("layer ", layer_, ", expert ", e, " ", proj) : str_cat("expert ", e, " ", proj);
   };
-  const Source sg{&g, where("gate")}, su{&u, where("up")}, sd{&d, where("down")};
+  // down is cut along k: pack_cols keeps int8's row scales whole-row, so every slicing
+  // (subpool count) holds the same numbers, the store's (expert_store.h) included.
+  const Source sg{&g, where("gate")}, su{&u, where("up")}, sd{&src.down, where("down")};
   if (layout_ == Layout::fused) {
     sh.gate_up[e] = packed({sg, su}, [&] { return pack_gate_up(g, u, format_); });
   } else {
     sh.gate[e] = packed({sg}, [&] { return pack(g, format_); });
     sh.up[e] = packed({su}, [&] { return pack(u, format_); });
   }
-  sh.down[e] = packed({sd}, [&] { return pack(d, format_); });
+  sh.down[e] = packed({sd}, [&] { return pack_cols(src.down, i0, i1 - i0, format_); });
 }
 
 void ExpertPacks::load(Pool& pool, const std::function<ExpertSource(int)>& source, const Progress& progress) {
@@ -127,6 +128,27 @@ void ExpertPacks::drop() {
   for (auto& sh : shards_)
     for (auto* v : {&sh.gate_up, &sh.gate, &sh.up, &sh.down})
       for (auto& w : *v) w = {};
+}
+
+void ExpertPacks::drop(int e) {
+  for (auto& sh : shards_)
+    for (auto* v : {&sh.gate_up, &sh.gate, &sh.up, &sh.down}) (*v)[e] = {};
+}
+
+void ExpertPacks::load_store(Pool& pool, const ExpertStore& store, int index, const Progress& progress) {
+  TANDEM_CHECK(layout_ == Layout::fused, Errc::internal, "experts: a store holds fused gate/up packs");
+  TANDEM_CHECK(pool.subpools() == subpools(), Errc::internal, "experts: packs for ", subpools(), " subpools, pool of ",
+               pool.subpools());
+  const int H = shape_.hidden;
+  const std::function<void(int, int)> read_one = [&](int s, int e) {
+    const auto [i0, i1] = slice(s);
+    if (skipped(e) || i0 == i1) return;
+    PackedWeight gu = empty_pack(format_, i1 - i0, H, true), dn = empty_pack(format_, H, i1 - i0);
+    store.read(index, e, i0, i1, gu, dn);
+    shards_[s].gate_up[e] = std::move(gu);
+    shards_[s].down[e] = std::move(dn);
+  };
+  for_each_item(pool, shape_.experts, read_one, progress);
 }
 
 const PackedWeight& ExpertPacks::gate_up_layout(int e) const {

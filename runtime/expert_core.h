@@ -22,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include "tandem/expert_store.h"
 #include "tandem/experts.h"
 #include "tandem/kernels.h"
 #include "tandem/moe.h"
@@ -70,6 +71,10 @@ class ExpertPacks {
   // any packing.
   std::function<ExpertSource(int)> checkpoint_source(const Checkpoint& ckpt, int layer, const ExpertNaming& naming);
   void drop();  // frees every pack
+  void drop(int e);  // frees expert e's packs
+  // Every held expert from a store (expert_store.h: MoE layer `index` of it), each subpool
+  // reading its slices on its own threads (fused layout only).
+  void load_store(Pool& pool, const ExpertStore& store, int index, const Progress& progress = {});
 
   const MoeShape& shape() const { return shape_; }
   const PackOptions& format() const { return format_; }

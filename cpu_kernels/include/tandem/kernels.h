@@ -134,6 +134,27 @@ struct PackedWeight {
 PackedWeight pack(const WeightView& w, const PackOptions& opt = {});
 // Gate and up of one expert in one weight: panels alternate gate, up, gate, up, ...
 PackedWeight pack_gate_up(const WeightView& gate, const WeightView& up, const PackOptions& opt = {});
+// The pack of columns [c0, c0 + cols) of w: pack(sub_view(w, 0, w.n, c0, cols)), except
+// that int8's row scales are taken over each whole row of w, so the result equals the
+// same columns cut from pack(w) (slice_cols): a weight split along k (a down projection
+// over several subpools) holds the same numbers however it is split. c0 must be a
+// multiple of the format's column unit (column_unit: 2, 64, or the int4 group).
+PackedWeight pack_cols(const WeightView& w, int c0, int cols, const PackOptions& opt = {});
+// The smallest column step at which a pack in opt's format can be cut along k.
+int column_unit(const PackOptions& opt);
+// An empty pack of W [n x k] (gate_up: gate and up panels) in opt's layout, its data
+// allocated and uninitialized: what pack() / pack_gate_up() fill (readers of stored packs).
+PackedWeight empty_pack(const PackOptions& opt, int n, int k, bool gate_up = false);
+// Where columns [c0, c0 + cols) of one stored panel of `full` sit inside it: `bytes` at
+// `offset` (the panel's products), then, for int8, `tail_bytes` at `tail_offset` (its row
+// scales). Copied in that order, they make the stored panel of a pack of those columns
+// (empty_pack(opt, full.n, cols)). c0 as for pack_cols.
+struct ColumnBytes {
+  size_t offset = 0, bytes = 0, tail_offset = 0, tail_bytes = 0;
+};
+ColumnBytes column_bytes(const PackedWeight& full, int c0, int cols);
+// Columns [c0, c0 + cols) of a (non-gate_up) pack, cut byte for byte (column_bytes).
+PackedWeight slice_cols(const PackedWeight& full, int c0, int cols);
 // Bytes pack(W [n x k], opt) (gate_up = false) or pack_gate_up(gate, up [n x k], opt)
 // (gate_up = true) will hold, from the shape alone (memory planning: tandem doctor).
 // Throws tandem::Error for shapes pack() refuses.

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "tandem/config.h"
+#include "tandem/expert_store.h"
 #include "tandem/hybrid.h"
 #include "tandem/moe.h"
 #include "tandem/pool_config.h"
@@ -53,6 +54,11 @@ class Engine {
   // for load_layer (e.g. layers whose weights an adapter changes).
   void load(const Checkpoint& ckpt, const ExpertNaming& naming, const Progress& progress = {},
             const std::vector<int>& only = {});
+  // Loads every MoE layer's CPU experts from a store made for this model and format
+  // (expert_store.h; the caller checks it first: ExpertStore::check), and the config's hot
+  // experts from the checkpoint as load() does. Nothing stays half loaded on error.
+  void load_store(const ExpertStore& store, const Checkpoint& ckpt, const ExpertNaming& naming,
+                  const Progress& progress = {});
   // Loads MoE layer i from any source (e.g. tensors an existing model holds).
   void load_layer(int i, const std::function<ExpertSource(int)>& source, const Progress& progress = {});
   bool loaded() const;

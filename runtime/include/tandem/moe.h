@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "tandem/expert_store.h"
 #include "tandem/experts.h"
 #include "tandem/kernels.h"
 #include "tandem/pool.h"
@@ -78,6 +79,9 @@ class MoeLayer {
   // read in place, no full-size intermediate copy). Errors name the missing key or the
   // shape / dtype that does not fit.
   void load(const Checkpoint& ckpt, int layer, const ExpertNaming& naming, const Progress& progress = {});
+  // Reads every held expert from MoE layer `index` of a store (expert_store.h), each
+  // subpool its own slice on its own threads: the packs load() makes, not re-packed.
+  void load(const ExpertStore& store, int index, const Progress& progress = {});
   // Frees every pack: the layer is as before load() (a failed model load rolls back).
   void unload();
 
