@@ -233,6 +233,72 @@ PYBIND11_MODULE(_C, m) {
         py::arg("zero_point") = false, py::arg("subpools") = 1,
         "Bytes of one MoE layer's packed experts (gate/up and down) in `format`, as the pools pack them.");
 
+  // ---- expert store ----
+  m.def("store_dir_name", [](const std::string& format, int group, bool zero_point) {
+        return store_dir_name(PackOptions{parse_format(format), group, !zero_point});
+      }, py::arg("format"), py::arg("group_size") = 128, py::arg("zero_point") = false,
+      "The directory name tandem convert gives a store of this format (tandem-int4-g128, ...).");
+  m.def("convert_experts", [](const Checkpoint& c, const NamingTuple& n, int experts, int hidden, int inter,
+                              std::vector<int> layers, const std::string& format, int group, bool zero_point,
+                              const std::filesystem::path& out, const py::object& progress) {
+        StoreSpec spec{{experts, hidden, inter}, std::move(layers), PackOptions{parse_format(format), group, !zero_point},
+                       ExpertNaming{std::get<0>(n), std::get<1>(n), std::get<2>(n)}};
+        Progress p = py_progress(progress);
+        ConvertReport r;
+        {
+          py::gil_scoped_release nogil;
+          r = convert_experts(c, spec, out, p);
+        }
+        py::dict d;
+        d["layers_written"] = r.layers_written;
+        d["layers_kept"] = r.layers_kept;
+        d["bytes"] = r.bytes;
+        d["up_to_date"] = r.up_to_date;
+        return d;
+      }, py::arg("checkpoint"), py::arg("naming"), py::arg("experts"), py::arg("hidden"), py::arg("inter"),
+      py::arg("layers"), py::arg("format"), py::arg("group_size") = 128, py::arg("zero_point") = false,
+      py::arg("out"), py::arg("progress") = py::none(),
+      "Writes the experts of `layers` packed in `format` into the store directory `out` (tandem/expert_store.h): "
+      "resumable, the manifest written last.");
+  py::class_<ExpertStore>(m, "ExpertStore", "A store of packed experts written by convert_experts.")
+      .def(py::init([](const std::filesystem::path& p) {
+             py::gil_scoped_release nogil;
+             return ExpertStore::open(p);
+           }), py::arg("path"))
+      .def_property_readonly("path", [](const ExpertStore& s) { return s.dir().string(); })
+      .def_property_readonly("bytes", &ExpertStore::bytes)
+      .def_property_readonly("spec", [](const ExpertStore& s) {
+             const StoreSpec& sp = s.spec();
+             py::dict d;
+             d["experts"] = sp.shape.experts;
+             d["hidden"] = sp.shape.hidden;
+             d["inter"] = sp.shape.inter;
+             d["layers"] = sp.layers;
+             d["format"] = std::string(format_name(sp.format.format));
+             d["group_size"] = sp.format.group;
+             d["zero_point"] = !sp.format.symmetric;
+             d["naming"] = NamingTuple{sp.naming.gate, sp.naming.up, sp.naming.down};
+             return d;
+           })
+      .def("check", [](const ExpertStore& s, const Checkpoint& c, const NamingTuple& n, int experts, int hidden,
+                       int inter, std::vector<int> layers, const std::string& format, int group, bool zero_point,
+                       const py::object& progress) {
+             StoreSpec spec{{experts, hidden, inter}, std::move(layers),
+                            PackOptions{parse_format(format), group, !zero_point},
+                            ExpertNaming{std::get<0>(n), std::get<1>(n), std::get<2>(n)}};
+             Progress p = py_progress(progress);
+             py::gil_scoped_release nogil;
+             s.check(spec, c, p);
+           }, py::arg("checkpoint"), py::arg("naming"), py::arg("experts"), py::arg("hidden"), py::arg("inter"),
+           py::arg("layers"), py::arg("format"), py::arg("group_size") = 128, py::arg("zero_point") = false,
+           py::arg("progress") = py::none(),
+           "Refuses (ValueError naming the field) a store that does not hold these experts of this checkpoint.")
+      .def("verify", [](const ExpertStore& s, const py::object& progress) {
+             Progress p = py_progress(progress);
+             py::gil_scoped_release nogil;
+             s.verify(p);
+           }, py::arg("progress") = py::none(), "Reads every layer file and compares it with its hash.");
+
   // ---- engine ----
   // Tensors cross as (data pointer, ...) from tandem/modules.py, which checks dtype,
   // shape, device and contiguity with errors naming the argument.
@@ -261,6 +327,14 @@ PYBIND11_MODULE(_C, m) {
            }, py::arg("checkpoint"), py::arg("naming"), py::arg("progress") = py::none(),
            py::arg("layers") = std::vector<int>{},
            "layers: the MoE indices to load (empty: all); the others are left for load_layer")
+      .def("load_store", [](Engine& e, const ExpertStore& s, const Checkpoint& c, const NamingTuple& n,
+                            const py::object& progress) {
+             ExpertNaming naming{std::get<0>(n), std::get<1>(n), std::get<2>(n)};
+             Progress p = py_progress(progress);
+             py::gil_scoped_release nogil;
+             e.load_store(s, c, naming, p);
+           }, py::arg("store"), py::arg("checkpoint"), py::arg("naming"), py::arg("progress") = py::none(),
+           "Every MoE layer's CPU experts from a checked store, the hot experts from the checkpoint.")
       .def("unload_layer", [](Engine& e, int i) {
              py::gil_scoped_release nogil;
              e.unload_layer(i);

@@ -383,6 +383,7 @@ fs::path resolve(const Ctx& c, const std::string& p) {
 
 void parse_cpu(const Section& s, Config::Cpu& cpu) {
   const Ctx& c = s.ctx();
+  if (auto n = s.value("store"); present(n)) cpu.store = resolve(c, read_string(c, n, "cpu.store"));
   if (auto n = s.value("format"); present(n)) cpu.format = read_choice(c, n, s.key("format"), {"bf16", "int8", "int4"});
   if (auto n = s.value("dense_format"); present(n))
     cpu.dense_format = read_choice(c, n, s.key("dense_format"), {"auto", "torch", "bf16", "int8", "int4"});
@@ -536,7 +537,7 @@ Config parse_config(std::string_view yaml, std::string_view origin, const fs::pa
 
   parse_cpu(Section(top.get("cpu"), "cpu", c,
                     {"format", "dense_format", "group_size", "zero_point", "numa_nodes", "virtual_subpools", "threads",
-                     "isa"}),
+                     "isa", "store"}),
             cfg.cpu);
   parse_gpu(Section(top.get("gpu"), "gpu", c, {"device", "hot_experts", "deferred_experts"}), cfg.gpu);
 
@@ -595,7 +596,8 @@ std::string Config::to_json() const {
               {"numa_nodes", cpu.numa_nodes.empty() ? nlohmann::ordered_json("auto") : nlohmann::ordered_json(cpu.numa_nodes)},
               {"virtual_subpools", cpu.virtual_subpools},
               {"threads", cpu.threads == 0 ? nlohmann::ordered_json("auto") : nlohmann::ordered_json(cpu.threads)},
-              {"isa", cpu.isa}};
+              {"isa", cpu.isa},
+              {"store", cpu.store.string()}};
   nlohmann::ordered_json layers = nlohmann::ordered_json::object();
   for (const auto& [l, ids] : gpu.hot_experts.layers) layers[std::to_string(l)] = ids;
   j["gpu"] = {{"device", gpu.device},

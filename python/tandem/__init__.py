@@ -26,7 +26,7 @@ from . import _C
 from ._C import Checkpoint, Engine, cpu_features, effective_isa, hardware_isa  # noqa: F401
 
 __version__: str = _C.__version__
-__all__ = ["Checkpoint", "DoctorReport", "Engine", "TandemExperts", "cpu_features", "doctor", "effective_isa",
+__all__ = ["Checkpoint", "DoctorReport", "Engine", "TandemExperts", "convert", "cpu_features", "doctor", "effective_isa",
            "hardware_isa", "load_config", "load_model", "offload", "parse_config", "trace"]
 
 
@@ -38,10 +38,13 @@ def __getattr__(name: str):
     if name == "TandemExperts":
         from .modules import TandemExperts
         return TandemExperts
+    if name == "convert":
+        from .store import convert
+        return convert
     if name == "load_model":
         from .loader import load_model
         return load_model
-    if name in ("demo", "lora", "train", "tracing"):
+    if name in ("demo", "lora", "store", "train", "tracing"):
         import importlib
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'tandem' has no attribute {name!r}")

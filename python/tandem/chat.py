@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     check_device(args.device, sel, train=False)
     model_dir = sel.model or str(demo.ensure_demo_model(progress=not args.no_progress))
     print(describe(sel, model_dir), flush=True)
-    model = tandem.load_model(model_dir, sel.config, device=args.device, progress=not args.no_progress,
+    model = tandem.load_model(model_dir, sel.config, device=args.device, store=args.store, progress=not args.no_progress,
                               adapter=args.adapter)
     tok = AutoTokenizer.from_pretrained(model_dir)
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample)

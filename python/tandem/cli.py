@@ -11,6 +11,9 @@
                                              tokens/s of prompt processing and generation
     tandem serve [--model DIR] [--config FILE] [--adapter DIR] [--host H] [--port 8000] [--api-key KEY]
                                              an OpenAI-compatible HTTP server (streaming)
+    tandem convert [--model DIR] [--config FILE] [--format F] [--out DIR] [--verify]
+                                             pack the routed experts once into a store that later
+                                             starts load (--store DIR, or cpu.store) instead
     tandem merge --model DIR --adapter DIR --out DIR
                                              write a checkpoint with a LoRA adapter merged in
     tandem doctor [--config FILE] [--json]   what tandem can use here; validate a config
@@ -73,6 +76,12 @@ def _serve(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from tandem.store import run
+
+    return run(args)
+
+
 def _merge(args: argparse.Namespace) -> int:
     from tandem.merge import run
 
@@ -127,6 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "completions, streaming) for a model loaded through tandem")
     add_serve_arguments(sv)
     sv.set_defaults(func=_serve)
+    from tandem.store import add_arguments as add_convert_arguments
+
+    cv = sub.add_parser("convert", parents=[common], help="pack a model's routed experts once into a store "
+                        "(resumable) that later starts load instead of packing the checkpoint")
+    add_convert_arguments(cv)
+    cv.set_defaults(func=_convert)
     mg = sub.add_parser("merge", parents=[common], help="write a checkpoint with a LoRA adapter merged in "
                         "(shard by shard, atomically)")
     mg.add_argument("--model", required=True, help="checkpoint directory of the base model")

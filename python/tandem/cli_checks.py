@@ -65,6 +65,7 @@ def select_model_and_config(args: argparse.Namespace) -> Selection:
     configs/demo.yaml. Checks that the config parses and the model directory exists."""
     import tandem
 
+    check_store_argument(args)
     cfg: dict[str, Any] = {}
     if args.config:
         cfg = tandem.load_config(args.config)  # ValueError / OSError naming file:line:col
@@ -101,6 +102,23 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="placement YAML (default: configs/demo.yaml for the demo model, else the "
                                     "defaults)")
     p.add_argument("--device", help="device of the non-expert weights (default: from the config)")
+    p.add_argument("--store", metavar="DIR", help="load the routed experts from this store (tandem convert) "
+                   "instead of packing the checkpoint (default: the config's cpu.store)")
+
+
+def check_store_argument(args: argparse.Namespace) -> None:
+    """--store names a finished store (the manifest is there); the model check comes at load."""
+    store = getattr(args, "store", None)
+    if store is None:
+        return
+    if not Path(store).is_dir():
+        raise InputError(f"--store {store}: not a directory (make a store with tandem convert)")
+    if not (Path(store) / "manifest.json").is_file():
+        raise InputError(f"--store {store}: no manifest.json there (an unfinished conversion, or not a store: "
+                         "run tandem convert)")
+    if getattr(args, "adapter", None) is not None:
+        raise InputError("--store and --adapter: an adapter changes the experts the store holds packed; merge it "
+                         "into a checkpoint (tandem merge) and convert that")
 
 
 def add_generation_arguments(p: argparse.ArgumentParser, max_new_tokens: int, what: str = "") -> None:

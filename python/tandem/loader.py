@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -57,10 +58,84 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor, is_param: bool
         mod._buffers[attr] = value
 
 
+@dataclass
+class ModelExperts:
+    """A checkpoint directory opened for its routed experts: the transformers model built on
+    the meta device, its MoE blocks, and where the experts sit in the checkpoint."""
+    path: Path
+    hf_config: Any
+    ckpt: _C.Checkpoint
+    model: nn.Module
+    blocks: list
+    shape: tuple[int, int, int]   # experts, hidden, intermediate
+    layers: list[int]             # model layer of each MoE block
+    names: CheckpointNames
+    naming: tuple[str, str, str]  # gate, up, down patterns ({L}, {E})
+
+
+def open_model_experts(path: str | os.PathLike, dtype: torch.dtype | None = None) -> ModelExperts:
+    """Opens checkpoint directory `path` and finds its routed experts (ValueError naming the
+    file and the problem otherwise). dtype: of the meta model (default: config.json's)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path}: no config.json (expected a transformers checkpoint directory)")
+    try:
+        hf_config = AutoConfig.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 (any failure to read it is about config.json: one line naming it)
+        raise ValueError(f"{path / 'config.json'}: {type(e).__name__}: {_first_line(e)}") from e
+    if dtype is None:
+        dtype = _config_dtype(hf_config)
+    ckpt = _C.Checkpoint(str(path))
+    _check_config_against_checkpoint(path, hf_config, ckpt)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError, RuntimeError) as e:
+        raise ValueError(f"{path / 'config.json'}: transformers cannot build the model from it: "
+                         f"{type(e).__name__}: {_first_line(e)}") from e
+    try:
+        blocks = find_moe_blocks(model)
+    except ValueError as e:
+        raise ValueError(f"{path}: model_type {hf_config.model_type!r} is not supported: {e}") from None
+    # What the experts classes compute: their structure, and their own forward run on
+    # random weights (the meta model has none; the checkpoint's go straight to C++).
+    checked: set = set()
+    for b in blocks:
+        check_experts(b.experts, f"model layer {b.layer}", checked)  # its activation too (not config.hidden_act)
+    E, H, I = (getattr(blocks[0].experts, a) for a in ("num_experts", "hidden_dim", "intermediate_dim"))
+    layers = [b.layer for b in blocks]
+    names = CheckpointNames(hf_config.model_type, ckpt, str(path))
+    naming = tuple(names.experts(blocks[0].path, layers[0]))
+    return ModelExperts(path, hf_config, ckpt, model, blocks, (E, H, I), layers, names, naming)
+
+
+def _config_dtype(hf_config: Any) -> torch.dtype:
+    dtype = getattr(hf_config, "dtype", None) or torch.float32
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def open_store(store: str | os.PathLike, me: ModelExperts, cpu: dict[str, Any], progress: bool = True) -> _C.ExpertStore:
+    """The expert store at `store`, checked against the model's experts and the config's cpu
+    format (ValueError naming the field otherwise; OSError for a store that is not there or
+    unfinished). A source whose files' times changed has its experts hashed again."""
+    s = _C.ExpertStore(str(store))
+    E, H, I = me.shape
+    bar = progress_bar(progress, len(me.layers), "checking the store's source")
+    try:
+        s.check(me.ckpt, me.naming, E, H, I, me.layers, cpu["format"], cpu["group_size"], cpu["zero_point"],
+                progress=(lambda d, t: bar(d)) if bar else None)
+    finally:
+        if bar:
+            bar(None)
+    return s
+
+
 def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None, *,
                device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                train: bool = False, backward_format: str | None = None, progress: bool = True,
-               adapter: str | os.PathLike | None = None) -> nn.Module:
+               adapter: str | os.PathLike | None = None, store: str | os.PathLike | None = None) -> nn.Module:
     """A transformers causal LM from checkpoint directory `path`, its routed experts in tandem.
 
     config: placement (YAML path, dict, or None for defaults); its model.path is used when
@@ -81,52 +156,35 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
     changes are packed with W + s B A, the rest merged by PEFT) and a plain transformers
     model is returned; with train=True the returned model is a ``PeftModel`` whose adapter
     trains on (tandem's LoRA path). Every tensor of the adapter must fit the model.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
 
+    store: a directory ``tandem convert`` wrote for this checkpoint and the config's
+    cpu.format (default: the config's cpu.store): the CPU experts are read from it instead of
+    packed from the checkpoint. A store for other experts, another format or a changed
+    checkpoint is refused, naming the field. Inference only (training packs its own layouts).
+    """
     cfg_json = config_json(config)
     if path is None:
         path = cfg_json["model"].get("path") or None
         if not path:
             raise ValueError("no checkpoint given: pass a directory or set model.path in the config")
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"{path}: no config.json (expected a transformers checkpoint directory)")
-    try:
-        hf_config = AutoConfig.from_pretrained(path)
-    except Exception as e:  # noqa: BLE001 (any failure to read it is about config.json: one line naming it)
-        raise ValueError(f"{path / 'config.json'}: {type(e).__name__}: {_first_line(e)}") from e
+    if store is None and cfg_json["cpu"].get("store"):
+        store = cfg_json["cpu"]["store"]
+    if store is not None and train:
+        raise ValueError(f"store {store}: an expert store holds inference packs; training packs its experts from "
+                         "the checkpoint (load without store=, or remove cpu.store from the config)")
+    if store is not None and adapter is not None:
+        raise ValueError(f"store {store}: an adapter changes the experts the store holds packed; merge it into a "
+                         "checkpoint first (tandem merge) and convert that, or load without the store")
     adapter_cfg = read_adapter_config(adapter) if adapter is not None else None
     device = _pick_device(cfg_json, device)
-    if dtype is None:
-        dtype = getattr(hf_config, "dtype", None) or torch.float32
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
-    ckpt = _C.Checkpoint(str(path))
-    _check_config_against_checkpoint(path, hf_config, ckpt)
+    me = open_model_experts(path, dtype)
+    path, hf_config, ckpt, model, blocks = me.path, me.hf_config, me.ckpt, me.model, me.blocks
+    dtype = dtype if dtype is not None else _config_dtype(hf_config)
+    (E, H, I), layers, names, naming = me.shape, me.layers, me.names, me.naming
+    expert_store = open_store(store, me, cfg_json["cpu"], progress) if store is not None else None
 
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    except (ValueError, TypeError, KeyError, AttributeError, IndexError, RuntimeError) as e:
-        raise ValueError(f"{path / 'config.json'}: transformers cannot build the model from it: "
-                         f"{type(e).__name__}: {_first_line(e)}") from e
-    try:
-        blocks = find_moe_blocks(model)
-    except ValueError as e:
-        raise ValueError(f"{path}: model_type {hf_config.model_type!r} is not supported: {e}") from None
-    # What the experts classes compute: their structure, and their own forward run on
-    # random weights (the meta model has none; the checkpoint's go straight to C++).
-    checked: set = set()
-    for b in blocks:
-        check_experts(b.experts, f"model layer {b.layer}", checked)  # its activation too (not config.hidden_act)
-    E, H, I = (getattr(blocks[0].experts, a) for a in ("num_experts", "hidden_dim", "intermediate_dim"))
-    layers = [b.layer for b in blocks]
-
-    # Routed experts: the C++ loader, straight from the mapped files.
-    names = CheckpointNames(hf_config.model_type, ckpt, str(path))
-    naming = names.experts(blocks[0].path, layers[0])
-    bar = progress_bar(progress, E * len(layers), "loading experts")
+    # Routed experts: the C++ loader, straight from the mapped files (or the store).
+    bar = progress_bar(progress, E * len(layers), "loading experts" + (" from the store" if expert_store else ""))
     if train:
         engine = make_lora_layers(config, (E, H, I), layers,
                                   backward_format or cfg_json.get("train", {}).get("backward_format", "bf16"))
@@ -135,7 +193,11 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
     # Both engines check every expert tensor first, then pack layer by layer, giving each
     # layer's checkpoint pages back once it is packed. With an adapter, inference packs
     # wait for it (below): the layers it changes are packed merged, once.
-    if train or adapter is None:
+    if expert_store is not None:
+        engine.load_store(expert_store, ckpt, naming, progress=(lambda d, t: bar(d)) if bar else None)
+        if bar:
+            bar(None)
+    elif train or adapter is None:
         engine.load_checkpoint(ckpt, naming, progress=(lambda d, t: bar(d)) if bar else None)
         if bar:
             bar(None)
@@ -220,6 +282,7 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
     apply_config(cfg_json)  # trace.enabled: record from now on, write trace.path at exit
     model.tandem_engine = engine
     model.tandem_checkpoint = str(path)
+    model.tandem_store = expert_store.path if expert_store is not None else None
     if adapter is not None:
         model.tandem_adapter = str(adapter)
     return model.eval()

@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     print(describe(sel, model_dir), flush=True)
     t0 = time.perf_counter()
     was_tracing = tandem.trace.enabled()  # TANDEM_TRACE=path records everything
-    model = tandem.load_model(model_dir, sel.config, device=args.device, progress=not args.no_progress,
+    model = tandem.load_model(model_dir, sel.config, device=args.device, store=args.store, progress=not args.no_progress,
                               adapter=args.adapter)
     tracing.cancel_pending()  # this command writes its trace itself, at its end: see below
     tandem.trace.enable(was_tracing)
@@ -144,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.adapter:
         print(f"adapter: {args.adapter} (merged)")
+    if model.tandem_store:
+        print(f"experts: read from the store {model.tandem_store} (not packed from the checkpoint)")
     print(f"loaded: {model.config.model_type}, {model.config.num_hidden_layers} layers, "
           f"dtype {model.dtype}, non-expert weights on {model.device}, torch threads {torch.get_num_threads()}; "
           f"in {load_s:.1f} s")

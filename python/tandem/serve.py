@@ -951,7 +951,7 @@ def run(args: argparse.Namespace) -> int:
         model_ctx = model_context(AutoConfig.from_pretrained(model_dir))
         if model_ctx and args.batch_context > model_ctx:
             raise InputError(f"--batch-context {args.batch_context}: above the model's context of {model_ctx} tokens")
-    model = tandem.load_model(model_dir, sel.config, device=args.device, progress=not args.no_progress,
+    model = tandem.load_model(model_dir, sel.config, device=args.device, store=args.store, progress=not args.no_progress,
                               adapter=args.adapter)
     tok = AutoTokenizer.from_pretrained(model_dir)
     model_id = args.served_model_name or os.path.basename(os.path.normpath(model_dir))

@@ -20,6 +20,8 @@
 //     virtual_subpools: 1             # subpools per node (tests NUMA paths on 1 node)
 //     threads: auto                   # auto | threads per subpool
 //     isa: auto                       # auto | scalar | avx2 | avx512 | avx512_vnni | avx512_bf16 | amx
+//     store: q-int4/                  # the experts packed once by `tandem convert` (expert_store.h),
+//                                     # loaded instead of packing the checkpoint; relative to this file
 //   gpu:
 //     device: auto                    # auto | none | N | cuda:N
 //     hot_experts:                    # experts per layer kept on the GPU
@@ -73,6 +75,7 @@ struct Config {
     int virtual_subpools = 1;
     int threads = 0;            // 0: one per physical core of the subpool
     std::string isa = "auto";
+    std::filesystem::path store;  // empty: pack the experts from the checkpoint
   } cpu;
 
   struct Gpu {
