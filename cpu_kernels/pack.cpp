@@ -79,6 +79,7 @@ std::string_view source_type_name(SourceType t) noexcept {
     case SourceType::bf16: return "bf16";
     case SourceType::f16: return "f16";
     case SourceType::f8_e4m3: return "f8_e4m3";
+    case SourceType::q4_gptq: return "q4_gptq";
   }
   return "?";
 }
@@ -128,7 +129,17 @@ namespace {
 int64_t row_stride(const WeightView& w) { return w.ld ? w.ld : w.k; }
 }  // namespace
 
+float Q4Source::value(int r, int c) const {
+  // The original format stores zero - 1 in 4 bits, so a zero of 0 is stored as 15: wrapped.
+  return fp16_to_fp32(scale_bits(c / group, r)) * static_cast<float>(static_cast<int>(q(r, c)) - (zero(c / group, r) & 15));
+}
+
 void decode_rows(const WeightView& w, int r0, int rows, float* out) {
+  if (w.type == SourceType::q4_gptq) {
+    for (int r = 0; r < rows; ++r)
+      for (int c = 0; c < w.k; ++c) out[static_cast<size_t>(r) * w.k + c] = w.q4->value(w.row0 + r0 + r, w.col0 + c);
+    return;
+  }
   const int64_t ld = row_stride(w);
   for (int r = 0; r < rows; ++r) {
     const size_t src = static_cast<size_t>(r0 + r) * ld;
@@ -169,6 +180,18 @@ void decode_rows(const WeightView& w, int r0, int rows, float* out) {
 namespace {
 
 void check_view(const char* what, const WeightView& w) {
+  if (w.type == SourceType::q4_gptq) {
+    TANDEM_CHECK(w.q4 && w.q4->qweight && w.q4->scales && w.q4->qzeros, Errc::invalid_argument, "pack: ", what,
+                 " is q4_gptq without its tensors");
+    const Q4Source& q = *w.q4;
+    TANDEM_CHECK(q.n % 8 == 0 && q.k % 8 == 0 && q.group > 0 && q.k % q.group == 0, Errc::invalid_argument, "pack: ",
+                 what, " is a q4_gptq matrix of [", q.n, " x ", q.k, "] in groups of ", q.group,
+                 ": GPTQ needs both sizes multiples of 8 and k a multiple of the group");
+    TANDEM_CHECK(w.n > 0 && w.k > 0 && w.row0 >= 0 && w.col0 >= 0 && w.row0 + w.n <= w.q4->n && w.col0 + w.k <= w.q4->k,
+                 Errc::invalid_argument, "pack: ", what, " rows [", w.row0, ", ", w.row0 + w.n, ") x columns [",
+                 w.col0, ", ", w.col0 + w.k, ") are outside its [", w.q4->n, " x ", w.q4->k, "] quantized matrix");
+    return;
+  }
   TANDEM_CHECK(w.data != nullptr, Errc::invalid_argument, "pack: ", what, " pointer is null");
   TANDEM_CHECK(w.n > 0 && w.k > 0, Errc::invalid_argument, "pack: ", what, " shape [", w.n, " x ", w.k,
                "] must be positive");
@@ -326,6 +349,57 @@ void write_int4(const PackedWeight& p, std::byte* dst, const float* rows, int va
   }
 }
 
+// int4 from a GPTQ source with the same group size: its nibbles, scales and zero points as
+// they are (write_int4's layout, padding rows alike).
+bool direct_q4(const PackedWeight& p, const WeightView& w) {
+  return w.type == SourceType::q4_gptq && p.format == WeightFormat::int4 && w.q4->group == p.group &&
+         w.col0 % p.group == 0;
+}
+
+void write_int4_q4(const PackedWeight& p, std::byte* dst, int valid, const WeightView& w, int r0) {
+  const int g = p.group;
+  const Q4Source& s = *w.q4;
+  for (int gi = 0; gi < p.k / g; ++gi) {
+    std::byte* base = dst + gi * p.group_stride;
+    uint8_t* nib = reinterpret_cast<uint8_t*>(base);
+    uint16_t* scale = reinterpret_cast<uint16_t*>(base + static_cast<size_t>(g) * kPanel / 2);
+    uint8_t* zero = reinterpret_cast<uint8_t*>(base + static_cast<size_t>(g) * kPanel / 2 + kPanel * 2);
+    std::memset(nib, 0, static_cast<size_t>(g) * kPanel / 2);
+    const int G = (w.col0 + gi * g) / g;
+    for (int j = 0; j < kPanel; ++j) {
+      uint8_t q[128] = {};
+      int z = p.symmetric ? 8 : 0;
+      scale[j] = 0;
+      if (j < valid) {
+        const int R = w.row0 + r0 + j;
+        const uint16_t s16 = s.scale_bits(G, R);
+        const float sv = fp16_to_fp32(s16);
+        const int zz = s.zero(G, R) & 15;  // the original format stores zero - 1: a zero of 0 wraps to 15
+        if (!std::isfinite(sv)) {
+          TANDEM_FAIL(Errc::bad_format, "tensor ", w.name ? w.name : "weight", w.file ? " of " : "", w.file ? w.file : "",
+                      ": row ", R, ", group ", G, " has scale ", sv, "; non-finite weights are refused");
+        }
+        if (p.symmetric && zz != 8)
+          TANDEM_FAIL(Errc::unsupported, "tensor ", w.name ? w.name : "weight", w.file ? " of " : "",
+                      w.file ? w.file : "", ": row ", R, ", group ", G, " has zero point ", zz,
+                      "; symmetric int4 holds zero point 8 only: pack this GPTQ checkpoint with zero points "
+                      "(cpu.zero_point: true)");
+        scale[j] = s16;
+        z = zz;
+        for (int c = 0; c < g; ++c) q[c] = s.q(R, w.col0 + gi * g + c);
+      } else if (p.symmetric) {
+        for (int c = 0; c < g; ++c) q[c] = 8;  // padding rows: q = zero point, value 0
+      }
+      if (!p.symmetric) zero[j] = static_cast<uint8_t>(z);
+      for (int c = 0; c < g; ++c) {
+        const int o = c / 8, e = c % 8;
+        uint8_t& b = nib[(static_cast<size_t>(o) * kPanel + j) * 4 + e % 4];
+        b |= static_cast<uint8_t>(e < 4 ? q[c] : q[c] << 4);
+      }
+    }
+  }
+}
+
 // OpenMP regions cannot throw across their boundary: run the region, keep the first
 // error, rethrow it afterwards.
 template <size_t N>
@@ -343,8 +417,12 @@ void pack_panels_checked(PackedWeight& p, const WeightView* (&views)[N], const c
         const WeightView& w = *views[i % N];
         const int panel = i / static_cast<int>(N);
         const int r0 = panel * kPanel, valid = std::min(kPanel, w.n - r0);
-        decode_rows(w, r0, valid, rows.data());
         std::byte* dst = base + static_cast<size_t>(i) * p.panel_stride;
+        if (direct_q4(p, w)) {
+          write_int4_q4(p, dst, valid, w, r0);
+          continue;
+        }
+        decode_rows(w, r0, valid, rows.data());
         switch (p.format) {
           case WeightFormat::bf16: write_bf16(p, dst, rows.data(), valid); break;
           case WeightFormat::int8: write_int8(p, dst, rows.data(), valid, w, what[i % N], r0, amax); break;
@@ -506,6 +584,14 @@ WeightView sub_view(const WeightView& w, int r0, int rows, int c0, int cols) {
   TANDEM_CHECK(r0 >= 0 && rows >= 0 && r0 + rows <= w.n && c0 >= 0 && cols >= 0 && c0 + cols <= w.k,
                Errc::invalid_argument, "sub_view: [", r0, ", ", r0 + rows, ") x [", c0, ", ", c0 + cols,
                ") is outside the weight's [", w.n, " x ", w.k, "]");
+  if (w.type == SourceType::q4_gptq) {  // the quantized matrix stays whole; the view moves
+    WeightView v = w;
+    v.n = rows;
+    v.k = cols;
+    v.row0 = w.row0 + r0;
+    v.col0 = w.col0 + c0;
+    return v;
+  }
   size_t elem = 4;
   if (w.type == SourceType::bf16 || w.type == SourceType::f16) elem = 2;
   if (w.type == SourceType::f8_e4m3) elem = 1;

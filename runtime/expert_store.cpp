@@ -179,8 +179,7 @@ std::string source_layer_hash(const Checkpoint& ckpt, const StoreSpec& s, int mo
   for (int e = 0; e < s.shape.experts; ++e)
     for (const std::string* p : {&s.naming.gate, &s.naming.up, &s.naming.down}) {
       const std::string name = ExpertNaming::name(*p, model_layer, e);
-      for (const std::string& n : {name, name + "_scale_inv"}) {
-        if (!ckpt.contains(n)) continue;
+      for (const std::string& n : expert_tensor_names(ckpt, name)) {
         const TensorView t = ckpt.tensor(n);
         h.update(t.data, t.nbytes);
         ckpt.release(n);

@@ -1,6 +1,8 @@
 // Expert shapes, sources and checkpoint naming (tandem/experts.h).
 #include "tandem/experts.h"
 
+#include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -57,7 +59,75 @@ std::string ExpertNaming::name(const std::string& pattern, int layer, int expert
 
 namespace {
 
-WeightView checkpoint_view(const Checkpoint& ckpt, const std::string& name, int n, int k) {
+// The GPTQ base name of `name` ("x.weight" -> "x") when the checkpoint holds x.qweight.
+std::string gptq_base(const Checkpoint& ckpt, const std::string& name) {
+  const std::string suffix = ".weight";
+  if (ckpt.contains(name) || name.size() <= suffix.size() || name.compare(name.size() - suffix.size(), suffix.size(), suffix))
+    return {};
+  const std::string base = name.substr(0, name.size() - suffix.size());
+  return ckpt.contains(base + ".qweight") ? base : std::string();
+}
+
+WeightView gptq_view(const Checkpoint& ckpt, const std::string& base, int n, int k,
+                     std::vector<std::shared_ptr<const Q4Source>>& keep) {
+  auto tensor = [&](const std::string& suffix, Dtype dtype, std::vector<int64_t> shape) {
+    const std::string t = base + suffix;
+    TANDEM_CHECK(ckpt.contains(t), Errc::bad_format, "checkpoint ", ckpt.root().string(), ": ", base,
+                 ".qweight is GPTQ-quantized but ", t, " is missing");
+    const TensorView v = ckpt.tensor(t);
+    TANDEM_CHECK(v.info->dtype == dtype && v.info->shape == shape, Errc::bad_format, t, " (file ",
+                 ckpt.file_of(t).path().string(), ") is ", dtype_name(v.info->dtype), " ", shape_str(v.info->shape),
+                 "; a 4-bit GPTQ weight of [", n, " x ", k, "] needs ", dtype_name(dtype), " ", shape_str(shape));
+    return v;
+  };
+  TANDEM_CHECK(n % 8 == 0 && k % 8 == 0, Errc::unsupported, base, ": a GPTQ weight of [", n, " x ", k,
+               "] needs both sizes multiples of 8");
+  const TensorView qw = ckpt.tensor(base + ".qweight");
+  TANDEM_CHECK(qw.info->dtype == Dtype::I32 && qw.info->shape.size() == 2, Errc::bad_format, base, ".qweight is ",
+               dtype_name(qw.info->dtype), " ", shape_str(qw.info->shape), "; GPTQ stores I32 [k / 8, n]");
+  TANDEM_CHECK(qw.info->shape[0] * 8 == k && qw.info->shape[1] == n, Errc::bad_format, base, ".qweight has shape ",
+               shape_str(qw.info->shape), ": 4-bit GPTQ of [", n, " x ", k, "] is [", k / 8, ", ", n,
+               "] (other bit widths are not supported)");
+  const std::string sname = base + ".scales";
+  TANDEM_CHECK(ckpt.contains(sname), Errc::bad_format, "checkpoint ", ckpt.root().string(), ": ", base,
+               ".qweight is GPTQ-quantized but ", sname, " is missing");
+  const auto& sshape = ckpt.info(sname).shape;
+  TANDEM_CHECK(sshape.size() == 2 && sshape[0] > 0 && k % sshape[0] == 0, Errc::bad_format, sname, " has shape ",
+               shape_str(sshape), ": its rows must divide k = ", k, " into groups");
+  const int groups = static_cast<int>(sshape[0]), group = k / groups;
+  auto q = std::make_shared<Q4Source>();
+  q->qweight = qw.data;
+  q->scales = tensor(".scales", Dtype::F16, {groups, n}).data;
+  q->qzeros = tensor(".qzeros", Dtype::I32, {groups, n / 8}).data;
+  q->n = n;
+  q->k = k;
+  q->group = group;
+  q->zero_offset = 1;
+  if (ckpt.contains(base + ".g_idx")) {
+    const TensorView g = tensor(".g_idx", Dtype::I32, {k});
+    for (int c = 0; c < k; ++c) {
+      int32_t v;
+      std::memcpy(&v, g.data + 4 * static_cast<size_t>(c), 4);
+      TANDEM_CHECK(v == c / group, Errc::unsupported, base, ".g_idx[", c, "] is ", v, ", not ", c / group,
+                   ": act-order (desc_act) GPTQ weights, whose groups are permuted along k, are not supported "
+                   "(quantize without desc_act, or load a bf16 / FP8 checkpoint)");
+    }
+  }
+  WeightView v;
+  v.type = SourceType::q4_gptq;
+  v.data = q->qweight;
+  v.n = n;
+  v.k = k;
+  v.q4 = q.get();
+  v.name = qw.info->name.c_str();
+  v.file = ckpt.file_of(base + ".qweight").path().c_str();
+  keep.push_back(std::move(q));
+  return v;
+}
+
+WeightView checkpoint_view(const Checkpoint& ckpt, const std::string& name, int n, int k,
+                           std::vector<std::shared_ptr<const Q4Source>>& keep) {
+  if (const std::string base = gptq_base(ckpt, name); !base.empty()) return gptq_view(ckpt, base, n, k, keep);
   TANDEM_CHECK(ckpt.contains(name), Errc::bad_format, "checkpoint ", ckpt.root().string(), " has no tensor ", name);
   const TensorView t = ckpt.tensor(name);
   TANDEM_CHECK(t.info->shape.size() == 2 && t.info->shape[0] == n && t.info->shape[1] == k, Errc::bad_format, name,
@@ -110,16 +180,29 @@ WeightView checkpoint_view(const Checkpoint& ckpt, const std::string& name, int 
 }  // namespace
 
 ExpertSource checkpoint_expert(const Checkpoint& ckpt, int layer, int e, const ExpertNaming& naming, const MoeShape& shape) {
-  return {checkpoint_view(ckpt, expand(naming.gate, layer, e), shape.inter, shape.hidden),
-          checkpoint_view(ckpt, expand(naming.up, layer, e), shape.inter, shape.hidden),
-          checkpoint_view(ckpt, expand(naming.down, layer, e), shape.hidden, shape.inter)};
+  ExpertSource s;
+  s.gate = checkpoint_view(ckpt, expand(naming.gate, layer, e), shape.inter, shape.hidden, s.keep);
+  s.up = checkpoint_view(ckpt, expand(naming.up, layer, e), shape.inter, shape.hidden, s.keep);
+  s.down = checkpoint_view(ckpt, expand(naming.down, layer, e), shape.hidden, shape.inter, s.keep);
+  return s;
+}
+
+std::vector<std::string> expert_tensor_names(const Checkpoint& ckpt, const std::string& name) {
+  if (const std::string base = gptq_base(ckpt, name); !base.empty()) {
+    std::vector<std::string> out;
+    for (const char* s : {".qweight", ".scales", ".qzeros", ".g_idx"})
+      if (ckpt.contains(base + s)) out.push_back(base + s);
+    return out;
+  }
+  std::vector<std::string> out;
+  for (const std::string& n : {name, name + "_scale_inv"})
+    if (ckpt.contains(n)) out.push_back(n);
+  return out;
 }
 
 void release_checkpoint_expert(const Checkpoint& ckpt, int layer, int e, const ExpertNaming& naming) {
-  for (const std::string* p : {&naming.gate, &naming.up, &naming.down}) {
-    const std::string name = expand(*p, layer, e);
-    if (ckpt.contains(name)) ckpt.release(name);
-  }
+  for (const std::string* p : {&naming.gate, &naming.up, &naming.down})
+    for (const std::string& n : expert_tensor_names(ckpt, expand(*p, layer, e))) ckpt.release(n);
 }
 
 void check_checkpoint_experts(const Checkpoint& ckpt, const std::vector<int>& layers, const ExpertNaming& naming,

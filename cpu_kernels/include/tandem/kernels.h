@@ -25,6 +25,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <span>
 #include <string_view>
@@ -57,9 +58,44 @@ enum class WeightFormat { bf16, int8, int4 };
 std::string_view format_name(WeightFormat f) noexcept;
 WeightFormat parse_format(std::string_view name);  // "bf16", "int8", "int4"
 
-// Element types a source weight can have.
-enum class SourceType { f32, bf16, f16, f8_e4m3 };
+// Element types a source weight can have. q4_gptq: 4-bit weights quantized in groups along
+// k, as GPTQ checkpoints store them (WeightView::q4).
+enum class SourceType { f32, bf16, f16, f8_e4m3, q4_gptq };
 std::string_view source_type_name(SourceType t) noexcept;
+
+// A GPTQ-quantized W [n x k] (AutoGPTQ / GPTQModel "gptq" checkpoint format, 4 bits):
+//   qweight int32 [k / 8, n]: element (r, c) is nibble c % 8 of qweight[c / 8][r]
+//   scales  fp16  [k / group, n]
+//   qzeros  int32 [k / group, n / 8]: nibble r % 8 of qzeros[g][r / 8], plus zero_offset
+//           (1 in the original format, which stores zero - 1; 0 in "gptq_v2")
+//   w(r, c) = scales[c / group][r] * (q(r, c) - (zero(c / group, r) & 15))
+// Groups run along k in order (no act-order permutation: the loader refuses one).
+// The tensors may sit unaligned in their file: they are read bytewise.
+struct Q4Source {
+  const std::byte* qweight = nullptr;
+  const std::byte* scales = nullptr;  // fp16
+  const std::byte* qzeros = nullptr;
+  int n = 0, k = 0, group = 128, zero_offset = 1;
+  // The weight's element (r, c) of the full matrix, exactly, in fp32.
+  float value(int r, int c) const;
+  uint8_t q(int r, int c) const {
+    return static_cast<uint8_t>((word(qweight, static_cast<size_t>(c / 8) * n + r) >> (4 * (c % 8))) & 15);
+  }
+  // The zero point of group g, row r (stored nibble + zero_offset, not wrapped).
+  int zero(int g, int r) const {
+    return static_cast<int>((word(qzeros, static_cast<size_t>(g) * (n / 8) + r / 8) >> (4 * (r % 8))) & 15) + zero_offset;
+  }
+  uint16_t scale_bits(int g, int r) const {
+    uint16_t v;
+    std::memcpy(&v, scales + 2 * (static_cast<size_t>(g) * n + r), 2);
+    return v;
+  }
+  static uint32_t word(const std::byte* p, size_t i) {
+    uint32_t v;
+    std::memcpy(&v, p + 4 * i, 4);
+    return v;
+  }
+};
 
 // A weight matrix W [n x k] as it sits in a checkpoint. FP8 E4M3 weights may carry
 // block scales the way DeepSeek-V3 ships them (weight_scale_inv): element (r, c) is
@@ -78,10 +114,17 @@ struct WeightView {
   // tensor's name and file. Errors about an element give its (row0 + r, col0 + c).
   const char* name = nullptr;
   const char* file = nullptr;
+  // q4_gptq: the whole quantized matrix (data unused); this view is its rows [row0, row0 + n)
+  // x columns [col0, col0 + k).
+  const Q4Source* q4 = nullptr;
 };
 // Rows [r0, r0 + rows) x columns [c0, c0 + cols) of w, as a view of its own.
 WeightView sub_view(const WeightView& w, int r0, int rows, int c0, int cols);
 
+// Packing a q4_gptq source into int4 with the source's own group size keeps its numbers:
+// the nibbles, the fp16 scales and the zero points are copied, not quantized again (a
+// zero point other than 8 needs symmetric = false, or the packing is refused naming the
+// element). Other formats and group sizes quantize its exact values again.
 struct PackOptions {
   WeightFormat format = WeightFormat::bf16;
   int group = 128;         // int4: k values per scale (32, 64 or 128)

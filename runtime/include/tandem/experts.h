@@ -5,6 +5,7 @@
 #pragma once
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,8 @@ struct MoeShape {
 // gate, up [inter x hidden], down [hidden x inter].
 struct ExpertSource {
   WeightView gate, up, down;
+  // What quantized views point to (q4_gptq sources), kept alive with the source.
+  std::vector<std::shared_ptr<const Q4Source>> keep;
 };
 
 // Errors name the projection of expert `expert` whose shape is not the layer's.
@@ -42,9 +45,14 @@ struct ExpertNaming {
 };
 
 // Views of one expert's tensors in a checkpoint (read in place), checked against `shape`:
-// errors name the missing key, or the shape / dtype that does not fit.
+// errors name the missing key, or the shape / dtype that does not fit. A projection stored
+// GPTQ-quantized (<name without .weight>.qweight, .scales, .qzeros, optional .g_idx; 4 bits,
+// groups in order, the original format's zero - 1) is a q4_gptq view; act-order is refused.
 ExpertSource checkpoint_expert(const Checkpoint& ckpt, int layer, int expert, const ExpertNaming& naming,
                                const MoeShape& shape);
+// The checkpoint tensors holding the weight called `name` (name, its FP8 block scales, or
+// its GPTQ tensors), those present.
+std::vector<std::string> expert_tensor_names(const Checkpoint& ckpt, const std::string& name);
 // Gives back the pages of one expert's source tensors (after packing): the mapped file
 // stays valid, its pages leave this process's resident set.
 void release_checkpoint_expert(const Checkpoint& ckpt, int layer, int expert, const ExpertNaming& naming);
