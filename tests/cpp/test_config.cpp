@@ -52,6 +52,7 @@ cpu:
   virtual_subpools: 2
   threads: 12
   isa: avx512_bf16
+  store: ckpt/qwen3/tandem-int4-g64-zp
 gpu:
   device: cuda:1
   hot_experts:
@@ -68,6 +69,7 @@ train:
   backward_format: int8
 )", "p.yaml", "/cfg");
   EXPECT_EQ(c.model.path, "/cfg/ckpt/qwen3");
+  EXPECT_EQ(c.cpu.store, "/cfg/ckpt/qwen3/tandem-int4-g64-zp");  // relative to the file, as model.path
   EXPECT_EQ(c.cpu.format, "int4");
   EXPECT_EQ(c.cpu.group_size, 64);
   EXPECT_TRUE(c.cpu.zero_point);
@@ -117,7 +119,7 @@ TEST(Config, HotExpertForms) {
 
 TEST(Config, UnknownKeys) {
   EXPECT_EQ(err("cpu:\n  formt: int8\n"),
-            "p.yaml:2:3: cpu.formt: unknown key; allowed here: format, dense_format, group_size, zero_point, numa_nodes, virtual_subpools, threads, isa");
+            "p.yaml:2:3: cpu.formt: unknown key; allowed here: format, dense_format, group_size, zero_point, numa_nodes, virtual_subpools, threads, isa, store");
   EXPECT_EQ(err("cpus: {}\n"), "p.yaml:1:1: cpus: unknown key; allowed here: version, model, cpu, gpu, buffers, trace, train");
   EXPECT_EQ(err("gpu:\n  hot_experts:\n    cnt: 3\n"),
             "p.yaml:3:5: gpu.hot_experts.cnt: unknown key; allowed here: count, statistics, layers");
@@ -162,7 +164,7 @@ TEST(Config, HotExpertConflicts) {
 TEST(Config, StructureErrors) {
   EXPECT_EQ(err("- a\n- b\n"), "p.yaml:1:1: top level: expected a mapping with keys version, model, cpu, gpu, buffers, trace, train, got a list");
   EXPECT_EQ(err("cpu: bf16\n"),
-            "p.yaml:1:6: cpu: expected a mapping with keys format, dense_format, group_size, zero_point, numa_nodes, virtual_subpools, threads, isa, got 'bf16'");
+            "p.yaml:1:6: cpu: expected a mapping with keys format, dense_format, group_size, zero_point, numa_nodes, virtual_subpools, threads, isa, store, got 'bf16'");
   std::string syntax = err("cpu:\n  format: [bf16\n");
   EXPECT_EQ(syntax.rfind("p.yaml:3:1: YAML syntax error: ", 0), 0u) << syntax;
 }
