@@ -216,6 +216,8 @@ PYBIND11_MODULE(_C, m) {
     const ExpertNaming n = ExpertNaming::detect(c, layer);
     return py::make_tuple(n.gate, n.up, n.down);
   }, "(gate, up, down) key patterns ({L} layer, {E} expert) of the checkpoint's routed experts");
+  m.def("expert_tensor_names", &expert_tensor_names, py::arg("checkpoint"), py::arg("name"),
+        "The checkpoint tensors holding weight `name`: itself and its FP8 block scales, or its GPTQ tensors.");
   m.def("expert_key", &ExpertNaming::name, py::arg("pattern"), py::arg("layer"), py::arg("expert"));
   m.def("config_size_bounds", [] {
           py::dict d;

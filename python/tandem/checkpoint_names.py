@@ -47,6 +47,11 @@ def _mapping(model_type: str) -> list:
         return []
 
 
+def _present(ckpt: _C.Checkpoint, name: str) -> bool:
+    """The checkpoint holds weight `name`, as it is or GPTQ-quantized (name without .weight + .qweight)."""
+    return name in ckpt or (name.endswith(".weight") and name[:-len("weight")] + "qweight" in ckpt)
+
+
 class CheckpointNames:
     """Checkpoint names for a model of `model_type` loaded from `ckpt` (see the module doc)."""
 
@@ -108,7 +113,7 @@ class CheckpointNames:
         for suffixes in self.expert_suffixes:
             names = tuple(f"{pattern}.{{E}}.{s}" for s in suffixes)
             for alts in zip(*(self.candidates(n) for n in names)):
-                if all(_C.expert_key(a, layer, 0) in self.ckpt for a in alts):
+                if all(_present(self.ckpt, _C.expert_key(a, layer, 0)) for a in alts):
                     return alts
                 tried.append(_C.expert_key(alts[0], layer, 0))
         fused = [a for part in _FUSED for a in self.candidates(f"{module_path}.{part}") if a in self.ckpt]

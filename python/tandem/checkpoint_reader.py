@@ -40,6 +40,33 @@ def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, name: str = "weight
     return w.float() * s
 
 
+GPTQ_PARTS = (".qweight", ".qzeros", ".scales", ".g_idx")
+
+
+def dequantize_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                    g_idx: torch.Tensor | None, name: str) -> torch.Tensor:
+    """The fp32 weight [n, k] of a 4-bit GPTQ linear layer (the original "gptq" format: int32
+    qweight [k / 8, n] and qzeros [groups, n / 8] holding zero - 1, fp16 scales [groups, n];
+    g_idx maps each k to its group, act-order included). The arithmetic of the C++ reader
+    (kernels.h, Q4Source)."""
+    k8, n = qweight.shape
+    groups = scales.shape[0]
+    k = 8 * k8
+    if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32 or scales.dtype != torch.float16:
+        raise ValueError(f"{name}: 4-bit GPTQ needs int32 qweight and qzeros and float16 scales, got "
+                         f"{qweight.dtype}, {qzeros.dtype}, {scales.dtype}")
+    if tuple(qzeros.shape) != (groups, n // 8) or tuple(scales.shape) != (groups, n) or n % 8 or k % groups:
+        raise ValueError(f"{name}: GPTQ tensors do not fit together (qweight {list(qweight.shape)}, qzeros "
+                         f"{list(qzeros.shape)}, scales {list(scales.shape)}; other bit widths are not supported)")
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    q = ((qweight.unsqueeze(1) >> shifts.view(1, 8, 1)) & 15).reshape(k, n)
+    z = (((qzeros.unsqueeze(2) >> shifts.view(1, 1, 8)) & 15).reshape(groups, n) + 1) & 15
+    g = g_idx.long() if g_idx is not None else torch.arange(k) // (k // groups)
+    if g.shape != (k,) or int(g.min()) < 0 or int(g.max()) >= groups:
+        raise ValueError(f"{name}: g_idx does not map its {k} inputs to the {groups} groups")
+    return (scales.float()[g] * (q - z[g]).float()).t().contiguous()
+
+
 class TensorReader:
     """Tensors by name from a (sharded) safetensors checkpoint, read with the safetensors library."""
 
@@ -52,6 +79,18 @@ class TensorReader:
 
     def file(self, name: str) -> str:
         return self.ckpt.info(name)[2]
+
+    def get_gptq(self, base: str) -> torch.Tensor:
+        """The fp32 weight of the GPTQ-quantized layer whose tensors are base.qweight, ..."""
+        parts = {p: self.get(base + p) for p in GPTQ_PARTS if base + p in self.ckpt}
+        missing = [base + p for p in GPTQ_PARTS[:3] if p not in parts]
+        if missing:
+            raise ValueError(f"{self.file(base + '.qweight')}: {base}.qweight is GPTQ-quantized but "
+                             f"{missing[0]!r} is missing")
+        try:
+            return dequantize_gptq(parts[".qweight"], parts[".qzeros"], parts[".scales"], parts.get(".g_idx"), base)
+        except ValueError as e:
+            raise ValueError(f"{self.file(base + '.qweight')}: {e}") from None
 
     def get(self, name: str) -> torch.Tensor:
         file = self.file(name)

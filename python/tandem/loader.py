@@ -26,7 +26,7 @@ from torch import nn
 
 from . import _C
 from .adapters import merge_for_inference, peft_for_training, read_adapter_config
-from .checkpoint_reader import TensorReader
+from .checkpoint_reader import GPTQ_PARTS, TensorReader
 from .config import ConfigLike, config_json
 from .checkpoint_names import CheckpointNames
 from .dense import replace_dense
@@ -85,6 +85,7 @@ def open_model_experts(path: str | os.PathLike, dtype: torch.dtype | None = None
         hf_config = AutoConfig.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 (any failure to read it is about config.json: one line naming it)
         raise ValueError(f"{path / 'config.json'}: {type(e).__name__}: {_first_line(e)}") from e
+    _check_quantization(path, hf_config)
     if dtype is None:
         dtype = _config_dtype(hf_config)
     ckpt = _C.Checkpoint(str(path))
@@ -109,6 +110,30 @@ def open_model_experts(path: str | os.PathLike, dtype: torch.dtype | None = None
     names = CheckpointNames(hf_config.model_type, ckpt, str(path))
     naming = tuple(names.experts(blocks[0].path, layers[0]))
     return ModelExperts(path, hf_config, ckpt, model, blocks, (E, H, I), layers, names, naming)
+
+
+def _check_quantization(path: Path, hf_config: Any) -> None:
+    """config.json's quantization_config is one tandem reads (FP8 with block scales, 4-bit GPTQ in
+    the original format), or a ValueError naming what is not."""
+    q = getattr(hf_config, "quantization_config", None)
+    if q is None:
+        return
+    q = q if isinstance(q, dict) else q.to_dict()
+    method = q.get("quant_method")
+    where = path / "config.json"
+    if method == "fp8":
+        return
+    if method == "gptq":
+        if q.get("bits") != 4:
+            raise ValueError(f"{where}: quantization_config: GPTQ with bits = {q.get('bits')!r}; tandem reads 4-bit "
+                             "GPTQ only")
+        fmt = q.get("checkpoint_format", "gptq")
+        if fmt != "gptq":
+            raise ValueError(f"{where}: quantization_config: GPTQ checkpoint_format {fmt!r}; tandem reads the "
+                             "original 'gptq' format (zero points stored minus one)")
+        return
+    raise ValueError(f"{where}: quantization_config: quant_method {method!r} is not supported (tandem reads bf16 / "
+                     "fp16 / fp32 checkpoints, FP8 with block scales, and 4-bit GPTQ)")
 
 
 def _config_dtype(hf_config: Any) -> torch.dtype:
@@ -212,7 +237,8 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
                                             device=device, source=source)
             watch_block(b.block, b.block.experts)
     expert_keys = {_C.expert_key(p, L, e) for L in layers for e in range(E) for p in naming}
-    expert_keys |= {k + "_scale_inv" for k in expert_keys}
+    expert_keys |= {k + "_scale_inv" for k in expert_keys} | {
+        k[:-len(".weight")] + p for k in expert_keys if k.endswith(".weight") for p in GPTQ_PARTS}
 
     # Everything else: torch tensors on `device`.
     reader = TensorReader(ckpt)
@@ -228,6 +254,19 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
         it = named
     for name, t in it:
         key = names.key(name)
+        gptq = None
+        if key is None and name.endswith(".weight"):  # a GPTQ-quantized linear layer: dequantized here
+            qkey = names.key(name[:-len("weight")] + "qweight")
+            gptq = qkey[:-len(".qweight")] if qkey else None
+        if gptq is not None:
+            value = reader.get_gptq(gptq)
+            if tuple(value.shape) != tuple(t.shape):
+                raise ValueError(f"{path}: GPTQ tensor {gptq + '.qweight'!r} holds a weight of shape "
+                                 f"{list(value.shape)}, the model needs {list(t.shape)}")
+            used.update(gptq + p for p in GPTQ_PARTS)
+            target = torch.float32 if keep_fp32(name) else t.dtype
+            _set_tensor(model, name, value.to(device=device, dtype=target), name in params)
+            continue
         if key is None:
             if name in tied:
                 continue

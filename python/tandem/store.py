@@ -76,8 +76,8 @@ def convert(model: str | os.PathLike, config: ConfigLike = None, *, format: str 
             bar(None)
     report["seconds"] = time.perf_counter() - t0
     report["path"] = str(out)
-    report["source_bytes"] = sum(_tensor_bytes(me.ckpt, _C.expert_key(p, L, e))
-                                 for L in me.layers for e in range(E) for p in me.naming)
+    report["source_bytes"] = sum(_tensor_bytes(me.ckpt, t) for L in me.layers for e in range(E) for p in me.naming
+                                 for t in _C.expert_tensor_names(me.ckpt, _C.expert_key(p, L, e)))
     if verify:
         store = _C.ExpertStore(str(out))
         vbar = progress_bar(progress, len(me.layers), "verifying the store")
@@ -89,7 +89,7 @@ def convert(model: str | os.PathLike, config: ConfigLike = None, *, format: str 
     return report
 
 
-_ELEMENT_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1}
+_ELEMENT_BYTES = {"F32": 4, "I32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1}
 
 
 def _tensor_bytes(ckpt: _C.Checkpoint, name: str) -> int:

@@ -1,0 +1,168 @@
+"""4-bit GPTQ checkpoints through load_model (issue 19): the routed experts packed from their
+nibbles, scales and zero points (int4 of the checkpoint's group keeps their exact values;
+other formats re-quantize those values), every other GPTQ layer dequantized into torch.
+
+The checkpoints are written here in the documented GPTQ layout (AutoGPTQ / GPTQModel's
+original "gptq" format: int32 qweight [k/8, n], int32 qzeros [groups, n/8] holding zero - 1,
+fp16 scales [groups, n], g_idx) from a random transformers model quantized round-to-nearest;
+no GPTQ library is installable here (they need CUDA), so the layout's reader is checked
+against that writer and against the formula. The reference is transformers running the
+dequantized weights in fp32: what a GPTQ checkpoint means.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+
+import tandem
+from tandem.checkpoint_reader import dequantize_gptq
+
+from hf_models import VOCAB, build, clean_tokens, record_routing
+
+QUANTIZED = re.compile(r"\.(self_attn\.[qkvo]_proj|mlp\.experts\.\d+\.(gate|up|down)_proj)\.weight$")
+GROUP = 32
+
+
+def quantize(w: torch.Tensor, sym: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """GPTQ tensors of w [n, k] (round to nearest, groups along k) and their dequantized weight."""
+    n, k = w.shape
+    g = w.float().view(n, k // GROUP, GROUP)
+    if sym:
+        scale = (g.abs().amax(-1) / 7).clamp_min(1e-8)
+        zero = torch.full_like(scale, 8, dtype=torch.int32)
+    else:
+        lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+        scale = ((hi - lo) / 15).clamp_min(1e-8)
+        zero = (-lo / scale).round().clamp(0, 15).to(torch.int32)
+    scale = scale.half()
+    q = ((g / scale.float().unsqueeze(-1)).round() + zero.unsqueeze(-1)).clamp(0, 15).to(torch.int32).view(n, k)
+    deq = (scale.float().repeat_interleave(GROUP, 1) * (q - zero.repeat_interleave(GROUP, 1)).float())
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    qt = q.t().contiguous().view(k // 8, 8, n)                      # [k/8, 8, n]
+    qweight = (qt << shifts.view(1, 8, 1)).sum(1, dtype=torch.int64).to(torch.int64)
+    stored = ((zero - 1) & 15).t().contiguous().view(k // GROUP, n // 8, 8)  # zero - 1, 4 bits
+    qzeros = (stored << shifts.view(1, 1, 8)).sum(-1, dtype=torch.int64)
+    as_i32 = lambda t: ((t + 2**31) % 2**32 - 2**31).to(torch.int32)  # noqa: E731 (two's complement)
+    tensors = {"qweight": as_i32(qweight), "qzeros": as_i32(qzeros), "scales": scale.t().contiguous(),
+               "g_idx": torch.arange(k, dtype=torch.int32) // GROUP}
+    return tensors, deq
+
+
+@pytest.fixture(scope="module")
+def gptq(tmp_path_factory):
+    """sym -> (GPTQ checkpoint dir, reference dir of the dequantized fp32 weights), built once."""
+    from safetensors.torch import load_file, save_file
+
+    cache = {}
+
+    def get(sym: bool):
+        if sym not in cache:
+            root = tmp_path_factory.mktemp(f"gptq-{'sym' if sym else 'asym'}")
+            build("qwen3_moe", 1, torch.float32, root / "fp32")
+            state = load_file(root / "fp32" / "model.safetensors")
+            quant, ref = {}, {}
+            for name, t in state.items():
+                if QUANTIZED.search(name):
+                    parts, deq = quantize(t, sym)
+                    base = name[: -len(".weight")]
+                    quant.update({f"{base}.{p}": v for p, v in parts.items()})
+                    ref[name] = deq
+                else:
+                    quant[name] = ref[name] = t
+            for d in ("gptq", "ref"):
+                (root / d).mkdir()
+                for f in ("config.json", "generation_config.json"):
+                    if (root / "fp32" / f).exists():
+                        shutil.copy(root / "fp32" / f, root / d / f)
+            save_file(quant, root / "gptq" / "model.safetensors", metadata={"format": "pt"})
+            save_file(ref, root / "ref" / "model.safetensors", metadata={"format": "pt"})
+            cfg = json.loads((root / "gptq" / "config.json").read_text())
+            cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False,
+                                          "sym": sym, "checkpoint_format": "gptq"}
+            (root / "gptq" / "config.json").write_text(json.dumps(cfg))
+            cache[sym] = root
+        return cache[sym] / "gptq", cache[sym] / "ref"
+
+    return get
+
+
+def cfg(fmt: str, zero_point: bool = False) -> dict:
+    cpu = {"threads": 2, "format": fmt}
+    if fmt == "int4":
+        cpu.update(group_size=GROUP, zero_point=zero_point)
+    return {"version": 1, "cpu": cpu, "gpu": {"device": "none"}}
+
+
+def max_rel(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+    d = (a.double() - b.double()).abs().amax(-1)[mask]
+    return (d.max() / b.double().abs().max()).item()
+
+
+def test_the_reader_matches_the_writer(seed):
+    w = torch.randn(48, 128)
+    for sym in (True, False):
+        parts, deq = quantize(w, sym)
+        got = dequantize_gptq(parts["qweight"], parts["qzeros"], parts["scales"], parts["g_idx"], "w")
+        assert torch.equal(got, deq)
+        # Act-order (a permuted g_idx) is read by the torch path too.
+        perm = torch.randperm(128, generator=torch.Generator().manual_seed(seed))
+        g = parts["g_idx"][perm]
+        q = dequantize_gptq(parts["qweight"], parts["qzeros"], parts["scales"], g, "w")
+        assert q.shape == deq.shape
+
+
+# Bounds on the max relative logit error over tokens routed alike (as in test_adapters.py): the
+# expert weights are the checkpoint's exactly in int4 (error from int8 activations), rounded
+# to bf16 in bf16, re-quantized in int8 (plus int8 activations).
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("fmt,bound", [("int4", 6e-2), ("bf16", 1.5e-2), ("int8", 6e-2)])
+def test_a_gptq_checkpoint_computes_its_dequantized_weights(gptq, sym, fmt, bound, seed):
+    from transformers import AutoModelForCausalLM
+
+    path, ref_path = gptq(sym)
+    ref = AutoModelForCausalLM.from_pretrained(ref_path, dtype=torch.float32).eval()
+    ours = tandem.load_model(path, cfg(fmt, zero_point=not sym), dtype=torch.float32, progress=False)
+    ids = torch.randint(0, VOCAB, (8, 8), generator=torch.Generator().manual_seed(seed))
+    ra, rb = record_routing(ref), record_routing(ours)
+    with torch.no_grad():
+        want, got = ref(input_ids=ids).logits, ours(input_ids=ids).logits
+    clean = clean_tokens(ra, rb, *ids.shape)
+    assert clean.float().mean() >= 0.25, f"routing differs for most tokens ({(~clean).sum().item()})"
+    err = max_rel(got, want, clean)
+    print(f"GPTQ {'sym' if sym else 'zero points'} as {fmt}: clean {clean.sum().item()}/{clean.numel()}, "
+          f"max rel err {err:.2e}")
+    assert err <= bound
+    # The attention weights are the dequantized ones, exactly as the reference holds them.
+    assert torch.equal(ours.model.layers[1].self_attn.q_proj.weight, ref.model.layers[1].self_attn.q_proj.weight)
+
+
+def test_a_gptq_store_holds_the_same_packs(gptq, tmp_path, seed):
+    path, _ = gptq(False)
+    c = cfg("int4", zero_point=True)
+    tandem.convert(path, c, out=tmp_path / "s", progress=False)
+    direct = tandem.load_model(path, c, progress=False)
+    stored = tandem.load_model(path, c, store=tmp_path / "s", progress=False)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        assert torch.equal(direct(input_ids=ids).logits, stored(input_ids=ids).logits)
+
+
+def test_what_cannot_be_read_is_refused(gptq, tmp_path):
+    path, _ = gptq(False)
+    with pytest.raises(ValueError, match=r"has zero point \d+; symmetric int4 holds zero point 8 only.*"
+                                         r"cpu.zero_point: true"):
+        tandem.load_model(path, cfg("int4", zero_point=False), progress=False)
+    for edit, message in ((dict(bits=8), "GPTQ with bits = 8; tandem reads 4-bit GPTQ only"),
+                          (dict(checkpoint_format="gptq_v2"), "checkpoint_format 'gptq_v2'"),
+                          (dict(quant_method="awq"), "quant_method 'awq' is not supported")):
+        d = tmp_path / next(iter(edit.values())).__str__()
+        shutil.copytree(path, d)
+        c = json.loads((d / "config.json").read_text())
+        c["quantization_config"].update(edit)
+        (d / "config.json").write_text(json.dumps(c))
+        with pytest.raises(ValueError, match=message):
+            tandem.load_model(d, cfg("bf16"), progress=False)
