@@ -129,9 +129,45 @@ namespace {
 int64_t row_stride(const WeightView& w) { return w.ld ? w.ld : w.k; }
 }  // namespace
 
+float Q4Source::scale(int g, int r) const {
+  const size_t i = layout == Layout::packed_rows ? static_cast<size_t>(r) * (k / group) + g : static_cast<size_t>(g) * n + r;
+  switch (scale_type) {
+    case Scale::f16: {
+      uint16_t b;
+      std::memcpy(&b, scales + 2 * i, 2);
+      return fp16_to_fp32(b);
+    }
+    case Scale::bf16: {
+      uint16_t b;
+      std::memcpy(&b, scales + 2 * i, 2);
+      return bf16_to_fp32(b);
+    }
+    case Scale::f32: {
+      float f;
+      std::memcpy(&f, scales + 4 * i, 4);
+      return f;
+    }
+  }
+  return 0;
+}
+
+bool Q4Source::scale_fp16(int g, int r, uint16_t& bits) const {
+  const float s = scale(g, r);
+  bits = fp32_to_fp16(s);
+  return fp16_to_fp32(bits) == s || (std::isnan(s) && std::isnan(fp16_to_fp32(bits)));
+}
+
 float Q4Source::value(int r, int c) const {
-  // The original format stores zero - 1 in 4 bits, so a zero of 0 is stored as 15: wrapped.
-  return fp16_to_fp32(scale_bits(c / group, r)) * static_cast<float>(static_cast<int>(q(r, c)) - (zero(c / group, r) & 15));
+  return scale(c / group, r) * static_cast<float>(static_cast<int>(q(r, c)) - zero(c / group, r));
+}
+
+std::string_view q4_layout_name(Q4Source::Layout l) noexcept {
+  switch (l) {
+    case Q4Source::Layout::gptq: return "GPTQ";
+    case Q4Source::Layout::awq: return "AWQ";
+    case Q4Source::Layout::packed_rows: return "compressed-tensors";
+  }
+  return "?";
 }
 
 void decode_rows(const WeightView& w, int r0, int rows, float* out) {
@@ -181,12 +217,13 @@ namespace {
 
 void check_view(const char* what, const WeightView& w) {
   if (w.type == SourceType::q4_gptq) {
-    TANDEM_CHECK(w.q4 && w.q4->qweight && w.q4->scales && w.q4->qzeros, Errc::invalid_argument, "pack: ", what,
-                 " is q4_gptq without its tensors");
+    TANDEM_CHECK(w.q4 && w.q4->qweight && w.q4->scales &&
+                     (w.q4->qzeros || w.q4->layout == Q4Source::Layout::packed_rows),
+                 Errc::invalid_argument, "pack: ", what, " is a 4-bit quantized weight without its tensors");
     const Q4Source& q = *w.q4;
     TANDEM_CHECK(q.n % 8 == 0 && q.k % 8 == 0 && q.group > 0 && q.k % q.group == 0, Errc::invalid_argument, "pack: ",
-                 what, " is a q4_gptq matrix of [", q.n, " x ", q.k, "] in groups of ", q.group,
-                 ": GPTQ needs both sizes multiples of 8 and k a multiple of the group");
+                 what, " is a 4-bit quantized matrix of [", q.n, " x ", q.k, "] in groups of ", q.group,
+                 ": both sizes must be multiples of 8 and k a multiple of the group");
     TANDEM_CHECK(w.n > 0 && w.k > 0 && w.row0 >= 0 && w.col0 >= 0 && w.row0 + w.n <= w.q4->n && w.col0 + w.k <= w.q4->k,
                  Errc::invalid_argument, "pack: ", what, " rows [", w.row0, ", ", w.row0 + w.n, ") x columns [",
                  w.col0, ", ", w.col0 + w.k, ") are outside its [", w.q4->n, " x ", w.q4->k, "] quantized matrix");
@@ -372,18 +409,23 @@ void write_int4_q4(const PackedWeight& p, std::byte* dst, int valid, const Weigh
       scale[j] = 0;
       if (j < valid) {
         const int R = w.row0 + r0 + j;
-        const uint16_t s16 = s.scale_bits(G, R);
-        const float sv = fp16_to_fp32(s16);
-        const int zz = s.zero(G, R) & 15;  // the original format stores zero - 1: a zero of 0 wraps to 15
+        uint16_t s16;
+        const bool exact = s.scale_fp16(G, R, s16);
+        const float sv = s.scale(G, R);
+        const int zz = s.zero(G, R);
         if (!std::isfinite(sv)) {
           TANDEM_FAIL(Errc::bad_format, "tensor ", w.name ? w.name : "weight", w.file ? " of " : "", w.file ? w.file : "",
                       ": row ", R, ", group ", G, " has scale ", sv, "; non-finite weights are refused");
         }
+        if (!exact)
+          TANDEM_FAIL(Errc::unsupported, "tensor ", w.name ? w.name : "weight", w.file ? " of " : "", w.file ? w.file : "",
+                      ": row ", R, ", group ", G, " has scale ", sv,
+                      ", which int4's fp16 scales cannot hold exactly; load it as int8 or bf16 (cpu.format)");
         if (p.symmetric && zz != 8)
           TANDEM_FAIL(Errc::unsupported, "tensor ", w.name ? w.name : "weight", w.file ? " of " : "",
                       w.file ? w.file : "", ": row ", R, ", group ", G, " has zero point ", zz,
-                      "; symmetric int4 holds zero point 8 only: pack this GPTQ checkpoint with zero points "
-                      "(cpu.zero_point: true)");
+                      "; symmetric int4 holds zero point 8 only: pack this ", q4_layout_name(s.layout),
+                      " checkpoint with zero points (cpu.zero_point: true)");
         scale[j] = s16;
         z = zz;
         for (int c = 0; c < g; ++c) q[c] = s.q(R, w.col0 + gi * g + c);

@@ -59,60 +59,122 @@ std::string ExpertNaming::name(const std::string& pattern, int layer, int expert
 
 namespace {
 
-// The GPTQ base name of `name` ("x.weight" -> "x") when the checkpoint holds x.qweight.
-std::string gptq_base(const Checkpoint& ckpt, const std::string& name) {
+// A 4-bit quantized weight's tensors in a checkpoint, found from the dense name `name`
+// ("x.weight"): GPTQ / AWQ (x.qweight, x.qzeros, x.scales, optional x.g_idx) or
+// compressed-tensors pack-quantized (x.weight_packed, x.weight_scale, optional
+// x.weight_zero_point, x.weight_shape, optional x.weight_g_idx). Empty `parts`: not quantized.
+struct Q4Tensors {
+  bool compressed = false;
+  std::string qweight, scales, qzeros, g_idx, shape;  // names; empty: absent
+  std::vector<std::string> parts;                     // every one present
+};
+
+Q4Tensors q4_tensors(const Checkpoint& ckpt, const std::string& name) {
+  Q4Tensors t;
+  if (ckpt.contains(name)) return t;
+  auto add = [&](std::string& field, const std::string& n) {
+    if (ckpt.contains(n)) {
+      field = n;
+      t.parts.push_back(n);
+    }
+  };
+  if (ckpt.contains(name + "_packed")) {
+    t.compressed = true;
+    add(t.qweight, name + "_packed");
+    add(t.scales, name + "_scale");
+    add(t.qzeros, name + "_zero_point");
+    add(t.shape, name + "_shape");
+    add(t.g_idx, name + "_g_idx");
+    return t;
+  }
   const std::string suffix = ".weight";
-  if (ckpt.contains(name) || name.size() <= suffix.size() || name.compare(name.size() - suffix.size(), suffix.size(), suffix))
-    return {};
+  if (name.size() <= suffix.size() || name.compare(name.size() - suffix.size(), suffix.size(), suffix)) return t;
   const std::string base = name.substr(0, name.size() - suffix.size());
-  return ckpt.contains(base + ".qweight") ? base : std::string();
+  if (!ckpt.contains(base + ".qweight")) return t;
+  add(t.qweight, base + ".qweight");
+  add(t.scales, base + ".scales");
+  add(t.qzeros, base + ".qzeros");
+  add(t.g_idx, base + ".g_idx");
+  return t;
 }
 
-WeightView gptq_view(const Checkpoint& ckpt, const std::string& base, int n, int k,
-                     std::vector<std::shared_ptr<const Q4Source>>& keep) {
-  auto tensor = [&](const std::string& suffix, Dtype dtype, std::vector<int64_t> shape) {
-    const std::string t = base + suffix;
-    TANDEM_CHECK(ckpt.contains(t), Errc::bad_format, "checkpoint ", ckpt.root().string(), ": ", base,
-                 ".qweight is GPTQ-quantized but ", t, " is missing");
-    const TensorView v = ckpt.tensor(t);
-    TANDEM_CHECK(v.info->dtype == dtype && v.info->shape == shape, Errc::bad_format, t, " (file ",
-                 ckpt.file_of(t).path().string(), ") is ", dtype_name(v.info->dtype), " ", shape_str(v.info->shape),
-                 "; a 4-bit GPTQ weight of [", n, " x ", k, "] needs ", dtype_name(dtype), " ", shape_str(shape));
-    return v;
-  };
-  TANDEM_CHECK(n % 8 == 0 && k % 8 == 0, Errc::unsupported, base, ": a GPTQ weight of [", n, " x ", k,
-               "] needs both sizes multiples of 8");
-  const TensorView qw = ckpt.tensor(base + ".qweight");
-  TANDEM_CHECK(qw.info->dtype == Dtype::I32 && qw.info->shape.size() == 2, Errc::bad_format, base, ".qweight is ",
-               dtype_name(qw.info->dtype), " ", shape_str(qw.info->shape), "; GPTQ stores I32 [k / 8, n]");
-  TANDEM_CHECK(qw.info->shape[0] * 8 == k && qw.info->shape[1] == n, Errc::bad_format, base, ".qweight has shape ",
-               shape_str(qw.info->shape), ": 4-bit GPTQ of [", n, " x ", k, "] is [", k / 8, ", ", n,
-               "] (other bit widths are not supported)");
-  const std::string sname = base + ".scales";
-  TANDEM_CHECK(ckpt.contains(sname), Errc::bad_format, "checkpoint ", ckpt.root().string(), ": ", base,
-               ".qweight is GPTQ-quantized but ", sname, " is missing");
-  const auto& sshape = ckpt.info(sname).shape;
-  TANDEM_CHECK(sshape.size() == 2 && sshape[0] > 0 && k % sshape[0] == 0, Errc::bad_format, sname, " has shape ",
-               shape_str(sshape), ": its rows must divide k = ", k, " into groups");
-  const int groups = static_cast<int>(sshape[0]), group = k / groups;
+TensorView read_i32_or_fail(const Checkpoint& ckpt, const std::string& t, Dtype dtype, const std::vector<int64_t>& shape,
+                            const std::string& what) {
+  const TensorView v = ckpt.tensor(t);
+  TANDEM_CHECK(v.info->dtype == dtype && v.info->shape == shape, Errc::bad_format, t, " (file ",
+               ckpt.file_of(t).path().string(), ") is ", dtype_name(v.info->dtype), " ", shape_str(v.info->shape), "; ",
+               what, " needs ", dtype_name(dtype), " ", shape_str(shape));
+  return v;
+}
+
+WeightView q4_view(const Checkpoint& ckpt, const std::string& name, const Q4Tensors& t, int n, int k,
+                   std::vector<std::shared_ptr<const Q4Source>>& keep) {
   auto q = std::make_shared<Q4Source>();
-  q->qweight = qw.data;
-  q->scales = tensor(".scales", Dtype::F16, {groups, n}).data;
-  q->qzeros = tensor(".qzeros", Dtype::I32, {groups, n / 8}).data;
-  q->n = n;
-  q->k = k;
-  q->group = group;
-  q->zero_offset = 1;
-  if (ckpt.contains(base + ".g_idx")) {
-    const TensorView g = tensor(".g_idx", Dtype::I32, {k});
-    for (int c = 0; c < k; ++c) {
-      int32_t v;
-      std::memcpy(&v, g.data + 4 * static_cast<size_t>(c), 4);
-      TANDEM_CHECK(v == c / group, Errc::unsupported, base, ".g_idx[", c, "] is ", v, ", not ", c / group,
-                   ": act-order (desc_act) GPTQ weights, whose groups are permuted along k, are not supported "
-                   "(quantize without desc_act, or load a bf16 / FP8 checkpoint)");
+  const char* fmt = t.compressed ? "compressed-tensors" : "GPTQ / AWQ";
+  auto need = [&](const std::string& field, const char* part) {
+    TANDEM_CHECK(!field.empty(), Errc::bad_format, "checkpoint ", ckpt.root().string(), ": ", name, " is ", fmt,
+                 "-quantized but its ", part, " tensor is missing");
+  };
+  need(t.scales, t.compressed ? "weight_scale" : "scales");
+  TANDEM_CHECK(n % 8 == 0 && k % 8 == 0, Errc::unsupported, name, ": a 4-bit quantized weight of [", n, " x ", k,
+               "] needs both sizes multiples of 8");
+  const TensorView qw = ckpt.tensor(t.qweight);
+  const auto& sshape = ckpt.info(t.scales).shape;
+  const Dtype sd = ckpt.info(t.scales).dtype;
+  TANDEM_CHECK(sd == Dtype::F16 || sd == Dtype::BF16 || sd == Dtype::F32, Errc::bad_format, t.scales, " is ",
+               dtype_name(sd), "; scales must be F16, BF16 or F32");
+  q->scale_type = sd == Dtype::F16 ? Q4Source::Scale::f16 : sd == Dtype::BF16 ? Q4Source::Scale::bf16 : Q4Source::Scale::f32;
+  int groups = 0;
+  if (t.compressed) {
+    q->layout = Q4Source::Layout::packed_rows;
+    const std::vector<int64_t> want_packed = {n, k / 8};
+    TANDEM_CHECK(qw.info->dtype == Dtype::I32 && qw.info->shape == want_packed, Errc::bad_format,
+                 t.qweight, " is ", dtype_name(qw.info->dtype), " ", shape_str(qw.info->shape), "; 4-bit ", fmt,
+                 " of [", n, " x ", k, "] is I32 [", n, ", ", k / 8, "] (other bit widths are not supported)");
+    TANDEM_CHECK(sshape.size() == 2 && sshape[0] == n && sshape[1] > 0 && k % sshape[1] == 0, Errc::bad_format,
+                 t.scales, " has shape ", shape_str(sshape), ": [", n, ", groups] with groups dividing k = ", k,
+                 " (per-channel or per-tensor scales are not read)");
+    groups = static_cast<int>(sshape[1]);
+    if (!t.qzeros.empty())
+      q->qzeros = read_i32_or_fail(ckpt, t.qzeros, Dtype::I32, {n / 8, groups}, "packed 4-bit zero points").data;
+    if (!t.g_idx.empty())
+      TANDEM_FAIL(Errc::unsupported, t.g_idx, ": act-order weights, whose groups are permuted along k, are not "
+                                              "supported (quantize without actorder, or load a bf16 / FP8 checkpoint)");
+  } else {
+    need(t.qzeros, "qzeros");
+    TANDEM_CHECK(qw.info->dtype == Dtype::I32 && qw.info->shape.size() == 2, Errc::bad_format, t.qweight, " is ",
+                 dtype_name(qw.info->dtype), " ", shape_str(qw.info->shape), "; GPTQ and AWQ store I32");
+    const std::vector<int64_t> gptq_shape = {k / 8, n}, awq_shape = {k, n / 8};
+    if (qw.info->shape == gptq_shape) {
+      q->layout = Q4Source::Layout::gptq;
+    } else if (qw.info->shape == awq_shape) {
+      q->layout = Q4Source::Layout::awq;
+    } else {
+      TANDEM_FAIL(Errc::bad_format, t.qweight, " has shape ", shape_str(qw.info->shape), ": 4-bit GPTQ of [", n,
+                  " x ", k, "] is [", k / 8, ", ", n, "], AWQ is [", k, ", ", n / 8,
+                  "] (other bit widths are not supported)");
+    }
+    TANDEM_CHECK(sshape.size() == 2 && sshape[1] == n && sshape[0] > 0 && k % sshape[0] == 0, Errc::bad_format,
+                 t.scales, " has shape ", shape_str(sshape), ": [groups, ", n, "] with groups dividing k = ", k);
+    groups = static_cast<int>(sshape[0]);
+    q->qzeros = read_i32_or_fail(ckpt, t.qzeros, Dtype::I32, {groups, n / 8}, "4-bit zero points").data;
+    if (!t.g_idx.empty()) {
+      const int group = k / groups;
+      const TensorView g = read_i32_or_fail(ckpt, t.g_idx, Dtype::I32, {k}, "a group index");
+      for (int c = 0; c < k; ++c) {
+        int32_t v;
+        std::memcpy(&v, g.data + 4 * static_cast<size_t>(c), 4);
+        TANDEM_CHECK(v == c / group, Errc::unsupported, t.g_idx, "[", c, "] is ", v, ", not ", c / group,
+                     ": act-order (desc_act) weights, whose groups are permuted along k, are not supported "
+                     "(quantize without desc_act, or load a bf16 / FP8 checkpoint)");
+      }
     }
   }
+  q->qweight = qw.data;
+  q->scales = ckpt.tensor(t.scales).data;
+  q->n = n;
+  q->k = k;
+  q->group = k / groups;
   WeightView v;
   v.type = SourceType::q4_gptq;
   v.data = q->qweight;
@@ -120,14 +182,14 @@ WeightView gptq_view(const Checkpoint& ckpt, const std::string& base, int n, int
   v.k = k;
   v.q4 = q.get();
   v.name = qw.info->name.c_str();
-  v.file = ckpt.file_of(base + ".qweight").path().c_str();
+  v.file = ckpt.file_of(t.qweight).path().c_str();
   keep.push_back(std::move(q));
   return v;
 }
 
 WeightView checkpoint_view(const Checkpoint& ckpt, const std::string& name, int n, int k,
                            std::vector<std::shared_ptr<const Q4Source>>& keep) {
-  if (const std::string base = gptq_base(ckpt, name); !base.empty()) return gptq_view(ckpt, base, n, k, keep);
+  if (const Q4Tensors t = q4_tensors(ckpt, name); !t.parts.empty()) return q4_view(ckpt, name, t, n, k, keep);
   TANDEM_CHECK(ckpt.contains(name), Errc::bad_format, "checkpoint ", ckpt.root().string(), " has no tensor ", name);
   const TensorView t = ckpt.tensor(name);
   TANDEM_CHECK(t.info->shape.size() == 2 && t.info->shape[0] == n && t.info->shape[1] == k, Errc::bad_format, name,
@@ -188,12 +250,7 @@ ExpertSource checkpoint_expert(const Checkpoint& ckpt, int layer, int e, const E
 }
 
 std::vector<std::string> expert_tensor_names(const Checkpoint& ckpt, const std::string& name) {
-  if (const std::string base = gptq_base(ckpt, name); !base.empty()) {
-    std::vector<std::string> out;
-    for (const char* s : {".qweight", ".scales", ".qzeros", ".g_idx"})
-      if (ckpt.contains(base + s)) out.push_back(base + s);
-    return out;
-  }
+  if (const Q4Tensors t = q4_tensors(ckpt, name); !t.parts.empty()) return t.parts;
   std::vector<std::string> out;
   for (const std::string& n : {name, name + "_scale_inv"})
     if (ckpt.contains(n)) out.push_back(n);

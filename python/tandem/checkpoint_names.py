@@ -48,8 +48,8 @@ def _mapping(model_type: str) -> list:
 
 
 def _present(ckpt: _C.Checkpoint, name: str) -> bool:
-    """The checkpoint holds weight `name`, as it is or GPTQ-quantized (name without .weight + .qweight)."""
-    return name in ckpt or (name.endswith(".weight") and name[:-len("weight")] + "qweight" in ckpt)
+    """The checkpoint holds weight `name`, as it is or 4-bit quantized (GPTQ / AWQ / compressed-tensors)."""
+    return name in ckpt or bool(_C.expert_tensor_names(ckpt, name))
 
 
 class CheckpointNames:

@@ -40,7 +40,52 @@ def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, name: str = "weight
     return w.float() * s
 
 
-GPTQ_PARTS = (".qweight", ".qzeros", ".scales", ".g_idx")
+GPTQ_PARTS = (".qweight", ".qzeros", ".scales", ".g_idx")       # GPTQ and AWQ: base + part
+CT_PARTS = ("_packed", "_scale", "_zero_point", "_shape", "_g_idx")  # compressed-tensors: x.weight + part
+_AWQ_SLOT = (0, 4, 1, 5, 2, 6, 3, 7)  # the nibble AWQ packs output r % 8 into
+
+
+def _nibbles(words: torch.Tensor) -> torch.Tensor:
+    """int32 [..., m] -> [..., m, 8]: nibble i of each word."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    return (words.unsqueeze(-1) >> shifts) & 15
+
+
+def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, name: str) -> torch.Tensor:
+    """The fp32 weight [n, k] of a 4-bit AWQ (GEMM) layer: int32 qweight [k, n / 8] and qzeros
+    [groups, n / 8] in AWQ's interleaved nibble order, scales [groups, n]."""
+    k, n8 = qweight.shape
+    n, groups = 8 * n8, scales.shape[0]
+    if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32 or tuple(qzeros.shape) != (groups, n8) \
+            or tuple(scales.shape) != (groups, n) or k % groups:
+        raise ValueError(f"{name}: AWQ tensors do not fit together (qweight {list(qweight.shape)}, qzeros "
+                         f"{list(qzeros.shape)}, scales {list(scales.shape)})")
+    slot = torch.tensor(_AWQ_SLOT)
+    q = _nibbles(qweight)[..., slot].reshape(k, n)
+    z = _nibbles(qzeros)[..., slot].reshape(groups, n)
+    g = torch.arange(k) // (k // groups)
+    return (scales.float()[g] * (q - z[g]).float()).t().contiguous()
+
+
+def dequantize_packed(packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
+                      name: str) -> torch.Tensor:
+    """The fp32 weight [n, k] of a 4-bit compressed-tensors pack-quantized layer: int32
+    weight_packed [n, k / 8] (value + 8), weight_scale [n, groups], optional weight_zero_point
+    int32 [n / 8, groups] (packed along n, value + 8)."""
+    n, k8 = packed.shape
+    k, groups = 8 * k8, scale.shape[1] if scale.dim() == 2 else 0
+    if packed.dtype != torch.int32 or scale.dim() != 2 or scale.shape[0] != n or not groups or k % groups:
+        raise ValueError(f"{name}: compressed-tensors tensors do not fit together (weight_packed "
+                         f"{list(packed.shape)}, weight_scale {list(scale.shape)}; group-wise scales are read)")
+    q = _nibbles(packed).reshape(n, k)
+    if zero_point is None:
+        z = torch.full((n, groups), 8, dtype=torch.int32)
+    else:
+        if zero_point.dtype != torch.int32 or tuple(zero_point.shape) != (n // 8, groups):
+            raise ValueError(f"{name}: weight_zero_point {list(zero_point.shape)} is not packed int32 [n / 8, groups]")
+        z = _nibbles(zero_point.t()).reshape(groups, n).t()
+    g = torch.arange(k) // (k // groups)
+    return (scale.float()[:, g] * (q - z[:, g]).float()).contiguous()
 
 
 def dequantize_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
@@ -80,17 +125,31 @@ class TensorReader:
     def file(self, name: str) -> str:
         return self.ckpt.info(name)[2]
 
-    def get_gptq(self, base: str) -> torch.Tensor:
-        """The fp32 weight of the GPTQ-quantized layer whose tensors are base.qweight, ..."""
-        parts = {p: self.get(base + p) for p in GPTQ_PARTS if base + p in self.ckpt}
-        missing = [base + p for p in GPTQ_PARTS[:3] if p not in parts]
-        if missing:
-            raise ValueError(f"{self.file(base + '.qweight')}: {base}.qweight is GPTQ-quantized but "
-                             f"{missing[0]!r} is missing")
+    def quantized_parts(self, name: str) -> list[str] | None:
+        """The tensors holding weight `name` ("x.weight") 4-bit quantized, or None when it is not."""
+        parts = _C.expert_tensor_names(self.ckpt, name)
+        return parts if parts and name not in parts else None
+
+    def get_quantized(self, name: str) -> torch.Tensor:
+        """The fp32 weight `name` ("x.weight") of a 4-bit GPTQ, AWQ or compressed-tensors layer."""
+        parts = {p: self.get(p) for p in self.quantized_parts(name) or []}
+        file = self.file(next(iter(parts))) if parts else "the checkpoint"
+
+        def need(p: str) -> torch.Tensor:
+            if p not in parts:
+                raise ValueError(f"{file}: {name} is 4-bit quantized but {p!r} is missing")
+            return parts[p]
         try:
-            return dequantize_gptq(parts[".qweight"], parts[".qzeros"], parts[".scales"], parts.get(".g_idx"), base)
+            if name + "_packed" in parts:
+                return dequantize_packed(parts[name + "_packed"], need(name + "_scale"), parts.get(name + "_zero_point"),
+                                         name)
+            base = name[:-len(".weight")]
+            qweight, qzeros, scales = need(base + ".qweight"), need(base + ".qzeros"), need(base + ".scales")
+            if qweight.shape[1] * 8 == scales.shape[1] and qweight.shape[0] * 8 != scales.shape[1]:
+                return dequantize_awq(qweight, qzeros, scales, base)
+            return dequantize_gptq(qweight, qzeros, scales, parts.get(base + ".g_idx"), base)
         except ValueError as e:
-            raise ValueError(f"{self.file(base + '.qweight')}: {e}") from None
+            raise ValueError(f"{file}: {e}") from None
 
     def get(self, name: str) -> torch.Tensor:
         file = self.file(name)

@@ -26,7 +26,7 @@ from torch import nn
 
 from . import _C
 from .adapters import merge_for_inference, peft_for_training, read_adapter_config
-from .checkpoint_reader import GPTQ_PARTS, TensorReader
+from .checkpoint_reader import TensorReader
 from .config import ConfigLike, config_json
 from .checkpoint_names import CheckpointNames
 from .dense import replace_dense
@@ -113,8 +113,9 @@ def open_model_experts(path: str | os.PathLike, dtype: torch.dtype | None = None
 
 
 def _check_quantization(path: Path, hf_config: Any) -> None:
-    """config.json's quantization_config is one tandem reads (FP8 with block scales, 4-bit GPTQ in
-    the original format), or a ValueError naming what is not."""
+    """config.json's quantization_config is one tandem reads (FP8 with block scales; 4-bit GPTQ in
+    the original format, AWQ GEMM, compressed-tensors pack-quantized), or a ValueError naming
+    what is not. (Act-order is refused per tensor, where its g_idx is read.)"""
     q = getattr(hf_config, "quantization_config", None)
     if q is None:
         return
@@ -132,8 +133,26 @@ def _check_quantization(path: Path, hf_config: Any) -> None:
             raise ValueError(f"{where}: quantization_config: GPTQ checkpoint_format {fmt!r}; tandem reads the "
                              "original 'gptq' format (zero points stored minus one)")
         return
+    if method == "awq":
+        if q.get("bits", q.get("w_bit")) != 4 or str(q.get("version", "gemm")).lower() != "gemm":
+            raise ValueError(f"{where}: quantization_config: AWQ bits {q.get('bits', q.get('w_bit'))!r}, version "
+                             f"{q.get('version')!r}; tandem reads 4-bit AWQ in the GEMM layout")
+        return
+    if method == "compressed-tensors":
+        groups = q.get("config_groups") or {}
+        for gname, grp in groups.items():
+            w, fmt = grp.get("weights") or {}, grp.get("format") or q.get("format")
+            bad = ("format", fmt) if fmt != "pack-quantized" else ("num_bits", w.get("num_bits")) \
+                if w.get("num_bits") != 4 else ("type", w.get("type")) if w.get("type") != "int" \
+                else ("strategy", w.get("strategy")) if w.get("strategy") != "group" \
+                else ("actorder", w.get("actorder")) if w.get("actorder") not in (None, False, "static") \
+                else ("input_activations", grp.get("input_activations")) if grp.get("input_activations") else None
+            if bad:
+                raise ValueError(f"{where}: quantization_config.config_groups.{gname}: {bad[0]} = {bad[1]!r}; tandem "
+                                 "reads compressed-tensors pack-quantized 4-bit integer weights in groups (W4A16)")
+        return
     raise ValueError(f"{where}: quantization_config: quant_method {method!r} is not supported (tandem reads bf16 / "
-                     "fp16 / fp32 checkpoints, FP8 with block scales, and 4-bit GPTQ)")
+                     "fp16 / fp32 checkpoints, FP8 with block scales, and 4-bit GPTQ, AWQ or compressed-tensors)")
 
 
 def _config_dtype(hf_config: Any) -> torch.dtype:
@@ -237,8 +256,7 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
                                             device=device, source=source)
             watch_block(b.block, b.block.experts)
     expert_keys = {_C.expert_key(p, L, e) for L in layers for e in range(E) for p in naming}
-    expert_keys |= {k + "_scale_inv" for k in expert_keys} | {
-        k[:-len(".weight")] + p for k in expert_keys if k.endswith(".weight") for p in GPTQ_PARTS}
+    expert_keys |= {t for k in list(expert_keys) for t in _C.expert_tensor_names(ckpt, k)}
 
     # Everything else: torch tensors on `device`.
     reader = TensorReader(ckpt)
@@ -254,16 +272,15 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
         it = named
     for name, t in it:
         key = names.key(name)
-        gptq = None
-        if key is None and name.endswith(".weight"):  # a GPTQ-quantized linear layer: dequantized here
-            qkey = names.key(name[:-len("weight")] + "qweight")
-            gptq = qkey[:-len(".qweight")] if qkey else None
-        if gptq is not None:
-            value = reader.get_gptq(gptq)
+        quantized = None
+        if key is None and name.endswith(".weight"):  # a 4-bit quantized linear layer: dequantized here
+            quantized = next((c for c in names.candidates(name) if reader.quantized_parts(c)), None)
+        if quantized is not None:
+            value = reader.get_quantized(quantized)
             if tuple(value.shape) != tuple(t.shape):
-                raise ValueError(f"{path}: GPTQ tensor {gptq + '.qweight'!r} holds a weight of shape "
+                raise ValueError(f"{path}: the 4-bit quantized {quantized!r} holds a weight of shape "
                                  f"{list(value.shape)}, the model needs {list(t.shape)}")
-            used.update(gptq + p for p in GPTQ_PARTS)
+            used.update(reader.quantized_parts(quantized))
             target = torch.float32 if keep_fp32(name) else t.dtype
             _set_tensor(model, name, value.to(device=device, dtype=target), name in params)
             continue

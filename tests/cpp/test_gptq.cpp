@@ -93,6 +93,57 @@ TEST(Gptq, DecodesToTheFormulasValues) {
   }
 }
 
+// The same nibbles, zero points and scales in AWQ's and compressed-tensors' layouts decode to
+// the same weight, and pack into int4 by copying.
+TEST(Gptq, AwqAndCompressedTensorsLayoutsReadTheSame) {
+  std::mt19937_64 rng(test_seed());
+  const Gptq g(rng, 64, 128, 32, false);
+  const int n = g.n, k = g.k, G = k / g.group;
+  std::vector<int32_t> awq_w(size_t(k) * n / 8), awq_z(size_t(G) * n / 8), ct_w(size_t(n) * k / 8), ct_z(size_t(n) / 8 * G);
+  std::vector<uint16_t> ct_s(size_t(n) * G);  // bf16 scales, [n, groups]
+  const int slot[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+  for (int r = 0; r < n; ++r)
+    for (int c = 0; c < k; ++c) {
+      const uint32_t v = uint32_t(g.q[size_t(r) * k + c]);
+      awq_w[size_t(c) * (n / 8) + r / 8] |= int32_t(v << (4 * slot[r % 8]));
+      ct_w[size_t(r) * (k / 8) + c / 8] |= int32_t(v << (4 * (c % 8)));
+    }
+  for (int gi = 0; gi < G; ++gi)
+    for (int r = 0; r < n; ++r) {
+      const uint32_t z = uint32_t(g.zero[size_t(gi) * n + r]);
+      awq_z[size_t(gi) * (n / 8) + r / 8] |= int32_t(z << (4 * slot[r % 8]));
+      ct_z[size_t(r / 8) * G + gi] |= int32_t(z << (4 * (r % 8)));
+      ct_s[size_t(r) * G + gi] = fp32_to_bf16(fp16_to_fp32(g.scales[size_t(gi) * n + r]));
+    }
+  Q4Source awq = g.source(), ct = g.source();
+  awq.layout = Q4Source::Layout::awq;
+  awq.qweight = reinterpret_cast<const std::byte*>(awq_w.data());
+  awq.qzeros = reinterpret_cast<const std::byte*>(awq_z.data());
+  ct.layout = Q4Source::Layout::packed_rows;
+  ct.qweight = reinterpret_cast<const std::byte*>(ct_w.data());
+  ct.qzeros = reinterpret_cast<const std::byte*>(ct_z.data());
+  ct.scales = reinterpret_cast<const std::byte*>(ct_s.data());
+  ct.scale_type = Q4Source::Scale::bf16;
+  std::vector<float> want(size_t(n) * k);  // the bf16-rounded scales for compressed-tensors
+  for (int r = 0; r < n; ++r)
+    for (int c = 0; c < k; ++c)
+      want[size_t(r) * k + c] = bf16_to_fp32(ct_s[size_t(r) * G + c / g.group]) *
+                                float(g.q[size_t(r) * k + c] - g.zero[size_t(c / g.group) * n + r]);
+  for (const auto& [src, expect, what] : {std::tuple{&awq, &g.w, "AWQ"}, std::tuple{&ct, static_cast<const std::vector<float>*>(&want), "compressed-tensors"}}) {
+    SCOPED_TRACE(what);
+    std::vector<float> rows(size_t(n) * k);
+    decode_rows(Gptq::view(*src), 0, n, rows.data());
+    ASSERT_EQ(rows, *expect);
+    ASSERT_EQ(unpack(pack(Gptq::view(*src), {WeightFormat::int4, 32, false})), *expect);
+  }
+  // compressed-tensors without zero points is symmetric: zero 8.
+  ct.qzeros = nullptr;
+  std::vector<float> rows(size_t(n) * k);
+  decode_rows(Gptq::view(ct), 0, 1, rows.data());
+  for (int c = 0; c < k; ++c)
+    ASSERT_EQ(rows[c], bf16_to_fp32(ct_s[c / g.group]) * float(g.q[c] - 8));
+}
+
 // int4 at the checkpoint's group size keeps its values exactly; every other format and group
 // gets what packing the exact values gives (the same bytes as from an fp32 source).
 TEST(Gptq, PacksKeepTheCheckpointsNumbers) {
@@ -213,17 +264,17 @@ TEST(Gptq, RefusesActOrderAndBrokenTensors) {
          for (auto& e : es)
            if (e.name == expert_base(0, "up") + ".g_idx") std::memset(e.bytes.data(), 0, 8 * 4), e.bytes[8 * 4] = 1;
        }},
-      {"missing scales", "up_proj.scales is missing",
+      {"missing scales", "its scales tensor is missing",
        [](std::vector<test::Entry>& es) { std::erase_if(es, [](auto& e) { return e.name == expert_base(0, "up") + ".scales"; }); }},
       {"8-bit", "other bit widths",
        [](std::vector<test::Entry>& es) {
          for (auto& e : es)
            if (e.name == expert_base(0, "down") + ".qweight") e.shape = {kI / 4, kH / 2}, e.bytes.resize(size_t(kI / 4) * kH / 2 * 4);
        }},
-      {"bf16 scales", "needs F16",
+      {"integer scales", "scales must be F16, BF16 or F32",
        [](std::vector<test::Entry>& es) {
          for (auto& e : es)
-           if (e.name == expert_base(0, "gate") + ".scales") e.dtype = "BF16";
+           if (e.name == expert_base(0, "gate") + ".scales") e.dtype = "I16";
        }},
   };
   for (const Case& c : cases) {

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import tandem
-from tandem.checkpoint_reader import dequantize_gptq
+from tandem.checkpoint_reader import dequantize_awq, dequantize_gptq, dequantize_packed
 
 from hf_models import VOCAB, build, clean_tokens, record_routing
 
@@ -27,8 +27,9 @@ QUANTIZED = re.compile(r"\.(self_attn\.[qkvo]_proj|mlp\.experts\.\d+\.(gate|up|d
 GROUP = 32
 
 
-def quantize(w: torch.Tensor, sym: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """GPTQ tensors of w [n, k] (round to nearest, groups along k) and their dequantized weight."""
+def quantize(w: torch.Tensor, sym: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest 4-bit in groups along k of w [n, k]: (q [n, k], zero [n, groups], fp16
+    scale [n, groups], the dequantized weight)."""
     n, k = w.shape
     g = w.float().view(n, k // GROUP, GROUP)
     if sym:
@@ -40,52 +41,90 @@ def quantize(w: torch.Tensor, sym: bool) -> tuple[dict[str, torch.Tensor], torch
         zero = (-lo / scale).round().clamp(0, 15).to(torch.int32)
     scale = scale.half()
     q = ((g / scale.float().unsqueeze(-1)).round() + zero.unsqueeze(-1)).clamp(0, 15).to(torch.int32).view(n, k)
-    deq = (scale.float().repeat_interleave(GROUP, 1) * (q - zero.repeat_interleave(GROUP, 1)).float())
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-    qt = q.t().contiguous().view(k // 8, 8, n)                      # [k/8, 8, n]
-    qweight = (qt << shifts.view(1, 8, 1)).sum(1, dtype=torch.int64).to(torch.int64)
-    stored = ((zero - 1) & 15).t().contiguous().view(k // GROUP, n // 8, 8)  # zero - 1, 4 bits
-    qzeros = (stored << shifts.view(1, 1, 8)).sum(-1, dtype=torch.int64)
-    as_i32 = lambda t: ((t + 2**31) % 2**32 - 2**31).to(torch.int32)  # noqa: E731 (two's complement)
-    tensors = {"qweight": as_i32(qweight), "qzeros": as_i32(qzeros), "scales": scale.t().contiguous(),
-               "g_idx": torch.arange(k, dtype=torch.int32) // GROUP}
-    return tensors, deq
+    deq = scale.float().repeat_interleave(GROUP, 1) * (q - zero.repeat_interleave(GROUP, 1)).float()
+    return q, zero, scale, deq
+
+
+def _words(nibbles: torch.Tensor) -> torch.Tensor:
+    """[..., 8] values in [0, 15] -> int32 [...] with value i in nibble i (two's complement)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    w = (nibbles.to(torch.int64) << shifts).sum(-1)
+    return ((w + 2**31) % 2**32 - 2**31).to(torch.int32)
+
+
+def write_layout(layout: str, name: str, q, zero, scale, sym: bool) -> dict[str, torch.Tensor]:
+    """The tensors a `layout` checkpoint stores for weight `name` ("x.weight")."""
+    n, k = q.shape
+    base = name[: -len(".weight")]
+    if layout == "gptq":  # qweight [k/8, n]; qzeros [groups, n/8] hold zero - 1
+        return {f"{base}.qweight": _words(q.t().reshape(k // 8, 8, n).transpose(1, 2)),
+                f"{base}.qzeros": _words(((zero - 1) & 15).t().reshape(k // GROUP, n // 8, 8)),
+                f"{base}.scales": scale.t().contiguous(),
+                f"{base}.g_idx": torch.arange(k, dtype=torch.int32) // GROUP}
+    if layout == "awq":  # qweight [k, n/8], AWQ's nibble order; qzeros [groups, n/8]; scales [groups, n]
+        order = torch.tensor([0, 2, 4, 6, 1, 3, 5, 7])
+        return {f"{base}.qweight": _words(q.t().reshape(k, n // 8, 8)[..., order]),
+                f"{base}.qzeros": _words(zero.t().reshape(k // GROUP, n // 8, 8)[..., order]),
+                f"{base}.scales": scale.t().contiguous()}
+    # compressed-tensors pack-quantized, packed by the library itself: signed values
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    out = {f"{name}_packed": pack_to_int32((q - 8).to(torch.int8), 4),
+           f"{name}_scale": scale.to(torch.bfloat16),
+           f"{name}_shape": torch.tensor([n, k])}
+    if not sym:
+        out[f"{name}_zero_point"] = pack_to_int32((zero - 8).to(torch.int8), 4, packed_dim=0)
+    return out
+
+
+def quant_config(layout: str, sym: bool) -> dict:
+    if layout == "gptq":
+        return {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": sym,
+                "checkpoint_format": "gptq"}
+    if layout == "awq":
+        return {"quant_method": "awq", "bits": 4, "group_size": GROUP, "version": "gemm", "zero_point": True}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                "num_bits": 4, "type": "int", "symmetric": sym, "strategy": "group", "group_size": GROUP,
+                "actorder": None}}}, "ignore": ["lm_head"]}
 
 
 @pytest.fixture(scope="module")
 def gptq(tmp_path_factory):
-    """sym -> (GPTQ checkpoint dir, reference dir of the dequantized fp32 weights), built once."""
+    """(layout, sym) -> (quantized checkpoint dir, reference dir of the dequantized fp32 weights).
+    compressed-tensors scales are bf16: its reference uses the bf16-rounded scales."""
     from safetensors.torch import load_file, save_file
 
     cache = {}
 
-    def get(sym: bool):
-        if sym not in cache:
-            root = tmp_path_factory.mktemp(f"gptq-{'sym' if sym else 'asym'}")
+    def get(sym: bool, layout: str = "gptq"):
+        if (layout, sym) not in cache:
+            root = tmp_path_factory.mktemp(f"{layout}-{'sym' if sym else 'asym'}")
             build("qwen3_moe", 1, torch.float32, root / "fp32")
             state = load_file(root / "fp32" / "model.safetensors")
             quant, ref = {}, {}
             for name, t in state.items():
                 if QUANTIZED.search(name):
-                    parts, deq = quantize(t, sym)
-                    base = name[: -len(".weight")]
-                    quant.update({f"{base}.{p}": v for p, v in parts.items()})
+                    q, zero, scale, deq = quantize(t, sym)
+                    if layout == "compressed-tensors":
+                        s16 = scale.to(torch.bfloat16).float()
+                        deq = s16.repeat_interleave(GROUP, 1) * (q - zero.repeat_interleave(GROUP, 1)).float()
+                    quant.update(write_layout(layout, name, q, zero, scale, sym))
                     ref[name] = deq
                 else:
                     quant[name] = ref[name] = t
-            for d in ("gptq", "ref"):
+            for d in ("q", "ref"):
                 (root / d).mkdir()
                 for f in ("config.json", "generation_config.json"):
                     if (root / "fp32" / f).exists():
                         shutil.copy(root / "fp32" / f, root / d / f)
-            save_file(quant, root / "gptq" / "model.safetensors", metadata={"format": "pt"})
+            save_file(quant, root / "q" / "model.safetensors", metadata={"format": "pt"})
             save_file(ref, root / "ref" / "model.safetensors", metadata={"format": "pt"})
-            cfg = json.loads((root / "gptq" / "config.json").read_text())
-            cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False,
-                                          "sym": sym, "checkpoint_format": "gptq"}
-            (root / "gptq" / "config.json").write_text(json.dumps(cfg))
-            cache[sym] = root
-        return cache[sym] / "gptq", cache[sym] / "ref"
+            cfg = json.loads((root / "q" / "config.json").read_text())
+            cfg["quantization_config"] = quant_config(layout, sym)
+            (root / "q" / "config.json").write_text(json.dumps(cfg))
+            cache[layout, sym] = root
+        return cache[layout, sym] / "q", cache[layout, sym] / "ref"
 
     return get
 
@@ -102,28 +141,35 @@ def max_rel(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
     return (d.max() / b.double().abs().max()).item()
 
 
-def test_the_reader_matches_the_writer(seed):
+def test_the_readers_match_the_writers(seed):
     w = torch.randn(48, 128)
     for sym in (True, False):
-        parts, deq = quantize(w, sym)
-        got = dequantize_gptq(parts["qweight"], parts["qzeros"], parts["scales"], parts["g_idx"], "w")
-        assert torch.equal(got, deq)
-        # Act-order (a permuted g_idx) is read by the torch path too.
-        perm = torch.randperm(128, generator=torch.Generator().manual_seed(seed))
-        g = parts["g_idx"][perm]
-        q = dequantize_gptq(parts["qweight"], parts["qzeros"], parts["scales"], g, "w")
-        assert q.shape == deq.shape
+        q, zero, scale, deq = quantize(w, sym)
+        p = write_layout("gptq", "w.weight", q, zero, scale, sym)
+        assert torch.equal(dequantize_gptq(p["w.qweight"], p["w.qzeros"], p["w.scales"], p["w.g_idx"], "w"), deq)
+        p = write_layout("awq", "w.weight", q, zero, scale, sym)
+        assert torch.equal(dequantize_awq(p["w.qweight"], p["w.qzeros"], p["w.scales"], "w"), deq)
+        p = write_layout("compressed-tensors", "w.weight", q, zero, scale, sym)
+        s16 = scale.to(torch.bfloat16).float()
+        want = s16.repeat_interleave(GROUP, 1) * (q - zero.repeat_interleave(GROUP, 1)).float()
+        got = dequantize_packed(p["w.weight_packed"], p["w.weight_scale"], p.get("w.weight_zero_point"), "w")
+        assert torch.equal(got, want)
+        # ... and the library's own unpacking agrees with the layout read here.
+        from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+        assert torch.equal(unpack_from_int32(p["w.weight_packed"], 4, torch.Size(q.shape)).int() + 8, q)
 
 
 # Bounds on the max relative logit error over tokens routed alike (as in test_adapters.py): the
 # expert weights are the checkpoint's exactly in int4 (error from int8 activations), rounded
 # to bf16 in bf16, re-quantized in int8 (plus int8 activations).
-@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("layout,sym", [("gptq", True), ("gptq", False), ("awq", False),
+                                        ("compressed-tensors", True), ("compressed-tensors", False)])
 @pytest.mark.parametrize("fmt,bound", [("int4", 6e-2), ("bf16", 1.5e-2), ("int8", 6e-2)])
-def test_a_gptq_checkpoint_computes_its_dequantized_weights(gptq, sym, fmt, bound, seed):
+def test_a_quantized_checkpoint_computes_its_dequantized_weights(gptq, layout, sym, fmt, bound, seed):
     from transformers import AutoModelForCausalLM
 
-    path, ref_path = gptq(sym)
+    path, ref_path = gptq(sym, layout)
     ref = AutoModelForCausalLM.from_pretrained(ref_path, dtype=torch.float32).eval()
     ours = tandem.load_model(path, cfg(fmt, zero_point=not sym), dtype=torch.float32, progress=False)
     ids = torch.randint(0, VOCAB, (8, 8), generator=torch.Generator().manual_seed(seed))
@@ -133,7 +179,7 @@ def test_a_gptq_checkpoint_computes_its_dequantized_weights(gptq, sym, fmt, boun
     clean = clean_tokens(ra, rb, *ids.shape)
     assert clean.float().mean() >= 0.25, f"routing differs for most tokens ({(~clean).sum().item()})"
     err = max_rel(got, want, clean)
-    print(f"GPTQ {'sym' if sym else 'zero points'} as {fmt}: clean {clean.sum().item()}/{clean.numel()}, "
+    print(f"{layout} {'sym' if sym else 'zero points'} as {fmt}: clean {clean.sum().item()}/{clean.numel()}, "
           f"max rel err {err:.2e}")
     assert err <= bound
     # The attention weights are the dequantized ones, exactly as the reference holds them.
@@ -158,7 +204,7 @@ def test_what_cannot_be_read_is_refused(gptq, tmp_path):
         tandem.load_model(path, cfg("int4", zero_point=False), progress=False)
     for edit, message in ((dict(bits=8), "GPTQ with bits = 8; tandem reads 4-bit GPTQ only"),
                           (dict(checkpoint_format="gptq_v2"), "checkpoint_format 'gptq_v2'"),
-                          (dict(quant_method="awq"), "quant_method 'awq' is not supported")):
+                          (dict(quant_method="bitsandbytes"), "quant_method 'bitsandbytes' is not supported")):
         d = tmp_path / next(iter(edit.values())).__str__()
         shutil.copytree(path, d)
         c = json.loads((d / "config.json").read_text())

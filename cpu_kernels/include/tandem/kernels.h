@@ -63,39 +63,59 @@ WeightFormat parse_format(std::string_view name);  // "bf16", "int8", "int4"
 enum class SourceType { f32, bf16, f16, f8_e4m3, q4_gptq };
 std::string_view source_type_name(SourceType t) noexcept;
 
-// A GPTQ-quantized W [n x k] (AutoGPTQ / GPTQModel "gptq" checkpoint format, 4 bits):
-//   qweight int32 [k / 8, n]: element (r, c) is nibble c % 8 of qweight[c / 8][r]
-//   scales  fp16  [k / group, n]
-//   qzeros  int32 [k / group, n / 8]: nibble r % 8 of qzeros[g][r / 8], plus zero_offset
-//           (1 in the original format, which stores zero - 1; 0 in "gptq_v2")
-//   w(r, c) = scales[c / group][r] * (q(r, c) - (zero(c / group, r) & 15))
-// Groups run along k in order (no act-order permutation: the loader refuses one).
-// The tensors may sit unaligned in their file: they are read bytewise.
+// A 4-bit weight W [n x k] quantized in groups of `group` along k, as the common formats store
+// it (element (r, c); g = c / group; "nibble i of a word" is bits 4i..4i+3):
+//   gptq (AutoGPTQ / GPTQModel, "gptq" format): qweight int32 [k / 8, n], q = nibble c % 8 of
+//        qweight[c / 8][r]; qzeros int32 [k / group, n / 8], zero = (nibble r % 8 of
+//        qzeros[g][r / 8] + 1) & 15 (it stores zero - 1); scales [k / group, n]
+//   awq  (AutoAWQ GEMM): qweight int32 [k, n / 8], q = nibble kAwqSlot[r % 8] of
+//        qweight[c][r / 8] (AWQ's interleaved order); qzeros the same way, no offset; scales
+//        [k / group, n]
+//   packed_rows (compressed-tensors pack-quantized): weight_packed int32 [n, k / 8], q = nibble
+//        c % 8 of word [r][c / 8] (the signed value + 8); zero = 8 when symmetric, else nibble
+//        r % 8 of weight_zero_point int32 [n / 8, k / group] at [r / 8][g]; scales [n, k / group]
+//   w(r, c) = scale(g, r) * (q(r, c) - zero(g, r)), scales fp16, bf16 or fp32.
+// Groups run along k in order (no act-order permutation: the loaders refuse one). The tensors
+// may sit unaligned in their file: they are read bytewise.
 struct Q4Source {
+  enum class Layout { gptq, awq, packed_rows };
+  enum class Scale { f16, bf16, f32 };
+  Layout layout = Layout::gptq;
+  Scale scale_type = Scale::f16;
   const std::byte* qweight = nullptr;
-  const std::byte* scales = nullptr;  // fp16
-  const std::byte* qzeros = nullptr;
-  int n = 0, k = 0, group = 128, zero_offset = 1;
+  const std::byte* scales = nullptr;
+  const std::byte* qzeros = nullptr;  // null: symmetric (packed_rows only)
+  int n = 0, k = 0, group = 128;
+  static constexpr int kAwqSlot[8] = {0, 4, 1, 5, 2, 6, 3, 7};  // nibble holding row r % 8
   // The weight's element (r, c) of the full matrix, exactly, in fp32.
   float value(int r, int c) const;
   uint8_t q(int r, int c) const {
-    return static_cast<uint8_t>((word(qweight, static_cast<size_t>(c / 8) * n + r) >> (4 * (c % 8))) & 15);
+    switch (layout) {
+      case Layout::gptq: return nibble(qweight, static_cast<size_t>(c / 8) * n + r, c % 8);
+      case Layout::awq: return nibble(qweight, static_cast<size_t>(c) * (n / 8) + r / 8, kAwqSlot[r % 8]);
+      case Layout::packed_rows: return nibble(qweight, static_cast<size_t>(r) * (k / 8) + c / 8, c % 8);
+    }
+    return 0;
   }
-  // The zero point of group g, row r (stored nibble + zero_offset, not wrapped).
   int zero(int g, int r) const {
-    return static_cast<int>((word(qzeros, static_cast<size_t>(g) * (n / 8) + r / 8) >> (4 * (r % 8))) & 15) + zero_offset;
+    switch (layout) {
+      case Layout::gptq: return (nibble(qzeros, static_cast<size_t>(g) * (n / 8) + r / 8, r % 8) + 1) & 15;
+      case Layout::awq: return nibble(qzeros, static_cast<size_t>(g) * (n / 8) + r / 8, kAwqSlot[r % 8]);
+      case Layout::packed_rows:
+        return qzeros ? nibble(qzeros, static_cast<size_t>(r / 8) * (k / group) + g, r % 8) : 8;
+    }
+    return 8;
   }
-  uint16_t scale_bits(int g, int r) const {
-    uint16_t v;
-    std::memcpy(&v, scales + 2 * (static_cast<size_t>(g) * n + r), 2);
-    return v;
-  }
-  static uint32_t word(const std::byte* p, size_t i) {
+  float scale(int g, int r) const;
+  // The scale as fp16 bits; false when fp16 cannot hold it exactly.
+  bool scale_fp16(int g, int r, uint16_t& bits) const;
+  static uint8_t nibble(const std::byte* p, size_t word, int i) {
     uint32_t v;
-    std::memcpy(&v, p + 4 * i, 4);
-    return v;
+    std::memcpy(&v, p + 4 * word, 4);
+    return static_cast<uint8_t>((v >> (4 * i)) & 15);
   }
 };
+std::string_view q4_layout_name(Q4Source::Layout l) noexcept;  // "GPTQ", "AWQ", "compressed-tensors"
 
 // A weight matrix W [n x k] as it sits in a checkpoint. FP8 E4M3 weights may carry
 // block scales the way DeepSeek-V3 ships them (weight_scale_inv): element (r, c) is
