@@ -339,8 +339,10 @@ void write_int8(const PackedWeight& p, std::byte* dst, const float* rows, int va
   }
 }
 
-void write_int4(const PackedWeight& p, std::byte* dst, const float* rows, int valid, const WeightView& w,
-                const char* what, int r0) {
+// The int4 layout's writer: row(gi, j, q, scale, zero) fills valid row j's `group` values of
+// group gi, its fp16 scale and zero point; padding rows hold value 0 (q = zero point, scale 0).
+template <class Row>
+void write_int4_rows(const PackedWeight& p, std::byte* dst, int valid, Row&& row) {
   const int g = p.group;
   for (int gi = 0; gi < p.k / g; ++gi) {
     std::byte* base = dst + gi * p.group_stride;
@@ -350,33 +352,14 @@ void write_int4(const PackedWeight& p, std::byte* dst, const float* rows, int va
     std::memset(nib, 0, static_cast<size_t>(g) * kPanel / 2);
     for (int j = 0; j < kPanel; ++j) {
       uint8_t q[128] = {};
-      float s = 0.0f;
+      uint16_t s16 = 0;
       int z = p.symmetric ? 8 : 0;
-      if (j < valid) {
-        const float* v = rows + static_cast<size_t>(j) * p.k + static_cast<size_t>(gi) * g;
-        float lo = 0.0f, hi = 0.0f;  // the range always includes 0
-        for (int c = 0; c < g; ++c) {
-          if (!std::isfinite(v[c])) non_finite(w, what, r0 + j, rows + static_cast<size_t>(j) * p.k);
-          lo = std::min(lo, v[c]);
-          hi = std::max(hi, v[c]);
-        }
-        const float want = p.symmetric ? std::max(-lo, hi) / 7.0f : (hi - lo) / 15.0f;
-        const uint16_t s16 = fp32_to_fp16(want);
-        s = fp16_to_fp32(s16);
-        TANDEM_CHECK(std::isfinite(s), Errc::bad_format, "pack: ", what, " row ", r0 + j, ", group ", gi,
-                     ": scale ", want, " overflows fp16 (int4 needs |w| < 458,000)");
-        scale[j] = s16;
-        const float inv = s > 0.0f ? 1.0f / s : 0.0f;
-        if (!p.symmetric) z = static_cast<int>(std::clamp(std::nearbyint(-lo * inv), 0.0f, 15.0f));
-        for (int c = 0; c < g; ++c)
-          q[c] = static_cast<uint8_t>(std::clamp(std::nearbyint(v[c] * inv) + static_cast<float>(z), 0.0f, 15.0f));
-      } else {
-        scale[j] = 0;
-      }
+      if (j < valid)
+        row(gi, j, q, s16, z);
+      else if (p.symmetric)
+        std::fill_n(q, g, uint8_t{8});
+      scale[j] = s16;
       if (!p.symmetric) zero[j] = static_cast<uint8_t>(z);
-      if (p.symmetric && j >= valid) {  // padding rows: q = zero point, value 0
-        for (int c = 0; c < g; ++c) q[c] = 8;
-      }
       for (int c = 0; c < g; ++c) {
         const int o = c / 8, e = c % 8;
         uint8_t& b = nib[(static_cast<size_t>(o) * kPanel + j) * 4 + e % 4];
@@ -384,6 +367,29 @@ void write_int4(const PackedWeight& p, std::byte* dst, const float* rows, int va
       }
     }
   }
+}
+
+void write_int4(const PackedWeight& p, std::byte* dst, const float* rows, int valid, const WeightView& w,
+                const char* what, int r0) {
+  const int g = p.group;
+  write_int4_rows(p, dst, valid, [&](int gi, int j, uint8_t* q, uint16_t& s16, int& z) {
+    const float* v = rows + static_cast<size_t>(j) * p.k + static_cast<size_t>(gi) * g;
+    float lo = 0.0f, hi = 0.0f;  // the range always includes 0
+    for (int c = 0; c < g; ++c) {
+      if (!std::isfinite(v[c])) non_finite(w, what, r0 + j, rows + static_cast<size_t>(j) * p.k);
+      lo = std::min(lo, v[c]);
+      hi = std::max(hi, v[c]);
+    }
+    const float want = p.symmetric ? std::max(-lo, hi) / 7.0f : (hi - lo) / 15.0f;
+    s16 = fp32_to_fp16(want);
+    const float s = fp16_to_fp32(s16);
+    TANDEM_CHECK(std::isfinite(s), Errc::bad_format, "pack: ", what, " row ", r0 + j, ", group ", gi, ": scale ", want,
+                 " overflows fp16 (int4 needs |w| < 458,000)");
+    const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+    if (!p.symmetric) z = static_cast<int>(std::clamp(std::nearbyint(-lo * inv), 0.0f, 15.0f));
+    for (int c = 0; c < g; ++c)
+      q[c] = static_cast<uint8_t>(std::clamp(std::nearbyint(v[c] * inv) + static_cast<float>(z), 0.0f, 15.0f));
+  });
 }
 
 // int4 from a GPTQ source with the same group size: its nibbles, scales and zero points as
@@ -396,50 +402,23 @@ bool direct_q4(const PackedWeight& p, const WeightView& w) {
 void write_int4_q4(const PackedWeight& p, std::byte* dst, int valid, const WeightView& w, int r0) {
   const int g = p.group;
   const Q4Source& s = *w.q4;
-  for (int gi = 0; gi < p.k / g; ++gi) {
-    std::byte* base = dst + gi * p.group_stride;
-    uint8_t* nib = reinterpret_cast<uint8_t*>(base);
-    uint16_t* scale = reinterpret_cast<uint16_t*>(base + static_cast<size_t>(g) * kPanel / 2);
-    uint8_t* zero = reinterpret_cast<uint8_t*>(base + static_cast<size_t>(g) * kPanel / 2 + kPanel * 2);
-    std::memset(nib, 0, static_cast<size_t>(g) * kPanel / 2);
-    const int G = (w.col0 + gi * g) / g;
-    for (int j = 0; j < kPanel; ++j) {
-      uint8_t q[128] = {};
-      int z = p.symmetric ? 8 : 0;
-      scale[j] = 0;
-      if (j < valid) {
-        const int R = w.row0 + r0 + j;
-        uint16_t s16;
-        const bool exact = s.scale_fp16(G, R, s16);
-        const float sv = s.scale(G, R);
-        const int zz = s.zero(G, R);
-        if (!std::isfinite(sv)) {
-          TANDEM_FAIL(Errc::bad_format, "tensor ", w.name ? w.name : "weight", w.file ? " of " : "", w.file ? w.file : "",
-                      ": row ", R, ", group ", G, " has scale ", sv, "; non-finite weights are refused");
-        }
-        if (!exact)
-          TANDEM_FAIL(Errc::unsupported, "tensor ", w.name ? w.name : "weight", w.file ? " of " : "", w.file ? w.file : "",
-                      ": row ", R, ", group ", G, " has scale ", sv,
-                      ", which int4's fp16 scales cannot hold exactly; load it as int8 or bf16 (cpu.format)");
-        if (p.symmetric && zz != 8)
-          TANDEM_FAIL(Errc::unsupported, "tensor ", w.name ? w.name : "weight", w.file ? " of " : "",
-                      w.file ? w.file : "", ": row ", R, ", group ", G, " has zero point ", zz,
-                      "; symmetric int4 holds zero point 8 only: pack this ", q4_layout_name(s.layout),
-                      " checkpoint with zero points (cpu.zero_point: true)");
-        scale[j] = s16;
-        z = zz;
-        for (int c = 0; c < g; ++c) q[c] = s.q(R, w.col0 + gi * g + c);
-      } else if (p.symmetric) {
-        for (int c = 0; c < g; ++c) q[c] = 8;  // padding rows: q = zero point, value 0
-      }
-      if (!p.symmetric) zero[j] = static_cast<uint8_t>(z);
-      for (int c = 0; c < g; ++c) {
-        const int o = c / 8, e = c % 8;
-        uint8_t& b = nib[(static_cast<size_t>(o) * kPanel + j) * 4 + e % 4];
-        b |= static_cast<uint8_t>(e < 4 ? q[c] : q[c] << 4);
-      }
-    }
-  }
+  const char* name = w.name ? w.name : "weight";
+  const char* of = w.file ? " of " : "";
+  const char* file = w.file ? w.file : "";
+  write_int4_rows(p, dst, valid, [&](int gi, int j, uint8_t* q, uint16_t& s16, int& z) {
+    const int R = w.row0 + r0 + j, G = (w.col0 + gi * g) / g;
+    const bool exact = s.scale_fp16(G, R, s16);
+    const float sv = s.scale(G, R);
+    TANDEM_CHECK(std::isfinite(sv), Errc::bad_format, "tensor ", name, of, file, ": row ", R, ", group ", G,
+                 " has scale ", sv, "; non-finite weights are refused");
+    TANDEM_CHECK(exact, Errc::unsupported, "tensor ", name, of, file, ": row ", R, ", group ", G, " has scale ", sv,
+                 ", which int4's fp16 scales cannot hold exactly; load it as int8 or bf16 (cpu.format)");
+    z = s.zero(G, R);
+    TANDEM_CHECK(!p.symmetric || z == 8, Errc::unsupported, "tensor ", name, of, file, ": row ", R, ", group ", G,
+                 " has zero point ", z, "; symmetric int4 holds zero point 8 only: pack this ",
+                 q4_layout_name(s.layout), " checkpoint with zero points (cpu.zero_point: true)");
+    for (int c = 0; c < g; ++c) q[c] = s.q(R, w.col0 + gi * g + c);
+  });
 }
 
 // OpenMP regions cannot throw across their boundary: run the region, keep the first

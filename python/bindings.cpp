@@ -59,6 +59,12 @@ void load_from_checkpoint(E& engine, const Checkpoint& c, const NamingTuple& n, 
   else engine.load(c, naming, p);
 }
 
+StoreSpec store_spec(const NamingTuple& n, int experts, int hidden, int inter, std::vector<int> layers,
+                     const std::string& format, int group, bool zero_point) {
+  return {{experts, hidden, inter}, std::move(layers), PackOptions{parse_format(format), group, !zero_point},
+          ExpertNaming{std::get<0>(n), std::get<1>(n), std::get<2>(n)}};
+}
+
 Config config_from(const std::string& path, const std::string& text) {
   TANDEM_CHECK(path.empty() != text.empty(), Errc::invalid_argument, "engine: give a config file or config text (one)");
   return path.empty() ? parse_config(text) : load_config(path);
@@ -243,8 +249,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("convert_experts", [](const Checkpoint& c, const NamingTuple& n, int experts, int hidden, int inter,
                               std::vector<int> layers, const std::string& format, int group, bool zero_point,
                               const std::filesystem::path& out, const py::object& progress) {
-        StoreSpec spec{{experts, hidden, inter}, std::move(layers), PackOptions{parse_format(format), group, !zero_point},
-                       ExpertNaming{std::get<0>(n), std::get<1>(n), std::get<2>(n)}};
+        const StoreSpec spec = store_spec(n, experts, hidden, inter, std::move(layers), format, group, zero_point);
         Progress p = py_progress(progress);
         ConvertReport r;
         {
@@ -285,9 +290,7 @@ PYBIND11_MODULE(_C, m) {
       .def("check", [](const ExpertStore& s, const Checkpoint& c, const NamingTuple& n, int experts, int hidden,
                        int inter, std::vector<int> layers, const std::string& format, int group, bool zero_point,
                        const py::object& progress) {
-             StoreSpec spec{{experts, hidden, inter}, std::move(layers),
-                            PackOptions{parse_format(format), group, !zero_point},
-                            ExpertNaming{std::get<0>(n), std::get<1>(n), std::get<2>(n)}};
+             const StoreSpec spec = store_spec(n, experts, hidden, inter, std::move(layers), format, group, zero_point);
              Progress p = py_progress(progress);
              py::gil_scoped_release nogil;
              s.check(spec, c, p);
