@@ -261,6 +261,7 @@ PYBIND11_MODULE(_C, m) {
         d["layers_kept"] = r.layers_kept;
         d["bytes"] = r.bytes;
         d["up_to_date"] = r.up_to_date;
+        d["replaced"] = r.replaced;
         return d;
       }, py::arg("checkpoint"), py::arg("naming"), py::arg("experts"), py::arg("hidden"), py::arg("inter"),
       py::arg("layers"), py::arg("format"), py::arg("group_size") = 128, py::arg("zero_point") = false,

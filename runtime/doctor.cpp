@@ -10,6 +10,7 @@
 #include "tandem/config.h"
 #include "tandem/cpu_features.h"
 #include "tandem/error.h"
+#include "tandem/expert_store.h"
 #include "tandem/gpu_info.h"
 #include "tandem/memory_plan.h"
 #include "tandem/pool_config.h"
@@ -126,6 +127,23 @@ std::vector<std::string> config_fit(const Config& c, const J& gpu) {
     problems.push_back(str_cat("model.path: '", c.model.path.string(), "' does not exist"));
   if (!c.gpu.hot_experts.statistics.empty() && !std::filesystem::exists(c.gpu.hot_experts.statistics))
     problems.push_back(str_cat("gpu.hot_experts.statistics: '", c.gpu.hot_experts.statistics.string(), "' does not exist"));
+  if (!c.cpu.store.empty()) {
+    // The store opens (finished, sizes and headers whole) and holds cpu.format; whether it was
+    // made from this checkpoint is checked when a model loads.
+    try {
+      const ExpertStore store = ExpertStore::open(c.cpu.store);
+      const PackOptions want = pack_options(c.cpu);
+      const PackOptions& has = store.spec().format;
+      if (has.format != want.format || (want.format == WeightFormat::int4 &&
+                                        (has.group != want.group || has.symmetric != want.symmetric)))
+        problems.push_back(str_cat("cpu.store: ", c.cpu.store.string(), " holds ", store_dir_name(has).substr(7),
+                                   " experts, the config asks for ", store_dir_name(want).substr(7)));
+    } catch (const Error& e) {
+      std::string m = e.message();
+      if (m.rfind("store: ", 0) == 0) m.erase(0, 7);
+      problems.push_back(str_cat("cpu.store: ", m));
+    }
+  }
   return problems;
 }
 

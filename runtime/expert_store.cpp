@@ -1,6 +1,7 @@
 #include "tandem/expert_store.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -9,6 +10,7 @@
 #include <chrono>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <nlohmann/json.hpp>
 
 #include "expert_core.h"
@@ -160,13 +162,15 @@ json source_files(const Checkpoint& ckpt) {
   return files;
 }
 
-// The files' fingerprint without modification times: what a layer file's header records so
-// that a resumed conversion keeps only layers made from the same source.
+// The files' fingerprint (names, sizes, header hashes and modification times): what a layer
+// file's header records, so that a resumed conversion keeps only layers made from the same,
+// untouched source.
 std::string files_key(const json& files) {
   Hasher h;
   for (const json& f : files) {
-    const std::string s = f["name"].get<std::string>() + "\n" + std::to_string(f["size"].get<uint64_t>()) + "\n" +
-                          f["header_xxh3"].get<std::string>() + "\n" + std::to_string(f["mtime_ns"].get<int64_t>()) + "\n";
+    const std::string s = f.at("name").get<std::string>() + "\n" + std::to_string(f.at("size").get<uint64_t>()) + "\n" +
+                          f.at("header_xxh3").get<std::string>() + "\n" +
+                          std::to_string(f.at("mtime_ns").get<int64_t>()) + "\n";
     h.update(s.data(), s.size());
   }
   return h.hex();
@@ -257,6 +261,8 @@ bool layer_file_done(const fs::path& path, const StoreSpec& s, int index, const 
     return h.value("source_files", "") == source_key && h.contains("data_xxh3") && h.contains("source_xxh3");
   } catch (const Error&) {
     return false;
+  } catch (const json::exception&) {
+    return false;
   }
 }
 
@@ -290,22 +296,51 @@ ConvertReport convert_experts(const Checkpoint& ckpt, const StoreSpec& spec, con
   std::error_code ec;
   fs::create_directories(dir, ec);
   TANDEM_CHECK(!ec, Errc::io, "convert: cannot create the store directory ", dir.string(), ": ", ec.message());
+  // One conversion per directory at a time (another one's temporaries are not stale).
+  Fd lock(::open((dir / ".convert.lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+  TANDEM_CHECK(lock.fd >= 0, Errc::io, "convert: cannot create ", (dir / ".convert.lock").string(), ": ",
+               std::strerror(errno));
+  TANDEM_CHECK(::flock(lock.fd, LOCK_EX | LOCK_NB) == 0, Errc::io, "convert: another conversion is writing ",
+               dir.string(), " (", std::strerror(errno), ")");
 
   const fs::path manifest = dir / kManifest;
   if (fs::exists(manifest)) {
-    // A finished store: the same one is up to date; another one is never overwritten.
-    const ExpertStore existing = ExpertStore::open(dir);
-    const std::string diff = spec_difference(spec_json(existing.spec()), spec_json(spec));
-    TANDEM_CHECK(diff.empty(), Errc::invalid_argument, "convert: ", dir.string(),
-                 " already holds a finished store of other experts (", diff,
-                 "); choose another output directory or remove that one");
-    existing.check(spec, ckpt);  // the same source, or an error naming what changed
-    report.up_to_date = true;
-    report.layers_kept = static_cast<int>(spec.layers.size());
-    report.bytes = existing.bytes();
-    if (progress) progress(spec.shape.experts * static_cast<int>(spec.layers.size()),
-                           spec.shape.experts * static_cast<int>(spec.layers.size()));
-    return report;
+    // A finished store: the same one is up to date; one of other experts is never overwritten;
+    // one that no longer loads (a changed source, a truncated file, another pack version) is
+    // finished again: its manifest goes first, then every layer that does not match is rewritten.
+    std::optional<ExpertStore> existing;
+    try {
+      existing.emplace(ExpertStore::open(dir));
+    } catch (const Error& e) {
+      report.replaced = e.message();
+    }
+    if (existing) {
+      const std::string diff = spec_difference(spec_json(existing->spec()), spec_json(spec));
+      TANDEM_CHECK(diff.empty(), Errc::invalid_argument, "convert: ", dir.string(),
+                   " already holds a finished store of other experts (", diff,
+                   "); choose another output directory or remove that one");
+      try {
+        existing->check(spec, ckpt);  // the same source
+        report.up_to_date = true;
+        report.layers_kept = static_cast<int>(spec.layers.size());
+        report.bytes = existing->bytes();
+        if (progress) progress(spec.shape.experts * static_cast<int>(spec.layers.size()),
+                               spec.shape.experts * static_cast<int>(spec.layers.size()));
+        return report;
+      } catch (const Error& e) {
+        if (e.code() == Errc::io) throw;
+        // Only the store of this very checkpoint (same place) is finished again when it changed.
+        TANDEM_CHECK(existing->source_path() == fs::absolute(ckpt.root()).string(), Errc::invalid_argument, "convert: ",
+                     dir.string(), " holds the store of ", existing->source_path(), ", not of ",
+                     fs::absolute(ckpt.root()).string(), " (", e.message(),
+                     "); choose another output directory or remove that one");
+        report.replaced = e.message();
+      }
+    }
+    existing.reset();
+    fs::remove(manifest, ec);
+    TANDEM_CHECK(!ec, Errc::io, "convert: cannot remove the stale ", manifest.string(), ": ", ec.message());
+    fsync_dir(dir);
   }
   // Temporaries of an interrupted run.
   for (const auto& entry : fs::directory_iterator(dir, ec))
@@ -319,7 +354,6 @@ ConvertReport convert_experts(const Checkpoint& ckpt, const StoreSpec& spec, con
     if (progress) progress(done, E * L);
   };
   report_progress();
-  core::ExpertPacks packs(spec.shape, spec.format, 1, core::ExpertPacks::Layout::fused);
   const std::vector<std::byte> zeros(kAlign);
   for (int i = 0; i < L; ++i) {
     const int layer = spec.layers[i];
@@ -421,6 +455,10 @@ ExpertStore::~ExpertStore() = default;
 const fs::path& ExpertStore::dir() const { return impl_->dir; }
 const StoreSpec& ExpertStore::spec() const { return impl_->spec; }
 
+std::string ExpertStore::source_path() const {
+  return impl_->manifest.at("source").value("path", std::string());
+}
+
 uint64_t ExpertStore::bytes() const {
   uint64_t b = 0;
   for (const auto& f : impl_->files) b += f.size;
@@ -485,7 +523,12 @@ ExpertStore ExpertStore::open(const fs::path& dir) {
     TANDEM_CHECK(entries.is_array() && entries.size() == s.layers.size(), Errc::bad_format, "store: ", mpath.string(),
                  ": 'files' lists ", entries.is_array() ? entries.size() : 0, " layer files for ", s.layers.size(),
                  " MoE layers");
-    field("source").at("files");
+    const json& sf = field("source").at("files");
+    TANDEM_CHECK(sf.is_array(), Errc::bad_format, "store: ", mpath.string(), ": source.files is not a list");
+    for (const json& f : sf)
+      for (const char* k : {"name", "size", "mtime_ns", "header_xxh3"})
+        TANDEM_CHECK(f.is_object() && f.contains(k), Errc::bad_format, "store: ", mpath.string(),
+                     ": an entry of source.files has no '", k, "'");
     const uint64_t want_size = layer_file_size(s);
     for (size_t i = 0; i < entries.size(); ++i) {
       const json& en = entries[i];
@@ -533,10 +576,11 @@ void ExpertStore::check(const StoreSpec& want, const Checkpoint& ckpt, const Pro
   const json now = source_files(ckpt);
   auto by_name = [](const json& files) {
     std::map<std::string, json> m;
-    for (const json& f : files) m[f["name"].get<std::string>()] = f;
+    for (const json& f : files) m[f.at("name").get<std::string>()] = f;
     return m;
   };
   const auto a = by_name(stored), b = by_name(now);
+  try {
   for (const auto& [name, f] : a)
     TANDEM_CHECK(b.count(name), Errc::invalid_argument, "store: ", impl_->dir.string(), " was made from a checkpoint with ",
                  name, ", which ", ckpt.root().string(), " does not have (another model?)");
@@ -545,14 +589,17 @@ void ExpertStore::check(const StoreSpec& want, const Checkpoint& ckpt, const Pro
     TANDEM_CHECK(a.count(name), Errc::invalid_argument, "store: ", impl_->dir.string(), " was made from a checkpoint without ",
                  name, ", which ", ckpt.root().string(), " has (another model?)");
     const json& s = a.at(name);
-    TANDEM_CHECK(s["size"] == f["size"], Errc::invalid_argument, "store: source file ", name, " changed since ",
+    TANDEM_CHECK(s.at("size") == f.at("size"), Errc::invalid_argument, "store: source file ", name, " changed since ",
                  impl_->dir.string(), " was made (size ", f["size"].dump(), ", was ", s["size"].dump(),
                  "); convert again");
-    TANDEM_CHECK(s["header_xxh3"] == f["header_xxh3"], Errc::invalid_argument, "store: source file ", name,
+    TANDEM_CHECK(s.at("header_xxh3") == f.at("header_xxh3"), Errc::invalid_argument, "store: source file ", name,
                  " changed since ", impl_->dir.string(), " was made (its tensor list differs); convert again");
-    touched |= s["mtime_ns"] != f["mtime_ns"];
+    touched |= s.at("mtime_ns") != f.at("mtime_ns");
   }
   if (!touched) return;
+  } catch (const json::exception& e) {
+    TANDEM_FAIL(Errc::bad_format, "store: ", (impl_->dir / kManifest).string(), ": source.files: ", e.what());
+  }
   // Same names, sizes and headers, another modification time (a copy, or an edit in place):
   // the expert tensors themselves decide.
   const int L = static_cast<int>(impl_->spec.layers.size());

@@ -137,9 +137,6 @@ WeightView q4_view(const Checkpoint& ckpt, const std::string& name, const Q4Tens
     groups = static_cast<int>(sshape[1]);
     if (!t.qzeros.empty())
       q->qzeros = read_i32_or_fail(ckpt, t.qzeros, Dtype::I32, {n / 8, groups}, "packed 4-bit zero points").data;
-    if (!t.g_idx.empty())
-      TANDEM_FAIL(Errc::unsupported, t.g_idx, ": act-order weights, whose groups are permuted along k, are not "
-                                              "supported (quantize without actorder, or load a bf16 / FP8 checkpoint)");
   } else {
     need(t.qzeros, "qzeros");
     TANDEM_CHECK(qw.info->dtype == Dtype::I32 && qw.info->shape.size() == 2, Errc::bad_format, t.qweight, " is ",
@@ -158,16 +155,16 @@ WeightView q4_view(const Checkpoint& ckpt, const std::string& name, const Q4Tens
                  t.scales, " has shape ", shape_str(sshape), ": [groups, ", n, "] with groups dividing k = ", k);
     groups = static_cast<int>(sshape[0]);
     q->qzeros = read_i32_or_fail(ckpt, t.qzeros, Dtype::I32, {groups, n / 8}, "4-bit zero points").data;
-    if (!t.g_idx.empty()) {
-      const int group = k / groups;
-      const TensorView g = read_i32_or_fail(ckpt, t.g_idx, Dtype::I32, {k}, "a group index");
-      for (int c = 0; c < k; ++c) {
-        int32_t v;
-        std::memcpy(&v, g.data + 4 * static_cast<size_t>(c), 4);
-        TANDEM_CHECK(v == c / group, Errc::unsupported, t.g_idx, "[", c, "] is ", v, ", not ", c / group,
-                     ": act-order (desc_act) weights, whose groups are permuted along k, are not supported "
-                     "(quantize without desc_act, or load a bf16 / FP8 checkpoint)");
-      }
+  }
+  if (!t.g_idx.empty()) {  // groups in order along k only
+    const int group = k / groups;
+    const TensorView g = read_i32_or_fail(ckpt, t.g_idx, Dtype::I32, {k}, "a group index");
+    for (int c = 0; c < k; ++c) {
+      int32_t v;
+      std::memcpy(&v, g.data + 4 * static_cast<size_t>(c), 4);
+      TANDEM_CHECK(v == c / group, Errc::unsupported, t.g_idx, "[", c, "] is ", v, ", not ", c / group,
+                   ": act-order (desc_act) weights, whose groups are permuted along k, are not supported "
+                   "(quantize without act-order, or load a bf16 / FP8 checkpoint)");
     }
   }
   q->qweight = qw.data;

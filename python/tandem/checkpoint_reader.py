@@ -43,6 +43,7 @@ def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, name: str = "weight
 GPTQ_PARTS = (".qweight", ".qzeros", ".scales", ".g_idx")       # GPTQ and AWQ: base + part
 CT_PARTS = ("_packed", "_scale", "_zero_point", "_shape", "_g_idx")  # compressed-tensors: x.weight + part
 _AWQ_SLOT = (0, 4, 1, 5, 2, 6, 3, 7)  # the nibble AWQ packs output r % 8 into
+_SCALES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _nibbles(words: torch.Tensor) -> torch.Tensor:
@@ -57,7 +58,7 @@ def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
     k, n8 = qweight.shape
     n, groups = 8 * n8, scales.shape[0]
     if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32 or tuple(qzeros.shape) != (groups, n8) \
-            or tuple(scales.shape) != (groups, n) or k % groups:
+            or tuple(scales.shape) != (groups, n) or k % groups or scales.dtype not in _SCALES:
         raise ValueError(f"{name}: AWQ tensors do not fit together (qweight {list(qweight.shape)}, qzeros "
                          f"{list(qzeros.shape)}, scales {list(scales.shape)})")
     slot = torch.tensor(_AWQ_SLOT)
@@ -68,7 +69,7 @@ def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
 
 
 def dequantize_packed(packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-                      name: str) -> torch.Tensor:
+                      name: str, g_idx: torch.Tensor | None = None) -> torch.Tensor:
     """The fp32 weight [n, k] of a 4-bit compressed-tensors pack-quantized layer: int32
     weight_packed [n, k / 8] (value + 8), weight_scale [n, groups], optional weight_zero_point
     int32 [n / 8, groups] (packed along n, value + 8)."""
@@ -77,6 +78,11 @@ def dequantize_packed(packed: torch.Tensor, scale: torch.Tensor, zero_point: tor
     if packed.dtype != torch.int32 or scale.dim() != 2 or scale.shape[0] != n or not groups or k % groups:
         raise ValueError(f"{name}: compressed-tensors tensors do not fit together (weight_packed "
                          f"{list(packed.shape)}, weight_scale {list(scale.shape)}; group-wise scales are read)")
+    if scale.dtype not in _SCALES:
+        raise ValueError(f"{name}: weight_scale is {scale.dtype}; float16 / bfloat16 / float32 are read")
+    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k) // (k // groups)):
+        raise ValueError(f"{name}: weight_g_idx permutes the groups along k (act-order): not supported (quantize "
+                         "without actorder, or load a bf16 / FP8 checkpoint)")
     q = _nibbles(packed).reshape(n, k)
     if zero_point is None:
         z = torch.full((n, groups), 8, dtype=torch.int32)
@@ -97,9 +103,9 @@ def dequantize_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.T
     k8, n = qweight.shape
     groups = scales.shape[0]
     k = 8 * k8
-    if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32 or scales.dtype != torch.float16:
-        raise ValueError(f"{name}: 4-bit GPTQ needs int32 qweight and qzeros and float16 scales, got "
-                         f"{qweight.dtype}, {qzeros.dtype}, {scales.dtype}")
+    if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32 or scales.dtype not in _SCALES:
+        raise ValueError(f"{name}: 4-bit GPTQ needs int32 qweight and qzeros and float16 / bfloat16 / float32 "
+                         f"scales, got {qweight.dtype}, {qzeros.dtype}, {scales.dtype}")
     if tuple(qzeros.shape) != (groups, n // 8) or tuple(scales.shape) != (groups, n) or n % 8 or k % groups:
         raise ValueError(f"{name}: GPTQ tensors do not fit together (qweight {list(qweight.shape)}, qzeros "
                          f"{list(qzeros.shape)}, scales {list(scales.shape)}; other bit widths are not supported)")
@@ -142,11 +148,11 @@ class TensorReader:
         try:
             if name + "_packed" in parts:
                 return dequantize_packed(parts[name + "_packed"], need(name + "_scale"), parts.get(name + "_zero_point"),
-                                         name)
+                                         name, parts.get(name + "_g_idx"))
             base = name[:-len(".weight")]
             qweight, qzeros, scales = need(base + ".qweight"), need(base + ".qzeros"), need(base + ".scales")
-            if qweight.shape[1] * 8 == scales.shape[1] and qweight.shape[0] * 8 != scales.shape[1]:
-                return dequantize_awq(qweight, qzeros, scales, base)
+            if qweight.dim() == 2 and scales.dim() == 2 and qweight.shape[1] * 8 == scales.shape[1]:
+                return dequantize_awq(qweight, qzeros, scales, base)  # [k, n / 8]; GPTQ's is [k / 8, n]
             return dequantize_gptq(qweight, qzeros, scales, parts.get(base + ".g_idx"), base)
         except ValueError as e:
             raise ValueError(f"{file}: {e}") from None

@@ -115,7 +115,8 @@ def open_model_experts(path: str | os.PathLike, dtype: torch.dtype | None = None
 def _check_quantization(path: Path, hf_config: Any) -> None:
     """config.json's quantization_config is one tandem reads (FP8 with block scales; 4-bit GPTQ in
     the original format, AWQ GEMM, compressed-tensors pack-quantized), or a ValueError naming
-    what is not. (Act-order is refused per tensor, where its g_idx is read.)"""
+    what is not. (Act-order is decided per tensor, from its group index: groups permuted along k
+    are refused for the experts.)"""
     q = getattr(hf_config, "quantization_config", None)
     if q is None:
         return
@@ -145,7 +146,6 @@ def _check_quantization(path: Path, hf_config: Any) -> None:
             bad = ("format", fmt) if fmt != "pack-quantized" else ("num_bits", w.get("num_bits")) \
                 if w.get("num_bits") != 4 else ("type", w.get("type")) if w.get("type") != "int" \
                 else ("strategy", w.get("strategy")) if w.get("strategy") != "group" \
-                else ("actorder", w.get("actorder")) if w.get("actorder") not in (None, False, "static") \
                 else ("input_activations", grp.get("input_activations")) if grp.get("input_activations") else None
             if bad:
                 raise ValueError(f"{where}: quantization_config.config_groups.{gname}: {bad[0]} = {bad[1]!r}; tandem "

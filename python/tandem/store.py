@@ -143,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
             raise InputError(f"{model_dir} is not writable: choose where the store goes with --out DIR")
     r = convert(model_dir, sel.config, format=args.format, group_size=args.group_size, zero_point=args.zero_point,
                 out=args.out, progress=not args.no_progress, verify=args.verify)
+    if r["replaced"]:
+        print(f"the store in {r['path']} no longer loaded ({r['replaced']}); finished it again")
     if r["up_to_date"]:
         what = "already up to date"
     else:

@@ -10,6 +10,7 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -108,8 +109,9 @@ std::string key(int layer, int e, const char* proj) {
   return "model.layers." + std::to_string(layer) + ".mlp.experts." + std::to_string(e) + "." + proj + "_proj.weight";
 }
 
-// Random bf16 experts (and one dense tensor), as Qwen3 names them.
-std::vector<test::Entry> entries(uint64_t seed) {
+// Random bf16 experts (and one dense tensor), as Qwen3 names them; intermediate size `inter`.
+std::vector<test::Entry> entries(uint64_t seed, int inter = kI) {
+  const int kI = inter;
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0.f, 1.f);
   auto tensor = [&](size_t n, float sc) {
@@ -141,8 +143,8 @@ Config config(const PackOptions& o, int subpools, const std::string& gpu = "") {
                       "store.yaml");
 }
 
-StoreSpec store_spec(const PackOptions& o) { return {{kE, kH, kI}, kLayers, o, ExpertNaming::qwen3()}; }
-EngineSpec engine_spec() { return {{kE, kH, kI}, kLayers}; }
+StoreSpec store_spec(const PackOptions& o, int inter = kI) { return {{kE, kH, inter}, kLayers, o, ExpertNaming::qwen3()}; }
+EngineSpec engine_spec(int inter = kI) { return {{kE, kH, inter}, kLayers}; }
 
 // Runs both MoE layers of an engine on one fixed batch; the outputs concatenated.
 std::vector<float> run(Engine& e, uint64_t seed) {
@@ -170,7 +172,7 @@ struct Model {
   test::ScratchDir dir;
   fs::path file = dir / "model.safetensors";
   uint64_t seed = test_seed();
-  Model() { write_checkpoint(file, entries(seed)); }
+  explicit Model(int inter = kI) { write_checkpoint(file, entries(seed, inter)); }
   Checkpoint open() const { return Checkpoint::open(file); }
   fs::path store(const PackOptions& o) const { return dir / store_dir_name(o); }
 };
@@ -181,24 +183,29 @@ struct Model {
 // for 64-wide units, uneven ones otherwise), each against the same engine packing the
 // checkpoint: every pack and every output equal.
 TEST(ExpertStore, LoadsTheVeryPacksOfTheCheckpointAtAnySubpoolCount) {
-  Model m;
-  const Checkpoint ckpt = m.open();
+  // 256, and a ragged 200 (bf16, int8: a partial last panel and column range) or 192 (int4
+  // of groups 32 and 64: three 64-wide units over two or three subpools).
+  for (const int inter : {kI, 200, 192})
   for (const PackOptions& o : all_formats()) {
-    SCOPED_TRACE(name_of(o));
+    if (inter == 200 && o.format == WeightFormat::int4) continue;
+    if (inter == 192 && (o.format != WeightFormat::int4 || o.group == 128)) continue;
+    SCOPED_TRACE(name_of(o) + ", intermediate " + std::to_string(inter));
+    Model m(inter);
+    const Checkpoint ckpt = m.open();
     int reported = -1, total = -1;
     const ConvertReport rep =
-        convert_experts(ckpt, store_spec(o), m.store(o), [&](int d, int t) { reported = d, total = t; });
+        convert_experts(ckpt, store_spec(o, inter), m.store(o), [&](int d, int t) { reported = d, total = t; });
     EXPECT_EQ(rep.layers_written, 2);
     EXPECT_EQ(rep.layers_kept, 0);
     EXPECT_EQ(reported, kE * 2);
     EXPECT_EQ(total, kE * 2);
     const ExpertStore store = ExpertStore::open(m.store(o));
     EXPECT_EQ(store.bytes(), rep.bytes);
-    store.check(store_spec(o), ckpt);
+    store.check(store_spec(o, inter), ckpt);
     store.verify();
     for (int subpools : {1, 2, 3}) {
       SCOPED_TRACE(std::to_string(subpools) + " subpools");
-      Engine a(config(o, subpools), engine_spec()), b(config(o, subpools), engine_spec());
+      Engine a(config(o, subpools), engine_spec(inter)), b(config(o, subpools), engine_spec(inter));
       a.load(ckpt, ExpertNaming::qwen3());
       b.load_store(store, ckpt, ExpertNaming::qwen3());
       ASSERT_TRUE(b.loaded());
@@ -304,6 +311,51 @@ TEST(ExpertStore, AnInterruptedConversionNeverLoadsAndResumes) {
   EXPECT_NE(msg.find("not a tandem expert store"), std::string::npos) << msg;
 }
 
+// A finished store that no longer loads is finished again by converting again: a truncated
+// layer file is rewritten, the rest kept; a changed checkpoint rewrites every layer. The store
+// of a checkpoint elsewhere is never replaced, and two conversions never share a directory.
+TEST(ExpertStore, ConvertingAgainRepairsAStaleStore) {
+  Model m;
+  const PackOptions o{WeightFormat::int8};
+  const fs::path dir = m.store(o);
+  {
+    const Checkpoint ckpt = m.open();
+    convert_experts(ckpt, store_spec(o), dir);
+    const std::string layer2 = read_all(dir / "layer-0002.tpk");
+    test::write_file(dir / "layer-0002.tpk", layer2.substr(0, 9000));
+    const ConvertReport rep = convert_experts(ckpt, store_spec(o), dir);
+    EXPECT_NE(rep.replaced.find("truncated"), std::string::npos) << rep.replaced;
+    EXPECT_EQ(rep.layers_kept, 1);
+    EXPECT_EQ(rep.layers_written, 1);
+    EXPECT_EQ(read_all(dir / "layer-0002.tpk"), layer2);
+    // Another conversion holding the directory.
+    const int fd = ::open((dir / ".convert.lock").c_str(), O_RDWR);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::flock(fd, LOCK_EX), 0);
+    const std::string msg = test::error_of([&] { convert_experts(ckpt, store_spec(o), dir); });
+    EXPECT_NE(msg.find("another conversion is writing"), std::string::npos) << msg;
+    ::close(fd);
+  }
+  auto es = entries(m.seed);
+  es[8].bytes[3] ^= 1;  // layer 0, expert 2, up
+  write_checkpoint(m.file, es);
+  struct timespec ts[2] = {{0, UTIME_NOW}, {2, 0}};
+  ASSERT_EQ(::utimensat(AT_FDCWD, m.file.c_str(), ts, 0), 0);
+  {
+    const Checkpoint changed = m.open();
+    const ConvertReport rep = convert_experts(changed, store_spec(o), dir);
+    EXPECT_NE(rep.replaced.find("differ from those"), std::string::npos) << rep.replaced;
+    EXPECT_EQ(rep.layers_written, 2);  // the source's times changed: nothing is kept
+    ExpertStore::open(dir).check(store_spec(o), changed);
+  }
+  fs::create_directories(m.dir / "elsewhere");
+  write_checkpoint(m.dir / "elsewhere" / "model.safetensors", entries(m.seed + 1));
+  const Checkpoint other = Checkpoint::open(m.dir / "elsewhere" / "model.safetensors");
+  const std::string msg = test::error_of([&] { convert_experts(other, store_spec(o), dir); });
+  EXPECT_NE(msg.find("holds the store of"), std::string::npos) << msg;
+  ExpertStore::open(dir).check(store_spec(o), m.open());  // untouched
+}
+
 // A disk that fills up mid-conversion (here: a file size limit, the same failed write): the
 // error names the file and the cause; no temporary and no manifest stay behind.
 TEST(ExpertStore, AWriteFailureLeavesNothingThatLoads) {
@@ -327,7 +379,8 @@ TEST(ExpertStore, AWriteFailureLeavesNothingThatLoads) {
   ::signal(SIGXFSZ, prev);
   EXPECT_NE(msg.find("layer-0000.tpk"), std::string::npos) << msg;
   EXPECT_NE(msg.find(std::strerror(EFBIG)), std::string::npos) << msg;
-  for (const auto& entry : fs::directory_iterator(dir)) ADD_FAILURE() << "left behind: " << entry.path();
+  for (const auto& entry : fs::directory_iterator(dir))  // the (empty) lock file may stay
+    if (entry.path().filename() != ".convert.lock") ADD_FAILURE() << "left behind: " << entry.path();
   EXPECT_NE(test::error_of([&] { ExpertStore::open(dir); }).find("manifest.json"), std::string::npos);
 }
 
@@ -399,7 +452,7 @@ TEST(ExpertStore, RefusesBrokenForeignAndStaleStores) {
   // The source changed: one weight edited in place (same size and header, new mtime), then
   // a tensor list that differs, then another model's file name.
   auto es = entries(m.seed);
-  es[5].bytes[10] ^= 1;  // layer 0, expert 1, gate
+  es[5].bytes[10] ^= 1;  // layer 0, expert 1, up
   write_checkpoint(m.file, es);
   {
     struct timespec ts[2] = {{0, UTIME_NOW}, {1, 0}};  // an mtime that differs from the store's for sure

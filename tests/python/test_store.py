@@ -183,6 +183,23 @@ def test_a_disk_too_small_is_refused_before_writing(checkpoint, tmp_path, monkey
     assert not (tmp_path / "s").exists()
 
 
+def test_doctor_checks_the_configs_store(checkpoint, tmp_path, capsys):
+    path = checkpoint("qwen3_moe", "bf16")
+    tandem.convert(path, cfg("int8"), out=tmp_path / "s", progress=False)
+    config = tmp_path / "c.yaml"
+    for store, fmt, problem in (("s", "int8", None), ("s", "int4", "cpu.store: {s} holds int8 experts, the config asks "
+                                                                    "for int4-g128"),
+                                ("nowhere", "int8", "cpu.store: {nowhere} is not a directory")):
+        config.write_text(f"version: 1\nmodel: {{path: {path}}}\ncpu: {{format: {fmt}, store: {store}}}\n"
+                          "gpu: {device: none}\n")
+        assert cli.main(["doctor", "--config", str(config)]) == (1 if problem else 0)
+        out = capsys.readouterr().out
+        if problem:
+            assert problem.format(s=tmp_path / "s", nowhere=tmp_path / "nowhere") in out, out
+        else:
+            assert "fits this machine" in out, out
+
+
 def test_store_spec_reports_what_it_holds(checkpoint, tmp_path):
     path = checkpoint("mixtral", "bf16")
     tandem.convert(path, cfg("int4"), out=tmp_path / "s", progress=False)

@@ -53,13 +53,18 @@ struct ConvertReport {
   int layers_written = 0, layers_kept = 0;  // kept: finished by an earlier, interrupted run
   uint64_t bytes = 0;                       // the store's layer files
   bool up_to_date = false;                  // the directory already held this store
+  std::string replaced;                     // non-empty: why the store there no longer loaded
+                                            // (a changed source, a truncated file, ...): it was
+                                            // finished again, its matching layers kept
 };
 
 // Writes the store of `spec` from `ckpt` into `dir` (created if missing). Each layer file is
 // written under a temporary name, flushed and renamed; manifest.json comes last. A run that
 // was interrupted is resumed: layer files already finished for the same spec and source
-// are kept, temporaries are removed. A directory holding a finished store of another spec or
-// source is refused (naming the field), never overwritten. progress counts experts.
+// are kept, temporaries are removed. A finished store of the same spec that no longer loads
+// (its source changed, a file truncated, another pack version) is finished again the same
+// way. A directory holding a finished store of another spec is refused (naming the field),
+// never overwritten; so is one another conversion is writing. progress counts experts.
 ConvertReport convert_experts(const Checkpoint& ckpt, const StoreSpec& spec, const std::filesystem::path& dir,
                               const Progress& progress = {});
 
@@ -76,6 +81,7 @@ class ExpertStore {
   const std::filesystem::path& dir() const;
   const StoreSpec& spec() const;
   uint64_t bytes() const;  // the layer files' packed experts and headers
+  std::string source_path() const;  // the checkpoint it was made from, as given then (absolute)
 
   // Refuses, naming the field, a store that is not `want` (shape, layers, format, group,
   // zero points) or whose source is not `ckpt`: a source file added, missing, resized or
