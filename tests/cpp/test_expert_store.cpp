@@ -37,7 +37,7 @@ using test::test_seed;
 
 bool same_bytes(const PackedWeight& a, const PackedWeight& b) {
   return a.bytes() == b.bytes() && a.panel_stride == b.panel_stride && a.panels == b.panels && a.k_pad == b.k_pad &&
-         std::memcmp(a.data.data(), b.data.data(), a.bytes()) == 0;
+         (a.bytes() == 0 || std::memcmp(a.data.data(), b.data.data(), a.bytes()) == 0);
 }
 
 std::vector<PackOptions> all_formats() {

@@ -73,7 +73,7 @@ struct Gptq {
 };
 
 bool same_bytes(const PackedWeight& a, const PackedWeight& b) {
-  return a.bytes() == b.bytes() && std::memcmp(a.data.data(), b.data.data(), a.bytes()) == 0;
+  return a.bytes() == b.bytes() && (a.bytes() == 0 || std::memcmp(a.data.data(), b.data.data(), a.bytes()) == 0);
 }
 
 TEST(Gptq, DecodesToTheFormulasValues) {
