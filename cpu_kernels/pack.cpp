@@ -349,7 +349,6 @@ void write_int4_rows(const PackedWeight& p, std::byte* dst, int valid, Row&& row
     uint8_t* nib = reinterpret_cast<uint8_t*>(base);
     uint16_t* scale = reinterpret_cast<uint16_t*>(base + static_cast<size_t>(g) * kPanel / 2);
     uint8_t* zero = reinterpret_cast<uint8_t*>(base + static_cast<size_t>(g) * kPanel / 2 + kPanel * 2);
-    std::memset(nib, 0, static_cast<size_t>(g) * kPanel / 2);
     for (int j = 0; j < kPanel; ++j) {
       uint8_t q[128] = {};
       uint16_t s16 = 0;
@@ -360,10 +359,10 @@ void write_int4_rows(const PackedWeight& p, std::byte* dst, int valid, Row&& row
         std::fill_n(q, g, uint8_t{8});
       scale[j] = s16;
       if (!p.symmetric) zero[j] = static_cast<uint8_t>(z);
-      for (int c = 0; c < g; ++c) {
-        const int o = c / 8, e = c % 8;
-        uint8_t& b = nib[(static_cast<size_t>(o) * kPanel + j) * 4 + e % 4];
-        b |= static_cast<uint8_t>(e < 4 ? q[c] : q[c] << 4);
+      for (int o = 0; o < g / 8; ++o) {  // byte i of k-octet o: q[8o + i] low, q[8o + 4 + i] high
+        uint32_t word = 0;
+        for (int i = 0; i < 4; ++i) word |= uint32_t(q[8 * o + i] | q[8 * o + 4 + i] << 4) << (8 * i);
+        std::memcpy(nib + (static_cast<size_t>(o) * kPanel + j) * 4, &word, 4);
       }
     }
   }
