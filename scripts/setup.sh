@@ -21,6 +21,7 @@ APT_PACKAGES=(
   libnuma-dev numactl         # NUMA memory binding
   libyaml-dev                 # placement config (libyaml: the C YAML parser)
   nlohmann-json3-dev          # safetensors header, Chrome trace
+  libxxhash-dev               # expert store hashes (header-only use: XXH_INLINE_ALL)
   pybind11-dev                # C++ side of the Python module
   libgtest-dev libgmock-dev   # C++ tests
 )
