@@ -176,19 +176,21 @@ std::string files_key(const json& files) {
   return h.hex();
 }
 
-// A hash of one model layer's expert tensors as they are in the checkpoint (their block
-// scales included).
+// Adds one expert's tensors as they are in the checkpoint (block scales and quantization
+// tensors included) to a layer's source hash, and gives their pages back.
+void hash_expert_source(const Checkpoint& ckpt, const StoreSpec& s, int model_layer, int e, Hasher& h) {
+  for (const std::string* p : {&s.naming.gate, &s.naming.up, &s.naming.down})
+    for (const std::string& n : expert_tensor_names(ckpt, ExpertNaming::name(*p, model_layer, e))) {
+      const TensorView t = ckpt.tensor(n);
+      h.update(t.data, t.nbytes);
+      ckpt.release(n);
+    }
+}
+
+// The hash of one model layer's expert tensors.
 std::string source_layer_hash(const Checkpoint& ckpt, const StoreSpec& s, int model_layer) {
   Hasher h;
-  for (int e = 0; e < s.shape.experts; ++e)
-    for (const std::string* p : {&s.naming.gate, &s.naming.up, &s.naming.down}) {
-      const std::string name = ExpertNaming::name(*p, model_layer, e);
-      for (const std::string& n : expert_tensor_names(ckpt, name)) {
-        const TensorView t = ckpt.tensor(n);
-        h.update(t.data, t.nbytes);
-        ckpt.release(n);
-      }
-    }
+  for (int e = 0; e < s.shape.experts; ++e) hash_expert_source(ckpt, s, model_layer, e, h);
   return h.hex();
 }
 
@@ -247,23 +249,24 @@ std::string spec_difference(const json& stored, const json& want) {
   return {};
 }
 
-// Is the finished layer file at `path` the one this conversion would write? (resume)
-bool layer_file_done(const fs::path& path, const StoreSpec& s, int index, const std::string& source_key) {
+// The header of the finished layer file at `path` when it is the one this conversion would
+// write (resume); nothing otherwise.
+std::optional<json> finished_layer_header(const fs::path& path, const StoreSpec& s, int index,
+                                          const std::string& source_key) {
   Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.fd < 0) return false;
+  if (fd.fd < 0) return std::nullopt;
   struct stat st {};
-  if (::fstat(fd.fd, &st) != 0 || static_cast<uint64_t>(st.st_size) != layer_file_size(s)) return false;
+  if (::fstat(fd.fd, &st) != 0 || static_cast<uint64_t>(st.st_size) != layer_file_size(s)) return std::nullopt;
   try {
     json h = read_header(fd.fd, path);
     const json want = header_json(s, index);
     for (auto it = want.begin(); it != want.end(); ++it)
-      if (!h.contains(it.key()) || h[it.key()] != it.value()) return false;
-    return h.value("source_files", "") == source_key && h.contains("data_xxh3") && h.contains("source_xxh3");
+      if (!h.contains(it.key()) || h[it.key()] != it.value()) return std::nullopt;
+    if (h.value("source_files", "") == source_key && h.contains("data_xxh3") && h.contains("source_xxh3")) return h;
   } catch (const Error&) {
-    return false;
   } catch (const json::exception&) {
-    return false;
   }
+  return std::nullopt;
 }
 
 }  // namespace
@@ -358,11 +361,9 @@ ConvertReport convert_experts(const Checkpoint& ckpt, const StoreSpec& spec, con
   for (int i = 0; i < L; ++i) {
     const int layer = spec.layers[i];
     const fs::path path = dir / layer_file_name(layer);
-    if (layer_file_done(path, spec, i, source_key)) {
-      Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-      const json h = read_header(fd.fd, path);
+    if (const std::optional<json> h = finished_layer_header(path, spec, i, source_key)) {
       entries.push_back({{"layer", layer}, {"name", path.filename().string()}, {"size", layer_file_size(spec)},
-                         {"data_xxh3", h["data_xxh3"]}, {"source_xxh3", h["source_xxh3"]}});
+                         {"data_xxh3", h->at("data_xxh3")}, {"source_xxh3", h->at("source_xxh3")}});
       ++report.layers_kept;
       report.bytes += layer_file_size(spec);
       done += E;
@@ -374,7 +375,7 @@ ConvertReport convert_experts(const Checkpoint& ckpt, const StoreSpec& spec, con
     TANDEM_CHECK(fd.fd >= 0, Errc::io, "convert: cannot create ", tmp.string(), ": ", std::strerror(errno));
     try {
       core::ExpertPacks one(spec.shape, spec.format, 1, core::ExpertPacks::Layout::fused, layer);
-      Hasher data;
+      Hasher data, source;  // the file's data as written; the source tensors while they are hot
       uint64_t off = kAlign;
       auto put = [&](const std::byte* p, size_t n) {
         pwrite_all(fd.fd, p, n, off, tmp);
@@ -397,12 +398,13 @@ ConvertReport convert_experts(const Checkpoint& ckpt, const StoreSpec& spec, con
         put(gu.data.data(), gu.bytes());
         put(dn.data.data(), dn.bytes());
         one.drop(e);
+        hash_expert_source(ckpt, spec, layer, e, source);
         ++done;
         report_progress();
       }
       json h = header_json(spec, i);
       h["source_files"] = source_key;
-      h["source_xxh3"] = source_layer_hash(ckpt, spec, layer);
+      h["source_xxh3"] = source.hex();
       h["data_xxh3"] = data.hex();
       write_header(fd.fd, h, tmp);
       TANDEM_CHECK(::fsync(fd.fd) == 0, Errc::io, "convert: fsync of ", tmp.string(), " failed: ", std::strerror(errno));
