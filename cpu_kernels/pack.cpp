@@ -556,11 +556,17 @@ PackedWeight pack_cols(const WeightView& w, int c0, int cols, const PackOptions&
   return p;
 }
 
-PackedWeight empty_pack(const PackOptions& opt, int n, int k, bool gate_up) {
+PackedWeight pack_layout(const PackOptions& opt, int n, int k, bool gate_up) {
   TANDEM_CHECK(n > 0 && k > 0, Errc::invalid_argument, "pack: shape [", n, " x ", k, "] must be positive");
   check_options(opt, k);
-  PackedWeight p = layout(opt, n, k, gate_up ? 2 : 1);
+  PackedWeight p = layout(opt, n, k);
   p.gate_up = gate_up;
+  return p;
+}
+
+PackedWeight empty_pack(const PackOptions& opt, int n, int k, bool gate_up) {
+  PackedWeight p = pack_layout(opt, n, k, gate_up);
+  p.data = AlignedBuffer::allocate(p.panel_stride * p.panels * (gate_up ? 2 : 1));
   return p;
 }
 

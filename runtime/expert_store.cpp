@@ -637,14 +637,14 @@ void ExpertStore::read(int i, int e, int i0, int i1, PackedWeight& gate_up, Pack
   const StoreSpec& s = impl_->spec;
   TANDEM_CHECK(i >= 0 && i < static_cast<int>(impl_->files.size()) && e >= 0 && e < s.shape.experts,
                Errc::invalid_argument, "store: MoE layer ", i, " expert ", e, " is outside the store");
-  const int unit = s.format.format == WeightFormat::int4 ? std::max(kPanel, s.format.group) : kPanel;
+  const int unit = intermediate_unit(s.format);
   TANDEM_CHECK(0 <= i0 && i0 < i1 && i1 <= s.shape.inter && i0 % unit == 0 && (i1 == s.shape.inter || i1 % unit == 0),
                Errc::invalid_argument, "store: slice [", i0, ", ", i1, ") of ", s.shape.inter, " is not on a multiple of ",
                unit);
   const Impl::File& f = impl_->files[i];
   const uint64_t base = kAlign + uint64_t{impl_->sizes.stride} * e;
   // gate/up: stored panels 2p, 2p + 1 for gate (= up) panels p of the slice: one run.
-  const size_t gu_stride = impl_->sizes.gate_up / (2 * static_cast<size_t>((s.shape.inter + kPanel - 1) / kPanel));
+  const size_t gu_stride = pack_layout(s.format, s.shape.inter, s.shape.hidden, true).panel_stride;
   TANDEM_CHECK(gate_up.panel_stride == gu_stride && gate_up.bytes() == gu_stride * 2 * gate_up.panels &&
                    gate_up.panels == (i1 - i0 + kPanel - 1) / kPanel,
                Errc::internal, "store: gate_up pack for [", i0, ", ", i1, ") has the wrong layout");
@@ -656,19 +656,7 @@ void ExpertStore::read(int i, int e, int i0, int i1, PackedWeight& gate_up, Pack
     pread_all(f.fd.fd, down.data.data(), down.bytes(), dbase, f.path);
     return;
   }
-  PackedWeight whole;  // the layout of the stored pack (no data)
-  whole.format = s.format.format;
-  whole.n = s.shape.hidden;
-  whole.k = s.shape.inter;
-  whole.panels = (s.shape.hidden + kPanel - 1) / kPanel;
-  whole.group = s.format.format == WeightFormat::int4 ? s.format.group : 0;
-  whole.symmetric = s.format.symmetric;
-  whole.panel_stride = impl_->sizes.down / whole.panels;
-  whole.k_pad = s.format.format == WeightFormat::int8 ? (s.shape.inter + 63) / 64 * 64 : (s.shape.inter + 1) / 2 * 2;
-  if (s.format.format == WeightFormat::int4) {
-    whole.k_pad = s.shape.inter;
-    whole.group_stride = whole.panel_stride / (s.shape.inter / s.format.group);
-  }
+  const PackedWeight whole = pack_layout(s.format, s.shape.hidden, s.shape.inter);  // the stored pack, no data
   const ColumnBytes cb = column_bytes(whole, i0, i1 - i0);
   TANDEM_CHECK(down.panel_stride == cb.bytes + cb.tail_bytes && down.panels == whole.panels, Errc::internal,
                "store: down pack for [", i0, ", ", i1, ") has the wrong layout");

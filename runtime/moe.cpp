@@ -39,8 +39,12 @@ void MoeLayer::exclude(const std::vector<int>& experts) {
   packs_->set_skipped(excluded_);
 }
 
+int intermediate_unit(const PackOptions& format) {
+  return format.format == WeightFormat::int4 ? std::max(kPanel, format.group) : kPanel;
+}
+
 std::vector<int> intermediate_slices(int inter, int subpools, const PackOptions& format) {
-  const int unit = format.format == WeightFormat::int4 ? std::max(kPanel, format.group) : kPanel;
+  const int unit = intermediate_unit(format);
   const int units = (inter + unit - 1) / unit;
   std::vector<int> slices(subpools + 1);
   for (int s = 0; s <= subpools; ++s)

@@ -205,8 +205,11 @@ PackedWeight pack_gate_up(const WeightView& gate, const WeightView& up, const Pa
 PackedWeight pack_cols(const WeightView& w, int c0, int cols, const PackOptions& opt = {});
 // The smallest column step at which a pack in opt's format can be cut along k.
 int column_unit(const PackOptions& opt);
-// An empty pack of W [n x k] (gate_up: gate and up panels) in opt's layout, its data
-// allocated and uninitialized: what pack() / pack_gate_up() fill (readers of stored packs).
+// The layout of a pack of W [n x k] (gate_up: gate and up panels) in opt's format: shape,
+// padding and strides, no data (where a stored pack's bytes sit).
+PackedWeight pack_layout(const PackOptions& opt, int n, int k, bool gate_up = false);
+// pack_layout with its data allocated and uninitialized: what pack() / pack_gate_up() fill
+// (readers of stored packs).
 PackedWeight empty_pack(const PackOptions& opt, int n, int k, bool gate_up = false);
 // Where columns [c0, c0 + cols) of one stored panel of `full` sit inside it: `bytes` at
 // `offset` (the panel's products), then, for int8, `tail_bytes` at `tail_offset` (its row

@@ -31,6 +31,8 @@ struct ForwardScratch;
 // How a layer splits the intermediate dimension over `subpools` subpools: slice s is
 // [slices[s], slices[s + 1]), in whole units (a 64-row panel, or an int4 group if larger).
 std::vector<int> intermediate_slices(int inter, int subpools, const PackOptions& format);
+// The step those slices fall on: a panel (64), or an int4 group when wider.
+int intermediate_unit(const PackOptions& format);
 
 struct MoeInput {
   const bf16_t* x = nullptr;     // [tokens x hidden], or
