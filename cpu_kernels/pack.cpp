@@ -416,18 +416,7 @@ void write_int4_q4(const PackedWeight& p, std::byte* dst, int valid, const Weigh
     TANDEM_CHECK(!p.symmetric || z == 8, Errc::unsupported, "tensor ", name, of, file, ": row ", R, ", group ", G,
                  " has zero point ", z, "; symmetric int4 holds zero point 8 only: pack this ",
                  q4_layout_name(s.layout), " checkpoint with zero points (cpu.zero_point: true)");
-    const int c0 = w.col0 + gi * g;
-    if (s.layout == Q4Source::Layout::awq) {  // 8 rows per word: one element at a time
-      for (int c = 0; c < g; ++c) q[c] = s.q(R, c0 + c);
-      return;
-    }
-    for (int c = 0; c < g; c += 8) {  // 8 consecutive k of row R per word
-      const size_t word = s.layout == Q4Source::Layout::gptq ? static_cast<size_t>((c0 + c) / 8) * s.n + R
-                                                              : static_cast<size_t>(R) * (s.k / 8) + (c0 + c) / 8;
-      uint32_t v;
-      std::memcpy(&v, s.qweight + 4 * word, 4);
-      for (int i = 0; i < 8; ++i) q[c + i] = static_cast<uint8_t>((v >> (4 * i)) & 15);
-    }
+    for (int c = 0; c < g; c += 8) s.octet(R, w.col0 + gi * g + c, q + c);
   });
 }
 

@@ -91,11 +91,13 @@ struct Q4Source {
   float value(int r, int c) const;
   uint8_t q(int r, int c) const {
     switch (layout) {
-      case Layout::gptq: return nibble(qweight, static_cast<size_t>(c / 8) * n + r, c % 8);
       case Layout::awq: return nibble(qweight, static_cast<size_t>(c) * (n / 8) + r / 8, kAwqSlot[r % 8]);
-      case Layout::packed_rows: return nibble(qweight, static_cast<size_t>(r) * (k / 8) + c / 8, c % 8);
+      default: return nibble(qweight, row_word(r, c), c % 8);
     }
-    return 0;
+  }
+  // gptq and packed_rows: the word holding k = c / 8 * 8 .. + 7 of row r.
+  size_t row_word(int r, int c) const {
+    return layout == Layout::gptq ? static_cast<size_t>(c / 8) * n + r : static_cast<size_t>(r) * (k / 8) + c / 8;
   }
   int zero(int g, int r) const {
     switch (layout) {
@@ -105,6 +107,17 @@ struct Q4Source {
         return qzeros ? nibble(qzeros, static_cast<size_t>(r / 8) * (k / group) + g, r % 8) : 8;
     }
     return 8;
+  }
+  // q(r, c + i) for i < 8 into out (c a multiple of 8): one word for gptq and packed_rows,
+  // which hold 8 consecutive k of a row per word.
+  void octet(int r, int c, uint8_t* out) const {
+    if (layout == Layout::awq) {
+      for (int i = 0; i < 8; ++i) out[i] = q(r, c + i);
+      return;
+    }
+    uint32_t v;
+    std::memcpy(&v, qweight + 4 * row_word(r, c), 4);
+    for (int i = 0; i < 8; ++i) out[i] = static_cast<uint8_t>((v >> (4 * i)) & 15);
   }
   float scale(int g, int r) const;
   // The scale as fp16 bits; false when fp16 cannot hold it exactly.
