@@ -171,11 +171,6 @@ std::string_view q4_layout_name(Q4Source::Layout l) noexcept {
 }
 
 void decode_rows(const WeightView& w, int r0, int rows, float* out) {
-  if (w.type == SourceType::q4_gptq) {
-    for (int r = 0; r < rows; ++r)
-      for (int c = 0; c < w.k; ++c) out[static_cast<size_t>(r) * w.k + c] = w.q4->value(w.row0 + r0 + r, w.col0 + c);
-    return;
-  }
   const int64_t ld = row_stride(w);
   for (int r = 0; r < rows; ++r) {
     const size_t src = static_cast<size_t>(r0 + r) * ld;
@@ -209,6 +204,9 @@ void decode_rows(const WeightView& w, int r0, int rows, float* out) {
         }
         break;
       }
+      case SourceType::q4_gptq:  // the whole quantized matrix, at the view's offset
+        for (int c = 0; c < w.k; ++c) o[c] = w.q4->value(w.row0 + r0 + r, w.col0 + c);
+        break;
     }
   }
 }
