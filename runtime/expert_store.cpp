@@ -94,18 +94,6 @@ void pread_all(int fd, void* dst, size_t n, uint64_t off, const fs::path& path) 
   }
 }
 
-void pwrite_all(int fd, const void* src, size_t n, uint64_t off, const fs::path& path) {
-  const auto* p = static_cast<const std::byte*>(src);
-  size_t done = 0;
-  while (done < n) {
-    const ssize_t r = ::pwrite(fd, p + done, n - done, static_cast<off_t>(off + done));
-    if (r < 0 && errno == EINTR) continue;
-    TANDEM_CHECK(r > 0, Errc::io, "store: writing ", path.string(), " failed at byte ", off + done, ": ",
-                 r < 0 ? std::strerror(errno) : "nothing written");
-    done += static_cast<size_t>(r);
-  }
-}
-
 void fsync_dir(const fs::path& dir) {
   Fd d(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (d.fd >= 0) ::fsync(d.fd);  // best effort: some filesystems refuse directory fsync
@@ -228,7 +216,8 @@ json read_header(int fd, const fs::path& path) {
   }
 }
 
-void write_header(int fd, const json& h, const fs::path& path) {
+// A layer file's 4 KiB header block: magic, version, JSON length, JSON.
+std::vector<char> header_block(const json& h, const fs::path& path) {
   const std::string text = h.dump();
   TANDEM_CHECK(text.size() <= kAlign - 16, Errc::internal, "store: header of ", path.string(), " is ", text.size(),
                " bytes, above ", kAlign - 16);
@@ -238,7 +227,7 @@ void write_header(int fd, const json& h, const fs::path& path) {
   std::memcpy(buf.data() + 8, &version, 4);
   std::memcpy(buf.data() + 12, &len, 4);
   std::memcpy(buf.data() + 16, text.data(), text.size());
-  pwrite_all(fd, buf.data(), kAlign, 0, path);
+  return buf;
 }
 
 // The first field where two spec JSONs differ, as "name: stored vs wanted"; empty if none.
@@ -370,67 +359,52 @@ ConvertReport convert_experts(const Checkpoint& ckpt, const StoreSpec& spec, con
       report_progress();
       continue;
     }
-    const fs::path tmp = path.string() + ".tmp." + std::to_string(::getpid());
-    Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-    TANDEM_CHECK(fd.fd >= 0, Errc::io, "convert: cannot create ", tmp.string(), ": ", std::strerror(errno));
-    try {
-      core::ExpertPacks one(spec.shape, spec.format, 1, core::ExpertPacks::Layout::fused, layer);
-      Hasher data, source;  // the file's data as written; the source tensors while they are hot
-      uint64_t off = kAlign;
-      auto put = [&](const std::byte* p, size_t n) {
-        pwrite_all(fd.fd, p, n, off, tmp);
-        data.update(p, n);
-        off += n;
-        const size_t pad = align_up(n) - n;
-        if (pad) {
-          pwrite_all(fd.fd, zeros.data(), pad, off, tmp);
-          data.update(zeros.data(), pad);
-          off += pad;
-        }
-      };
-      for (int e = 0; e < E; ++e) {
-        one.pack_slice(0, e, checkpoint_expert(ckpt, layer, e, spec.naming, spec.shape));
-        const PackedWeight& gu = one.gate_up(0, e);
-        const PackedWeight& dn = one.down(0, e);
-        TANDEM_CHECK(gu.bytes() == ps.gate_up && dn.bytes() == ps.down, Errc::internal, "convert: layer ", layer,
-                     " expert ", e, ": packs of ", gu.bytes(), " + ", dn.bytes(), " bytes, planned ", ps.gate_up, " + ",
-                     ps.down);
-        put(gu.data.data(), gu.bytes());
-        put(dn.data.data(), dn.bytes());
-        one.drop(e);
-        hash_expert_source(ckpt, spec, layer, e, source);
-        ++done;
-        report_progress();
+    AtomicFile file(path, "convert: store layer");
+    core::ExpertPacks one(spec.shape, spec.format, 1, core::ExpertPacks::Layout::fused, layer);
+    Hasher data, source;  // the file's data as written; the source tensors while they are hot
+    uint64_t off = kAlign;
+    auto put = [&](const std::byte* p, size_t n) {
+      file.write_at(off, p, n);
+      data.update(p, n);
+      off += n;
+      if (const size_t pad = align_up(n) - n) {
+        file.write_at(off, zeros.data(), pad);
+        data.update(zeros.data(), pad);
+        off += pad;
       }
-      json h = header_json(spec, i);
-      h["source_files"] = source_key;
-      h["source_xxh3"] = source.hex();
-      h["data_xxh3"] = data.hex();
-      write_header(fd.fd, h, tmp);
-      TANDEM_CHECK(::fsync(fd.fd) == 0, Errc::io, "convert: fsync of ", tmp.string(), " failed: ", std::strerror(errno));
-      ::close(std::exchange(fd.fd, -1));
-      fs::rename(tmp, path, ec);
-      TANDEM_CHECK(!ec, Errc::io, "convert: cannot rename ", tmp.string(), " to ", path.string(), ": ", ec.message());
-      entries.push_back({{"layer", layer}, {"name", path.filename().string()}, {"size", layer_file_size(spec)},
-                         {"data_xxh3", h["data_xxh3"]}, {"source_xxh3", h["source_xxh3"]}});
-      ++report.layers_written;
-      report.bytes += layer_file_size(spec);
-    } catch (...) {
-      fd = Fd();
-      std::error_code ignored;
-      fs::remove(tmp, ignored);
-      throw;
+    };
+    for (int e = 0; e < E; ++e) {
+      one.pack_slice(0, e, checkpoint_expert(ckpt, layer, e, spec.naming, spec.shape));
+      const PackedWeight& gu = one.gate_up(0, e);
+      const PackedWeight& dn = one.down(0, e);
+      TANDEM_CHECK(gu.bytes() == ps.gate_up && dn.bytes() == ps.down, Errc::internal, "convert: layer ", layer,
+                   " expert ", e, ": packs of ", gu.bytes(), " + ", dn.bytes(), " bytes, planned ", ps.gate_up, " + ",
+                   ps.down);
+      put(gu.data.data(), gu.bytes());
+      put(dn.data.data(), dn.bytes());
+      one.drop(e);
+      hash_expert_source(ckpt, spec, layer, e, source);
+      ++done;
+      report_progress();
     }
+    json h = header_json(spec, i);
+    h["source_files"] = source_key;
+    h["source_xxh3"] = source.hex();
+    h["data_xxh3"] = data.hex();
+    file.write_at(0, header_block(h, path).data(), kAlign);
+    file.commit();
+    entries.push_back({{"layer", layer}, {"name", path.filename().string()}, {"size", layer_file_size(spec)},
+                       {"data_xxh3", h["data_xxh3"]}, {"source_xxh3", h["source_xxh3"]}});
+    ++report.layers_written;
+    report.bytes += layer_file_size(spec);
   }
-  fsync_dir(dir);
   json m = spec_json(spec);
   m["tandem_store"] = kStoreVersion;
   m["pack_version"] = kPackVersion;
   m["source"] = {{"path", fs::absolute(ckpt.root()).string()}, {"files", files}};
   m["files"] = entries;
   m["bytes"] = report.bytes;
-  write_file_atomic(manifest, m.dump(1) + "\n", "store manifest");
-  fsync_dir(dir);
+  write_file_atomic(manifest, m.dump(1) + "\n", "store manifest");  // its directory fsynced too
   return report;
 }
 

@@ -6,43 +6,55 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <utility>
 
 #include "tandem/error.h"
 
 namespace tandem {
 
-void write_file_atomic(const std::filesystem::path& path, std::string_view data, std::string_view what) {
-  // Unique per process and call, so concurrent writers of one path never share a temporary.
+AtomicFile::AtomicFile(std::filesystem::path path, std::string_view what) : path_(std::move(path)), what_(what) {
+  // Unique per process and object, so concurrent writers of one path never share a temporary.
   static std::atomic<uint64_t> serial{0};
-  const std::filesystem::path tmp =
-      path.string() + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(serial.fetch_add(1));
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  TANDEM_CHECK(fd >= 0, Errc::io, what, ": cannot open ", tmp.string(), " for writing: ", std::strerror(errno));
+  tmp_ = path_.string() + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(serial.fetch_add(1));
+  fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  TANDEM_CHECK(fd_ >= 0, Errc::io, what_, ": cannot open ", tmp_.string(), " for writing: ", std::strerror(errno));
+}
+
+AtomicFile::~AtomicFile() {
+  if (fd_ >= 0) ::close(fd_);
+  if (!tmp_.empty()) ::unlink(tmp_.c_str());  // not committed
+}
+
+void AtomicFile::write_at(uint64_t offset, const void* data, size_t n) {
+  const auto* p = static_cast<const std::byte*>(data);
   size_t done = 0;
-  while (done < data.size()) {
-    const ssize_t n = ::write(fd, data.data() + done, data.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const int err = errno;
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      TANDEM_FAIL(Errc::io, what, ": writing ", tmp.string(), " failed: ", std::strerror(err));
-    }
-    done += static_cast<size_t>(n);
+  while (done < n) {
+    const ssize_t r = ::pwrite(fd_, p + done, n - done, static_cast<off_t>(offset + done));
+    if (r < 0 && errno == EINTR) continue;
+    TANDEM_CHECK(r > 0, Errc::io, what_, ": writing ", tmp_.string(), " failed at byte ", offset + done, ": ",
+                 r < 0 ? std::strerror(errno) : "nothing written");
+    done += static_cast<size_t>(r);
   }
-  const bool synced = ::fsync(fd) == 0;
-  const int sync_err = errno;
-  ::close(fd);
-  if (!synced) {
-    ::unlink(tmp.c_str());
-    TANDEM_FAIL(Errc::io, what, ": fsync of ", tmp.string(), " failed: ", std::strerror(sync_err));
-  }
+}
+
+void AtomicFile::commit() {
+  TANDEM_CHECK(::fsync(fd_) == 0, Errc::io, what_, ": fsync of ", tmp_.string(), " failed: ", std::strerror(errno));
+  ::close(std::exchange(fd_, -1));
   std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    ::unlink(tmp.c_str());
-    TANDEM_FAIL(Errc::io, what, ": cannot rename ", tmp.string(), " to ", path.string(), ": ", ec.message());
+  std::filesystem::rename(tmp_, path_, ec);
+  TANDEM_CHECK(!ec, Errc::io, what_, ": cannot rename ", tmp_.string(), " to ", path_.string(), ": ", ec.message());
+  tmp_.clear();
+  const int dir = ::open(path_.parent_path().empty() ? "." : path_.parent_path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir >= 0) {  // best effort: some filesystems refuse a directory fsync
+    ::fsync(dir);
+    ::close(dir);
   }
+}
+
+void write_file_atomic(const std::filesystem::path& path, std::string_view data, std::string_view what) {
+  AtomicFile f(path, what);
+  f.write_at(0, data.data(), data.size());
+  f.commit();
 }
 
 }  // namespace tandem
