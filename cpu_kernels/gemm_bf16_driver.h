@@ -48,13 +48,15 @@ inline void silu_mul(const float* g, const float* u, float* out, int n) {
   for (int j = 0; j < n; ++j) out[j] = g[j] / (1.0f + exp_approx(-g[j])) * u[j];
 }
 
-// Writes a micro-kernel's rows t[r][0..nn) (row stride 64) into C at (r0, n0), each
-// row times row_scale (if given) and act_scale (the integer kernels' activation scale).
+// Writes a micro-kernel's rows t[r][0..nn) (row stride ld, a panel's 64 by default) into
+// C at (r0, n0), each row times row_scale (if given) and act_scale (the integer kernels'
+// activation scale).
 template <typename Args>
-inline void store_rows(const Args& g, const float* t, int mr, int r0, int n0, int nn, const float* act_scale) {
+inline void store_rows(const Args& g, const float* t, int mr, int r0, int n0, int nn, const float* act_scale,
+                       int ld = kPanel) {
   for (int r = 0; r < mr; ++r) {
     float* c = g.c + static_cast<size_t>(r0 + r) * g.ldc + n0;
-    const float* tr = t + r * kPanel;
+    const float* tr = t + r * ld;
     float s = g.row_scale ? g.row_scale[r0 + r] : 1.0f;
     if (act_scale) s *= act_scale[r0 + r];
     if (g.accumulate) {
@@ -67,14 +69,15 @@ inline void store_rows(const Args& g, const float* t, int mr, int r0, int n0, in
   }
 }
 
-// Writes silu(gate) * up for rows t[r] into H (fp32 or bf16), scaling both by
-// act_scale[r0 + r] first when given.
+// Writes silu(gate) * up for rows t[r] (row stride ld) into H (fp32 or bf16), scaling
+// both by act_scale[r0 + r] first when given.
 template <typename Args>
-inline void store_silu_rows(const Args& g, float* tg, float* tu, int mr, int r0, int n0, int nn, const float* act_scale) {
+inline void store_silu_rows(const Args& g, float* tg, float* tu, int mr, int r0, int n0, int nn, const float* act_scale,
+                            int ld = kPanel) {
   alignas(64) float h[kPanel];
   for (int r = 0; r < mr; ++r) {
-    float* gr = tg + r * kPanel;
-    float* ur = tu + r * kPanel;
+    float* gr = tg + r * ld;
+    float* ur = tu + r * ld;
     if (act_scale) {
       const float s = act_scale[r0 + r];
       for (int j = 0; j < nn; ++j) {

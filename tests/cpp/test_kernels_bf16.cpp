@@ -89,6 +89,10 @@ TEST_P(KernelsBf16, GemmMatchesReferenceOverShapes) {
   // panels (5 panels of accumulators for 512 rows exceed one group).
   shapes.push_back({600, 320, 96});
   shapes.push_back({600, 320, 100});
+  // Several blocks of k with a short last one: at 100 rows the AMX BF16 kernel takes 32
+  // steps (1024 k) per block, at 300 rows 16; 1312 k = 41 steps.
+  shapes.push_back({100, 130, 1312});
+  shapes.push_back({300, 64, 1312});
   int cases = 0;
   for (const auto& [m, n, k] : shapes) {
         Problem p = make(m, n, k, rng, (m + k) % 3);  // odd row strides too
@@ -149,6 +153,7 @@ TEST_P(KernelsBf16, GateUpMatchesReference) {
     for (int n : {5, 64, 100})
       for (int k : {130, 128}) shapes.push_back({m, n, k});
   shapes.push_back({600, 160, 64});  // two chunks of rows, two groups of panels
+  shapes.push_back({100, 70, 1312});  // blocks of 32 steps (1024 k) and a short last one
   for (const auto& [m, n, k] : shapes) {
     {
       Problem pg = make(m, n, k, rng), pu = make(m, n, k, rng);
