@@ -73,21 +73,29 @@ struct Prefetch {
 };
 
 struct Dpbf16 {
-  static constexpr bool integer = false;
+  static constexpr bool integer = false, signed_b = false;
 };
-struct Dpbsud {
-  static constexpr bool integer = true;
+struct Dpbsud {  // signed A x unsigned B (INT8: weights stored q + 128)
+  static constexpr bool integer = true, signed_b = false;
 };
-#define TANDEM_TDP(Dot, c, a, b) TANDEM_AMX_DOT(Dot::integer, c, a, b)
+struct Dpbssd {  // signed A x signed B (INT4: nibbles unpacked to q - zero)
+  static constexpr bool integer = true, signed_b = true;
+};
+#define TANDEM_TDP(Dot, c, a, b)          \
+  do {                                    \
+    if constexpr (Dot::signed_b)          \
+      _tile_dpbssd(c, a, b);              \
+    else                                  \
+      TANDEM_AMX_DOT(Dot::integer, c, a, b); \
+  } while (0)
 
 // One row pair (a1 null: one block) times 32 outputs (b: the first B tile's bytes of the
 // block, 64 more for the second), `steps` steps: A tiles at a0 / a1 + s * a_step (rows
 // a_bytes apart: packed by pack_a), B tiles at b + s * b_step (rows 256 bytes apart);
-// c (4-byte elements, row stride 64) += the products, or = when `first`.
+// c (4-byte elements, rows ldc bytes apart) += the products, or = when `first`.
 template <class Dot>
 inline void pair_half(const char* a0, const char* a1, int a_bytes, size_t a_step, const char* b, size_t b_step,
-                      int steps, char* c, bool first, Prefetch& pf) {
-  constexpr size_t ldc = kAccLd * 4;
+                      int steps, char* c, bool first, Prefetch& pf, size_t ldc = kAccLd * 4) {
   char* c1 = c + kTileRows * ldc;
   if (first) {
     _tile_zero(0);
@@ -274,11 +282,12 @@ struct Int8Fmt : DirectFmt<Dpbsud> {
 
 struct Int4Fmt {
   const PackedWeight* w = nullptr;
-  const QuantInput* in = nullptr;
-  int32_t* acc32 = nullptr;    // one group's int32 sums for the chunk's rows
-  int8_t* unpacked = nullptr;  // one block of k in the INT8 layout: [k/4][64][4]
+  int32_t* acc32 = nullptr;    // a row pair's int32 sums, one 4 KB [32 rows][32] slice per group of the pass
+  int8_t* unpacked = nullptr;  // one block of k in the INT8 layout, q - zero: [k/4][64][4]
+  __m512* scales = nullptr;    // the block's group scales: [group][4] x 16 outputs
   int a_bytes = 64;            // 32 for groups of 32
   int groups_per_block = 1;
+  static constexpr int kPassGroups = 4;  // groups scaled in one pass over a row pair's sums
   int blocks() const { return (w->groups() + groups_per_block - 1) / groups_per_block; }
   int groups(int kb) const { return std::min(groups_per_block, w->groups() - kb * groups_per_block); }
   int a_steps(int kb) const { return groups(kb) * w->group / a_bytes; }
@@ -288,52 +297,65 @@ struct Int4Fmt {
   }
   size_t block_bytes(int kb) const { return static_cast<size_t>(groups(kb)) * w->group_stride; }
   void begin(float* acc, int n) { std::memset(acc, 0, sizeof(float) * n * kAccLd); }
-  // Low nibbles of packed row o are k-quad 2o (k = 8o + e), high nibbles k-quad 2o + 1.
-  void unpack(const std::byte* group, int8_t* out) const {
+  // Low nibbles of packed row o are k-quad 2o (k = 8o + e), high nibbles k-quad 2o + 1;
+  // each becomes q - zero (-15..15, signed: tdpbssd), so the products need no zero-point
+  // correction through the activation sums. Also the group's scales, as fp32.
+  void unpack(const std::byte* group, int8_t* out, __m512* scale) const {
     const __m512i low4 = _mm512_set1_epi8(0x0f);
+    const uint16_t* sc = int4_scales(*w, group);
+    const uint8_t* zp = int4_zeros(*w, group);
+    __m512i zero[4];
+    for (int b = 0; b < 4; ++b) {
+      scale[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 16 * b)));
+      // each output's zero point in all 4 bytes of its k-quad (zero <= 15: no carries)
+      zero[b] = w->symmetric ? _mm512_set1_epi8(8)
+                             : _mm512_mullo_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zp + 16 * b))),
+                                                  _mm512_set1_epi32(0x01010101));
+    }
     for (int o = 0; o < w->group / 8; ++o)
       for (int b = 0; b < 4; ++b) {
         const __m512i v = _mm512_loadu_si512(group + o * kRowBytes + 64 * b);
-        _mm512_store_si512(out + (2 * o) * kRowBytes + 64 * b, _mm512_and_si512(v, low4));
-        _mm512_store_si512(out + (2 * o + 1) * kRowBytes + 64 * b, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+        _mm512_store_si512(out + (2 * o) * kRowBytes + 64 * b, _mm512_sub_epi8(_mm512_and_si512(v, low4), zero[b]));
+        _mm512_store_si512(out + (2 * o + 1) * kRowBytes + 64 * b,
+                           _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), zero[b]));
       }
   }
-  void run_block(const char* a, int nb, int r0, int rows, const std::byte* panel, int kb, float* acc, Prefetch& pf) {
-    const int g0 = kb * groups_per_block, ng = groups(kb), steps = w->group / a_bytes;
+  // acc += scale[j] * sum over the group of q_a * (q_w - zero): the VNNI kernel's
+  // arithmetic (its sum - zero * sum(q_a) is the same int32), in group order. Per row pair
+  // and half: up to kPassGroups groups' tile products into their own sums, then one pass
+  // adds them into the fp32 results (each result loaded and stored once per pass, not per
+  // group), while they are in L1.
+  void run_block(const char* a, int nb, int, int rows, const std::byte* panel, int kb, float* acc, Prefetch& pf) {
+    const int g0 = kb * groups_per_block, ng = groups(kb), steps = w->group / a_bytes, a_steps_kb = a_steps(kb);
     const size_t group_unpacked = static_cast<size_t>(w->group) * kPanel;
-    for (int i = 0; i < ng; ++i) unpack(int4_group(*w, panel, g0 + i), unpacked + i * group_unpacked);
-    for (int i = 0; i < ng; ++i) {
-      const int gi = g0 + i;
-      // acc += scale[j] * (sum - zero[j] * sum_g(q_a)): the VNNI kernel's arithmetic, in
-      // group order; per pair and half right after its products, while they are in L1.
-      const std::byte* gb = int4_group(*w, panel, gi);
-      const uint16_t* sc = int4_scales(*w, gb);
-      const uint8_t* zp = int4_zeros(*w, gb);
-      __m512 scale[4];
-      __m512i zero[4];
-      for (int b = 0; b < 4; ++b) {
-        scale[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 16 * b)));
-        zero[b] = w->symmetric ? _mm512_set1_epi32(8)
-                               : _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zp + 16 * b)));
-      }
-      const int32_t* sums = in->sums + static_cast<size_t>(r0) * in->groups + gi;
-      auto scale_pair = [&](int bi, int h) {
+    const size_t tile = static_cast<size_t>(kTileRows) * a_bytes;
+    const size_t b_step = static_cast<size_t>(a_bytes / 4) * kRowBytes;
+    constexpr size_t ld32 = 32 * 4;                           // a pass slice's row stride, bytes
+    constexpr size_t slice = static_cast<size_t>(32) * 32;   // int32 per group slice
+    for (int i = 0; i < ng; ++i) unpack(int4_group(*w, panel, g0 + i), unpacked + i * group_unpacked, scales + 4 * i);
+    for (int h = 0; h < 2; ++h)
+      for (int bi = 0; bi < nb; bi += 2) {
+        const char* a0 = a + static_cast<size_t>(bi) * a_steps_kb * tile;
+        const char* a1 = bi + 1 < nb ? a0 + static_cast<size_t>(a_steps_kb) * tile : nullptr;
         const int r_end = std::min(rows, (bi + 2) * kTileRows);  // rows past m: padding, dropped
-        for (int r = bi * kTileRows; r < r_end; ++r) {
-          const int32_t sum = sums[static_cast<size_t>(r) * in->groups];
-          const __m512i sum_v = _mm512_set1_epi32(sum), sym_corr = _mm512_set1_epi32(8 * sum);
-          for (int b = 2 * h; b < 2 * h + 2; ++b) {
-            const __m512i corr = w->symmetric ? sym_corr : _mm512_mullo_epi32(zero[b], sum_v);
-            const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(acc32 + r * kAccLd + 16 * b), corr));
-            float* tr = acc + r * kAccLd + 16 * b;
-            _mm512_store_ps(tr, _mm512_fmadd_ps(v, scale[b], _mm512_load_ps(tr)));
+        for (int p0 = 0; p0 < ng; p0 += kPassGroups) {
+          const int pn = std::min(kPassGroups, ng - p0);
+          for (int i = p0; i < p0 + pn; ++i)
+            pair_half<Dpbssd>(a0 + static_cast<size_t>(i) * steps * tile, a1 ? a1 + static_cast<size_t>(i) * steps * tile : nullptr,
+                              a_bytes, tile, reinterpret_cast<const char*>(unpacked + i * group_unpacked) + 128 * h, b_step,
+                              steps, reinterpret_cast<char*>(acc32 + (i - p0) * slice), true, pf, ld32);
+          for (int r = bi * kTileRows; r < r_end; ++r) {
+            const int32_t* sr = acc32 + (r - bi * kTileRows) * 32;
+            for (int c = 0; c < 2; ++c) {
+              float* tr = acc + r * kAccLd + 32 * h + 16 * c;
+              __m512 t = _mm512_load_ps(tr);
+              for (int i = 0; i < pn; ++i)
+                t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sr + i * slice + 16 * c)), scales[4 * (p0 + i) + 2 * h + c], t);
+              _mm512_store_ps(tr, t);
+            }
           }
         }
-      };
-      run_rows<Dpbsud>(a, nb, a_steps(kb), a_bytes, i * steps, reinterpret_cast<const char*>(unpacked + i * group_unpacked),
-                       static_cast<size_t>(a_bytes / 4) * kRowBytes, steps, reinterpret_cast<char*>(acc32), true, pf,
-                       scale_pair);
-    }
+      }
   }
   void finish(const std::byte*, float*, int, int) {}
 };
@@ -420,14 +442,14 @@ void int8_call(const PackedWeight& w, const Args& g) {
 template <class Args>
 void int4_call(const PackedWeight& w, const Args& g) {
   const QuantInput in = quantize_input(w, g);
-  thread_local AlignedBuffer acc32, unpacked;
+  thread_local AlignedBuffer acc32, unpacked, scales;
   Int4Fmt f;
   f.w = &w;
-  f.in = &in;
-  f.acc32 = grow<int32_t>(acc32, static_cast<size_t>(kChunkRows) * kAccLd);
   f.a_bytes = std::min(w.group, 64);
   f.groups_per_block = std::max(1, 256 / w.group);  // 256 k per block: 8 KB of the panel
+  f.acc32 = grow<int32_t>(acc32, static_cast<size_t>(Int4Fmt::kPassGroups) * 32 * 32);
   f.unpacked = grow<int8_t>(unpacked, static_cast<size_t>(f.groups_per_block) * w.group * kPanel);
+  f.scales = grow<__m512>(scales, static_cast<size_t>(f.groups_per_block) * 4);
   amx_call(f, {reinterpret_cast<const char*>(in.q), static_cast<size_t>(in.ldq), g.m}, w, g, in.scale);
 }
 

@@ -354,6 +354,53 @@ INSTANTIATE_TEST_SUITE_P(Variants, KernelsInt, ::testing::ValuesIn(variant_cases
   return test::variant_name(*std::get<0>(info.param), false) + "_" + std::get<1>(info.param).name;
 });
 
+// The AMX integer kernels give the AVX512-VNNI kernels' bits: both compute each group's
+// int32 dot product exactly (VNNI as sum(q_a (q_w + 128)) or sum(q_a q_w) - zero sum(q_a),
+// AMX INT4 as sum(q_a (q_w - zero)): the same integer) and scale it in the same fp32
+// operations, in group order. Rows from the AMX kernels' smallest m, several row pairs,
+// several blocks of k, both products; every format case.
+TEST(KernelsIntAmx, SameBitsAsAvx512Vnni) {
+  const KernelListEntry *amx[2] = {}, *vnni[2] = {};
+  for (const KernelListEntry& e : kernel_list()) {
+    const int f = e.family == KernelFamily::int8 ? 0 : e.family == KernelFamily::int4 ? 1 : -1;
+    if (f < 0) continue;
+    if (std::string(e.isa) == "amx") amx[f] = &e;
+    if (std::string(e.isa) == "avx512vnni") vnni[f] = &e;
+  }
+  ASSERT_TRUE(amx[0] && amx[1] && vnni[0] && vnni[1]) << "kernel_list.inc lacks an amx or avx512_vnni line";
+  TANDEM_SKIP_UNLESS_CPU_RUNS(*amx[0]);
+  TANDEM_SKIP_UNLESS_CPU_RUNS(*vnni[0]);
+  const uint64_t seed = test::test_seed();
+  std::mt19937_64 rng(seed);
+  for (const FormatCase& fc : kFormats) {
+    const int f = fc.opt.format == WeightFormat::int8 ? 0 : 1;
+    const int k = fc.opt.format == WeightFormat::int8 ? 1216 : 12 * fc.opt.group;
+    for (int m : {8, 40, 100}) {
+      const int n = 130;
+      auto wg = random_weights(static_cast<size_t>(n) * k, rng), wu = random_weights(static_cast<size_t>(n) * k, rng);
+      auto a = random_acts(static_cast<size_t>(m) * k, rng);
+      const PackedWeight pw = pack({wg.data(), SourceType::f32, n, k}, fc.opt);
+      const PackedWeight gu = pack_gate_up({wg.data(), SourceType::f32, n, k}, {wu.data(), SourceType::f32, n, k}, fc.opt);
+      std::vector<float> c[2], h[2];
+      for (int v = 0; v < 2; ++v) {
+        const KernelVariant& kv = (v ? vnni : amx)[f]->kernel;
+        c[v].assign(static_cast<size_t>(m) * n, 0.0f);
+        kv.gemm(pw, gemm_args(a.data(), m, k, c[v].data(), n));
+        h[v].assign(static_cast<size_t>(m) * n, 0.0f);
+        GateUpArgs g;
+        g.a = a.data();
+        g.m = m;
+        g.lda = k;
+        g.h = h[v].data();
+        g.ldh = n;
+        kv.gate_up(gu, g);
+      }
+      EXPECT_EQ(c[0], c[1]) << fc.name << " gemm, m = " << m << ", seed=" << seed;
+      EXPECT_EQ(h[0], h[1]) << fc.name << " gate_up, m = " << m << ", seed=" << seed;
+    }
+  }
+}
+
 TEST(QuantizeActivations, RoundsPerRowAndFlagsNonFinite) {
   const float a[] = {1.0f, -2.0f, 0.5f, 0.0f,  //
                      0.0f, 0.0f, 0.0f, 0.0f,   //
