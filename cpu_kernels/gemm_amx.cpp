@@ -1,10 +1,11 @@
-// AMX kernels (Sapphire Rapids and later): BF16 (tdpbf16ps), INT8 and INT4 (tdpbsud:
-// signed activations x unsigned weights).
+// AMX kernels (Sapphire Rapids and later): BF16 (tdpbf16ps), INT8 (tdpbsud: signed
+// activations x unsigned weights) and INT4 (tdpbssd: signed x signed).
 //
 // The packed layouts are AMX's B operand already: 16 k-pair (bf16) or k-quad (int8) rows
 // of a panel, 64 bytes each at a stride of 256 bytes, are one B tile of 16 outputs. INT4
-// groups are unpacked, once per block of k and call, into that same int8 layout (nibbles
-// 0..15; the zero point is subtracted afterwards through the activation sums).
+// groups are unpacked, once per block of k and call, into that same int8 layout as
+// q - zero (-15..15), so each group's int32 sum needs no zero-point correction; a row
+// pair's group sums are then scaled into its fp32 results in passes of up to 4 groups.
 //
 // Register blocking (8 tiles): two A tiles (32 token rows) times two B tiles (32 of the
 // panel's 64 outputs) into four accumulators, so every tile loaded serves two products;
@@ -17,8 +18,9 @@
 //   the chunk's A rows of the block are packed tile by tile
 //   (pack_a: 1 KB tiles, no cache-set conflicts from power-of-two row strides, rows past
 //   m zero), then for each panel of the group, each half of the panel (its B tiles of
-//   the block stay in L1), each row pair: the accumulators are loaded, the block's steps
-//   run, the accumulators are stored;
+//   the block stay in L1, or in L2 for the longer blocks), each row pair: the
+//   accumulators are loaded, the block's steps run, the accumulators are stored (INT4:
+//   per group, zeroed, stored, then scaled as above);
 //   meanwhile the next block of k of the group's panels is prefetched into L2, a few
 //   lines per step, so the weights stream from DRAM once per call and chunk while the
 //   tile unit works.
