@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <initializer_list>
+#include <xmmintrin.h>
 #include <string>
 
 #include "tandem/error.h"
@@ -291,23 +292,50 @@ void run_gate_up(const KernelTable& kt, const PackedWeight& w, int m, int begin,
   kt.of(w.format).pick(m).gate_up(w, g);
 }
 
+namespace {
+// dst[j] (+)= ... over n floats, in blocks of 16 with a constant trip count (which GCC 12
+// vectorizes at -O2, unlike a loop of unknown length: the merge ran scalar, at ~2 GB/s),
+// then the remainder; each element's arithmetic is the scalar loop's, so the bits are too.
+template <class F>
+inline void columns(int n, F f) {
+  int j = 0;
+  for (; j + 16 <= n; j += 16)
+    for (int u = 0; u < 16; ++u) f(j + u);
+  for (; j < n; ++j) f(j);
+}
+}  // namespace
+
 void merge_block(float* out, bool accumulate, int t, int K, const int* slot_row, const float* weights,
                  const float* const* y, int subpools, int H, int j0, int j1) {
-  float* o = out + static_cast<size_t>(t) * H;
-  if (!accumulate) std::fill(o + j0, o + j1, 0.0f);
+  float* o = out + static_cast<size_t>(t) * H + j0;
+  const int n = j1 - j0;
+  if (!accumulate) std::fill(o, o + n, 0.0f);
   alignas(64) float sum[kMergeCols];
+  // The rows are scattered over y (written by the down products, far larger than the
+  // caches): each slot's columns are asked for one slot ahead, so their reads overlap the
+  // current slot's sums (int8 layer at 2048 tokens, AMX Xeon: merge 68-73 ms of thread
+  // time against 75-78 without).
+  const auto fetch = [&](int k) {
+    const int r = k < K ? slot_row[static_cast<size_t>(t) * K + k] : -1;
+    if (r < 0) return;
+    for (int q = 0; q < subpools; ++q)
+      if (y[q])
+        for (int j = 0; j < n; j += 16) _mm_prefetch(reinterpret_cast<const char*>(y[q] + static_cast<size_t>(r) * H + j0 + j), _MM_HINT_T0);
+  };
+  fetch(0);
   for (int k = 0; k < K; ++k) {
+    fetch(k + 1);
     const int r = slot_row[static_cast<size_t>(t) * K + k];
     if (r < 0) continue;
-    std::fill(sum, sum + (j1 - j0), 0.0f);
+    std::fill(sum, sum + n, 0.0f);
     for (int q = 0; q < subpools; ++q) {
       const float* ys = y[q];
       if (!ys) continue;
-      const float* yr = ys + static_cast<size_t>(r) * H;
-      for (int j = j0; j < j1; ++j) sum[j - j0] += yr[j];
+      const float* yr = ys + static_cast<size_t>(r) * H + j0;
+      columns(n, [&](int j) { sum[j] += yr[j]; });
     }
     const float w = weights ? weights[static_cast<size_t>(t) * K + k] : 1.0f;
-    for (int j = j0; j < j1; ++j) o[j] += w * sum[j - j0];
+    columns(n, [&](int j) { o[j] += w * sum[j]; });
   }
 }
 
