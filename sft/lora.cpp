@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "bf16_round.h"
 #include "expert_core.h"
 #include "tandem/error.h"
 #include "tandem/trace.h"
@@ -646,28 +647,37 @@ class SftBackwardTask : public SftTask {
     float* dh = sc.dh[s].data() + row0 * l;
     if (st_.lora) mm(m, l, r, s_, {sc.qd.data() + row0 * r, r}, wt[AD].of(e).at(0, i0), 1.0f, dh, l);
     const float* gu = st_.gu[s].get() + row0 * 2 * l;
-    float* hf = dh;  // h replaces dh element by element (each is read just before)
+    float* hf = dh;  // h replaces dh row by row (after the row's last read of dh)
     float* dguf = sc.dguf[s].data() + row0 * 2 * l;
     bf16_t* dgub = sc.dgub[s].data() + row0 * 2 * l;
-    thread_local std::vector<float> hrow;
+    thread_local std::vector<float> hrow, sgrow;
     hrow.resize(l);
+    sgrow.resize(l);
     for (int q = 0; q < m; ++q) {
       const float w = st_.wrow[row0 + q];
-      double dw = 0;
+      const float* gq = gu + size_t(q) * 2 * l;
+      const float* uq = gq + l;
+      float* dhq = dh + size_t(q) * l;
       // h as the forward computed it (the kernels' SiLU); the derivative from sigmoid(g).
-      L.kt_->silu_mul(gu + size_t(q) * 2 * l, gu + size_t(q) * 2 * l + l, hrow.data(), l);
+      // In passes, so that all but the exponentials vectorize (each element's operations
+      // are those of one loop over j; the dw sum keeps its order).
+      L.kt_->silu_mul(gq, uq, hrow.data(), l);
+      float* sg = sgrow.data();
+      for (int j = 0; j < l; ++j) sg[j] = 1.0f / (1.0f + std::exp(-gq[j]));
+      double dw = 0;
+      for (int j = 0; j < l; ++j) dw += double(hrow[j]) * dhq[j];
+      float* dgq = dguf + size_t(q) * 2 * l;
+      bf16_t* dgbq = dgub + size_t(q) * 2 * l;
       for (int j = 0; j < l; ++j) {
-        const float gv = gu[size_t(q) * 2 * l + j], uv = gu[size_t(q) * 2 * l + l + j];
-        const float sg = 1.0f / (1.0f + std::exp(-gv)), si = gv * sg, h = hrow[j], dhu = dh[size_t(q) * l + j];
-        hf[size_t(q) * l + j] = h;
-        dw += double(h) * dhu;
-        const float d = w * dhu;
-        const float dg = d * uv * sg * (1.0f + gv * (1.0f - sg)), du = d * si;
-        dguf[size_t(q) * 2 * l + j] = dg;
-        dguf[size_t(q) * 2 * l + l + j] = du;
-        dgub[size_t(q) * 2 * l + j] = fp32_to_bf16(dg);
-        dgub[size_t(q) * 2 * l + l + j] = fp32_to_bf16(du);
+        const float gv = gq[j], uv = uq[j], sj = sg[j];
+        const float d = w * dhq[j];
+        const float dg = d * uv * sj * (1.0f + gv * (1.0f - sj)), du = d * (gv * sj);
+        dgq[j] = dg;
+        dgq[l + j] = du;
+        dgbq[j] = round_to_bf16(dg);  // fp32_to_bf16's rule, inline
+        dgbq[l + j] = round_to_bf16(du);
       }
+      std::memcpy(hf + size_t(q) * l, hrow.data(), sizeof(float) * l);  // h replaces dh, after its last read
       sc.dwp[s][row0 + q] = static_cast<float>(dw);
     }
     if (quant) quantize_activations(sc.qbmid[s][i], sc.dgub[s].data() + size_t(g.offset[i]) * 2 * l, 2 * l, b.begin, b.end, L.kt_);
