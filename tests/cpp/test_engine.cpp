@@ -671,8 +671,12 @@ TEST(Engine, ReloadLoopLeavesNothingBehind) {
   for (int i = 0; i < 20; ++i) cycle();
   EXPECT_EQ(count("/proc/self/fd"), fds) << "open files";
   EXPECT_EQ(count("/proc/self/task"), tasks) << "threads";
-  EXPECT_LE(lines("/proc/self/maps"), maps + 2) << "mappings";  // the allocator may map an arena
 #if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
+  // The sanitizers' allocators map their size-class regions as they grow, one more line
+  // each time a class is first touched or a region extends (an ASan run on the AMX Xeon:
+  // +4 to +6 lines over 20 cycles, all but two in ASan's heap range 0x6000_0000_0000 -
+  // 0x6400_0000_0000, at any kernel level), so the mapping count is checked elsewhere.
+  std::printf("[ note     ] mappings not checked under a sanitizer (%zu -> %zu lines)\n", maps, lines("/proc/self/maps"));
   // ThreadSanitizer keeps every finished thread's shadow state and allocator cache (each
   // cycle starts and joins the pool's threads): about 380 KB a cycle with any kernel level.
   // AddressSanitizer holds freed blocks in its quarantine (up to 256 MB) before reuse: one
@@ -680,6 +684,7 @@ TEST(Engine, ReloadLoopLeavesNothingBehind) {
   // nothing about tandem's; LeakSanitizer checks leaks at exit there, this bound elsewhere.
   std::printf("[ note     ] resident memory not checked under a sanitizer (grew %ld KB)\n", rss_kb() - rss);
 #else
+  EXPECT_LE(lines("/proc/self/maps"), maps + 2) << "mappings";  // the allocator may map an arena
   EXPECT_LE(rss_kb() - rss, 1024) << "resident memory grew by " << rss_kb() - rss << " KB over 20 cycles";
 #endif
 }
