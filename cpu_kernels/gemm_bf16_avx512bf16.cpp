@@ -81,5 +81,6 @@ using Micro = RowDispatch<DpFixed, 6>;
 void gemm_bf16_avx512bf16(const PackedWeight& w, const GemmArgs& g) { gemm_driver<Micro>(w, g); }
 void gate_up_bf16_avx512bf16(const PackedWeight& w, const GateUpArgs& g) { gate_up_driver<Micro>(w, g); }
 void silu_mul_avx512bf16(const float* g, const float* u, float* h, int n) { silu_mul(g, u, h, n); }
+void sigmoid_avx512bf16(const float* x, float* out, int n) { sigmoid(x, out, n); }
 
 }  // namespace tandem

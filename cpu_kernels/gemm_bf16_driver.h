@@ -47,6 +47,14 @@ inline float exp_approx(float x) {
 inline void silu_mul(const float* g, const float* u, float* out, int n) {
   for (int j = 0; j < n; ++j) out[j] = g[j] / (1.0f + exp_approx(-g[j])) * u[j];
 }
+// 1 / (1 + exp(-x)) with silu_mul's exponential; NaN stays NaN (exp_approx's clamp
+// would otherwise turn it into a number).
+inline void sigmoid(const float* x, float* out, int n) {
+  for (int j = 0; j < n; ++j) {
+    const float s = 1.0f / (1.0f + exp_approx(-x[j]));
+    out[j] = x[j] == x[j] ? s : x[j];
+  }
+}
 
 // Writes a micro-kernel's rows t[r][0..nn) (row stride ld, a panel's 64 by default) into
 // C at (r0, n0), each row times row_scale (if given) and act_scale (the integer kernels'

@@ -25,5 +25,6 @@ struct MicroRef {
 void gemm_bf16_ref(const PackedWeight& w, const GemmArgs& g) { gemm_driver<MicroRef>(w, g); }
 void gate_up_bf16_ref(const PackedWeight& w, const GateUpArgs& g) { gate_up_driver<MicroRef>(w, g); }
 void silu_mul_ref(const float* g, const float* u, float* h, int n) { silu_mul(g, u, h, n); }
+void sigmoid_ref(const float* x, float* out, int n) { sigmoid(x, out, n); }
 
 }  // namespace tandem

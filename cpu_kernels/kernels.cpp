@@ -21,7 +21,9 @@ namespace tandem {
 #define TANDEM_DECLARE_int4(isa) TANDEM_DECLARE_GEMM(int4, isa)
 #define TANDEM_DECLARE_quantize(isa) \
   void quantize_##isa(const bf16_t*, const float*, int, int, int, int, int, int8_t*, float*, int32_t*);
-#define TANDEM_DECLARE_silu_mul(isa) void silu_mul_##isa(const float*, const float*, float*, int);
+#define TANDEM_DECLARE_silu_mul(isa) \
+  void silu_mul_##isa(const float*, const float*, float*, int); \
+  void sigmoid_##isa(const float*, float*, int);
 #define TANDEM_ISA(suffix, ...)
 #define TANDEM_KERNEL(family, isa, from_m, name) TANDEM_DECLARE_##family(isa)
 #include "kernel_list.inc"
@@ -40,12 +42,12 @@ using enum Feature;
 #undef TANDEM_ISA
 }  // namespace isa_features
 
-#define TANDEM_ENTRY_GEMM(fmt, isa, name) KernelVariant{name, gemm_##fmt##_##isa, gate_up_##fmt##_##isa}, nullptr, nullptr
+#define TANDEM_ENTRY_GEMM(fmt, isa, name) KernelVariant{name, gemm_##fmt##_##isa, gate_up_##fmt##_##isa}, nullptr, nullptr, nullptr
 #define TANDEM_ENTRY_bf16(isa, name) TANDEM_ENTRY_GEMM(bf16, isa, name)
 #define TANDEM_ENTRY_int8(isa, name) TANDEM_ENTRY_GEMM(int8, isa, name)
 #define TANDEM_ENTRY_int4(isa, name) TANDEM_ENTRY_GEMM(int4, isa, name)
-#define TANDEM_ENTRY_quantize(isa, name) KernelVariant{name, nullptr, nullptr}, quantize_##isa, nullptr
-#define TANDEM_ENTRY_silu_mul(isa, name) KernelVariant{name, nullptr, nullptr}, nullptr, silu_mul_##isa
+#define TANDEM_ENTRY_quantize(isa, name) KernelVariant{name, nullptr, nullptr}, quantize_##isa, nullptr, nullptr
+#define TANDEM_ENTRY_silu_mul(isa, name) KernelVariant{name, nullptr, nullptr}, nullptr, silu_mul_##isa, sigmoid_##isa
 constexpr KernelListEntry kList[] = {
 #define TANDEM_ISA(suffix, ...)
 #define TANDEM_KERNEL(family, isa, from_m, name) \
@@ -124,7 +126,8 @@ KernelTable select_kernels(IsaLevel cap, const CpuFeatures& f) {
           format_kernels(KernelFamily::int8, usable),
           format_kernels(KernelFamily::int4, usable),
           choose(KernelFamily::quantize, usable).small->quantize,
-          choose(KernelFamily::silu_mul, usable).small->silu_mul};
+          choose(KernelFamily::silu_mul, usable).small->silu_mul,
+          choose(KernelFamily::silu_mul, usable).small->sigmoid};
 }
 
 KernelTable with_kernel(KernelTable table, const KernelListEntry& e) {
@@ -136,7 +139,10 @@ KernelTable with_kernel(KernelTable table, const KernelListEntry& e) {
     case KernelFamily::int8: table.int8 = {e.kernel, e.kernel, 1 << 30}; break;
     case KernelFamily::int4: table.int4 = {e.kernel, e.kernel, 1 << 30}; break;
     case KernelFamily::quantize: table.quantize = e.quantize; break;
-    case KernelFamily::silu_mul: table.silu_mul = e.silu_mul; break;
+    case KernelFamily::silu_mul:
+      table.silu_mul = e.silu_mul;
+      table.sigmoid = e.sigmoid;
+      break;
   }
   return table;
 }

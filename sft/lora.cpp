@@ -658,12 +658,12 @@ class SftBackwardTask : public SftTask {
       const float* gq = gu + size_t(q) * 2 * l;
       const float* uq = gq + l;
       float* dhq = dh + size_t(q) * l;
-      // h as the forward computed it (the kernels' SiLU); the derivative from sigmoid(g).
-      // In passes, so that all but the exponentials vectorize (each element's operations
-      // are those of one loop over j; the dw sum keeps its order).
+      // h as the forward computed it (the kernels' SiLU); the derivative from sigmoid(g),
+      // with the same exponential (the kernel table's, vectorized under its level's flags).
+      // In passes, so that the rest vectorizes too (the dw sum keeps its order).
       L.kt_->silu_mul(gq, uq, hrow.data(), l);
       float* sg = sgrow.data();
-      for (int j = 0; j < l; ++j) sg[j] = 1.0f / (1.0f + std::exp(-gq[j]));
+      L.kt_->sigmoid(gq, sg, l);
       double dw = 0;
       for (int j = 0; j < l; ++j) dw += double(hrow[j]) * dhq[j];
       float* dgq = dguf + size_t(q) * 2 * l;

@@ -87,6 +87,7 @@ TEST(KernelList, LinesAreWellFormed) {
       EXPECT_EQ(e->kernel.gemm != nullptr && e->kernel.gate_up != nullptr, gemm_family);
       EXPECT_EQ(e->quantize != nullptr, family == KernelFamily::quantize);
       EXPECT_EQ(e->silu_mul != nullptr, family == KernelFamily::silu_mul);
+      EXPECT_EQ(e->sigmoid != nullptr, family == KernelFamily::silu_mul);
       if (!gemm_family) EXPECT_EQ(e->from_m, 1) << "the helpers have no large-m variant";
     }
   }
@@ -146,7 +147,7 @@ TEST(KernelList, WiderKernelsWinOverAvxVnni) {
 bool runs(const KernelTable& t, const KernelListEntry& e) {
   switch (e.family) {
     case KernelFamily::quantize: return t.quantize == e.quantize;
-    case KernelFamily::silu_mul: return t.silu_mul == e.silu_mul;
+    case KernelFamily::silu_mul: return t.silu_mul == e.silu_mul && t.sigmoid == e.sigmoid;
     default: {
       const FormatKernels& k = e.family == KernelFamily::bf16 ? t.bf16 : e.family == KernelFamily::int8 ? t.int8 : t.int4;
       return k.small.gemm == e.kernel.gemm || k.large.gemm == e.kernel.gemm;
@@ -274,6 +275,33 @@ TEST_P(KernelsSiluMul, MatchesReference) {
     ASSERT_LE(std::abs(h[j] - want), 8 * kU * std::abs(want) + 1e-30) << "g=" << g[j] << " u=" << u[j] << " seed=" << seed;
   }
   EXPECT_EQ(h[n], -7.f) << "wrote past n";
+}
+
+// sigmoid against fp64: the same exponential, an add and a divide (a few ulp); where exp's
+// argument is clamped (x < -87.3) the result is below 2e-38 instead of smaller still.
+TEST_P(KernelsSiluMul, SigmoidMatchesReference) {
+  constexpr double kU = 1.0 / (1 << 24);
+  const uint64_t seed = test::test_seed();
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> d(0.f, 4.f);
+  const int n = 1000;  // vector bodies and a tail at every width
+  std::vector<float> x(n), s(n + 1, -7.f);
+  for (int j = 0; j < n; ++j) x[j] = d(rng);
+  x[10] = -100.f;
+  x[11] = 95.f;
+  x[12] = NAN;
+  x[13] = INFINITY;
+  x[14] = -INFINITY;
+  GetParam()->sigmoid(x.data(), s.data(), n);
+  EXPECT_TRUE(std::isnan(s[12]));
+  EXPECT_EQ(s[13], 1.f);
+  EXPECT_LE(s[14], 2e-38f);
+  for (int j = 0; j < n; ++j) {
+    if (j >= 12 && j <= 14) continue;
+    const double want = 1 / (1 + std::exp(-double(x[j])));
+    ASSERT_LE(std::abs(s[j] - want), 8 * kU * want + 2e-38) << "x=" << x[j] << " seed=" << seed;
+  }
+  EXPECT_EQ(s[n], -7.f) << "wrote past n";
 }
 
 INSTANTIATE_TEST_SUITE_P(Variants, KernelsSiluMul, ::testing::ValuesIn(test::list_entries({KernelFamily::silu_mul})),

@@ -320,6 +320,9 @@ using GateUpFn = void (*)(const PackedWeight& w, const GateUpArgs& args);
 // epilogue (the same inline code, compiled with the level's flags), so a layer that
 // adds to the pre-activations first (LoRA) activates them bit for bit like gate_up.
 using SiluMulFn = void (*)(const float* g, const float* u, float* h, int n);
+// out[j] = 1 / (1 + exp(-x[j])) with the same exponential as silu_mul (the LoRA backward's
+// SiLU derivative); a companion of silu_mul in that family, from the same ISA file.
+using SigmoidFn = void (*)(const float* x, float* out, int n);
 
 struct KernelVariant {
   const char* name = nullptr;  // "avx512_bf16", "avx512_vnni", "amx_bf16", ...
@@ -341,6 +344,7 @@ struct KernelTable {
   FormatKernels bf16, int8, int4;
   QuantizeFn quantize;
   SiluMulFn silu_mul;
+  SigmoidFn sigmoid;  // from the silu_mul family's line
   const FormatKernels& of(WeightFormat f) const {
     return f == WeightFormat::int8 ? int8 : f == WeightFormat::int4 ? int4 : bf16;
   }
@@ -372,6 +376,7 @@ struct KernelListEntry {
   KernelVariant kernel;  // kernel.name is the line's name; gemm / gate_up for bf16, int8, int4
   QuantizeFn quantize;   // family quantize
   SiluMulFn silu_mul;    // family silu_mul
+  SigmoidFn sigmoid;     // family silu_mul
   const char* name() const { return kernel.name; }
 };
 // Every line, in list order (within a family, later lines are preferred).
