@@ -249,16 +249,16 @@ INSTANTIATE_TEST_SUITE_P(Variants, KernelsQuantize, ::testing::ValuesIn(test::li
 class KernelsSiluMul : public ::testing::TestWithParam<const KernelListEntry*> {
  protected:
   void SetUp() override { TANDEM_SKIP_UNLESS_CPU_RUNS(*GetParam()); }
+  static constexpr double kU = 1.0 / (1 << 24);
+  static constexpr int n = 1000;  // vector bodies and a tail at every width
+  const uint64_t seed = test::test_seed();
+  std::mt19937_64 rng{seed};
+  std::normal_distribution<float> d{0.f, 4.f};
 };
 
 // silu(g) * u against fp64 on the same fp32 inputs: the exp polynomial (about 1 ulp),
 // the add, the divide and the multiply give a few ulp (the gate_up tests' allowance).
 TEST_P(KernelsSiluMul, MatchesReference) {
-  constexpr double kU = 1.0 / (1 << 24);
-  const uint64_t seed = test::test_seed();
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> d(0.f, 4.f);
-  const int n = 1000;  // vector bodies and a tail at every width
   std::vector<float> g(n), u(n), h(n + 1, -7.f);
   for (int j = 0; j < n; ++j) g[j] = d(rng), u[j] = d(rng);
   g[10] = -100.f;  // exp's argument clamped
@@ -280,11 +280,6 @@ TEST_P(KernelsSiluMul, MatchesReference) {
 // sigmoid against fp64: the same exponential, an add and a divide (a few ulp); where exp's
 // argument is clamped (x < -87.3) the result is below 2e-38 instead of smaller still.
 TEST_P(KernelsSiluMul, SigmoidMatchesReference) {
-  constexpr double kU = 1.0 / (1 << 24);
-  const uint64_t seed = test::test_seed();
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> d(0.f, 4.f);
-  const int n = 1000;  // vector bodies and a tail at every width
   std::vector<float> x(n), s(n + 1, -7.f);
   for (int j = 0; j < n; ++j) x[j] = d(rng);
   x[10] = -100.f;
