@@ -94,11 +94,6 @@ void pread_all(int fd, void* dst, size_t n, uint64_t off, const fs::path& path) 
   }
 }
 
-void fsync_dir(const fs::path& dir) {
-  Fd d(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (d.fd >= 0) ::fsync(d.fd);  // best effort: some filesystems refuse directory fsync
-}
-
 // ---- what a store holds, as JSON --------------------------------------------------------
 
 json spec_json(const StoreSpec& s) {
@@ -332,7 +327,7 @@ ConvertReport convert_experts(const Checkpoint& ckpt, const StoreSpec& spec, con
     existing.reset();
     fs::remove(manifest, ec);
     TANDEM_CHECK(!ec, Errc::io, "convert: cannot remove the stale ", manifest.string(), ": ", ec.message());
-    fsync_dir(dir);
+    fsync_directory(dir);
   }
   // Temporaries of an interrupted run.
   for (const auto& entry : fs::directory_iterator(dir, ec))

@@ -44,11 +44,14 @@ void AtomicFile::commit() {
   std::filesystem::rename(tmp_, path_, ec);
   TANDEM_CHECK(!ec, Errc::io, what_, ": cannot rename ", tmp_.string(), " to ", path_.string(), ": ", ec.message());
   tmp_.clear();
-  const int dir = ::open(path_.parent_path().empty() ? "." : path_.parent_path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir >= 0) {  // best effort: some filesystems refuse a directory fsync
-    ::fsync(dir);
-    ::close(dir);
-  }
+  fsync_directory(path_.parent_path().empty() ? "." : path_.parent_path());
+}
+
+void fsync_directory(const std::filesystem::path& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return;
+  ::fsync(fd);
+  ::close(fd);
 }
 
 void write_file_atomic(const std::filesystem::path& path, std::string_view data, std::string_view what) {

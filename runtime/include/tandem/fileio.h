@@ -22,13 +22,16 @@ class AtomicFile {
   // Writes n bytes at `offset` (any order; holes read as zeros).
   void write_at(uint64_t offset, const void* data, size_t n);
   void commit();  // fsync, rename over the target, fsync its directory
-  const std::filesystem::path& temp() const { return tmp_; }
 
  private:
   std::filesystem::path path_, tmp_;
   std::string what_;
   int fd_ = -1;
 };
+
+// Flushes a directory's entries (a rename or removal in it) to disk; best effort, since
+// some filesystems refuse a directory fsync.
+void fsync_directory(const std::filesystem::path& dir);
 
 // The whole of `data` as one AtomicFile.
 void write_file_atomic(const std::filesystem::path& path, std::string_view data, std::string_view what);
