@@ -13,7 +13,7 @@
 // them measured three times slower). Work order per call (one work item: a run of panels
 // of one expert, all its rows), in amx_run:
 //   rows in chunks of up to kChunkRows; panels in groups whose accumulators (fp32, or
-//   int32 until the end of the k or of a group) fit about kAccBytes;
+//   for INT8 int32 until the end of the k) fit about kAccBytes;
 //   blocks of k (BF16 256 to 1024 k, INT8 512 to 1024 k, INT4 256 k: block_steps_for):
 //   the chunk's A rows of the block are packed tile by tile
 //   (pack_a: 1 KB tiles, no cache-set conflicts from power-of-two row strides, rows past
@@ -184,28 +184,21 @@ void pack_a(const Rows& in, int b0, int b1, size_t off, int steps, int a_bytes, 
     }
 }
 
-// Every pair and both halves of a chunk's `nb` packed row blocks (each a_steps steps
-// long), steps [s0, s0 + steps) against B at b.
-template <class Dot, class After>
-void run_rows(const char* a, int nb, int a_steps, int a_bytes, int s0, const char* b, size_t b_step, int steps, char* c,
-              bool first, Prefetch& pf, After after) {
+// Every pair and both halves of a chunk's `nb` packed row blocks (each `steps` steps
+// long) against B at b.
+template <class Dot>
+void run_rows(const char* a, int nb, int steps, int a_bytes, const char* b, size_t b_step, char* c, bool first,
+              Prefetch& pf) {
   const size_t tile = static_cast<size_t>(kTileRows) * a_bytes;
-  // Halves outside, pairs inside: a half's B tiles of the block (16 KB for bf16) stay in
-  // L1 while every pair's A tiles stream from L2. after(bi, h) sees each pair's results
-  // for the half while they are in L1.
+  // Halves outside, pairs inside: a half's B tiles of the block stay in L1 (in L2 for the
+  // longer blocks) while every pair's A tiles stream from L2.
   for (int h = 0; h < 2; ++h)
     for (int bi = 0; bi < nb; bi += 2) {
-      const char* a0 = a + (static_cast<size_t>(bi) * a_steps + s0) * tile;
-      const char* a1 = bi + 1 < nb ? a0 + static_cast<size_t>(a_steps) * tile : nullptr;
+      const char* a0 = a + static_cast<size_t>(bi) * steps * tile;
+      const char* a1 = bi + 1 < nb ? a0 + static_cast<size_t>(steps) * tile : nullptr;
       char* cb = c + static_cast<size_t>(bi) * kTileRows * kAccLd * 4 + 128 * h;
       pair_half<Dot>(a0, a1, a_bytes, tile, b + 128 * h, b_step, steps, cb, first, pf);
-      after(bi, h);
     }
-}
-template <class Dot>
-void run_rows(const char* a, int nb, int a_steps, int a_bytes, int s0, const char* b, size_t b_step, int steps, char* c,
-              bool first, Prefetch& pf) {
-  run_rows<Dot>(a, nb, a_steps, a_bytes, s0, b, b_step, steps, c, first, pf, [](int, int) {});
 }
 
 // The formats' parts of a call, each with
@@ -239,8 +232,8 @@ struct DirectFmt {
   size_t block_bytes(int kb) const { return a_steps(kb) * step_bytes + (kb + 1 == blocks() ? tail_bytes : 0); }
   void begin(float*, int) {}
   void run_block(const char* a, int nb, int, int, const std::byte* panel, int kb, float* acc, Prefetch& pf) {
-    run_rows<Dot>(a, nb, a_steps(kb), a_bytes, 0, block_data(panel, kb), step_bytes, a_steps(kb),
-                  reinterpret_cast<char*>(acc), kb == 0, pf);
+    run_rows<Dot>(a, nb, a_steps(kb), a_bytes, block_data(panel, kb), step_bytes, reinterpret_cast<char*>(acc), kb == 0,
+                  pf);
   }
 };
 
@@ -286,10 +279,11 @@ struct Int4Fmt {
   const PackedWeight* w = nullptr;
   int32_t* acc32 = nullptr;    // a row pair's int32 sums, one 4 KB [32 rows][32] slice per group of the pass
   int8_t* unpacked = nullptr;  // one block of k in the INT8 layout, q - zero: [k/4][64][4]
-  __m512* scales = nullptr;    // the block's group scales: [group][4] x 16 outputs
   int a_bytes = 64;            // 32 for groups of 32
-  int groups_per_block = 1;
+  int groups_per_block = 1;    // 256 k per block
+  static constexpr int kMaxBlockGroups = 256 / 32;
   static constexpr int kPassGroups = 4;  // groups scaled in one pass over a row pair's sums
+  __m512 scales[kMaxBlockGroups * 4];    // the block's group scales: [group][4] x 16 outputs
   int blocks() const { return (w->groups() + groups_per_block - 1) / groups_per_block; }
   int groups(int kb) const { return std::min(groups_per_block, w->groups() - kb * groups_per_block); }
   int a_steps(int kb) const { return groups(kb) * w->group / a_bytes; }
@@ -444,14 +438,13 @@ void int8_call(const PackedWeight& w, const Args& g) {
 template <class Args>
 void int4_call(const PackedWeight& w, const Args& g) {
   const QuantInput in = quantize_input(w, g);
-  thread_local AlignedBuffer acc32, unpacked, scales;
+  thread_local AlignedBuffer acc32, unpacked;
   Int4Fmt f;
   f.w = &w;
   f.a_bytes = std::min(w.group, 64);
   f.groups_per_block = std::max(1, 256 / w.group);  // 256 k per block: 8 KB of the panel
   f.acc32 = grow<int32_t>(acc32, static_cast<size_t>(Int4Fmt::kPassGroups) * 32 * 32);
   f.unpacked = grow<int8_t>(unpacked, static_cast<size_t>(f.groups_per_block) * w.group * kPanel);
-  f.scales = grow<__m512>(scales, static_cast<size_t>(f.groups_per_block) * 4);
   amx_call(f, {reinterpret_cast<const char*>(in.q), static_cast<size_t>(in.ldq), g.m}, w, g, in.scale);
 }
 

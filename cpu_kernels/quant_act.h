@@ -4,7 +4,6 @@
 // nearest even), so all copies give bit-identical results.
 #pragma once
 
-#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>

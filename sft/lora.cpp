@@ -647,7 +647,6 @@ class SftBackwardTask : public SftTask {
     float* dh = sc.dh[s].data() + row0 * l;
     if (st_.lora) mm(m, l, r, s_, {sc.qd.data() + row0 * r, r}, wt[AD].of(e).at(0, i0), 1.0f, dh, l);
     const float* gu = st_.gu[s].get() + row0 * 2 * l;
-    float* hf = dh;  // h replaces dh row by row (after the row's last read of dh)
     float* dguf = sc.dguf[s].data() + row0 * 2 * l;
     bf16_t* dgub = sc.dgub[s].data() + row0 * 2 * l;
     thread_local std::vector<float> hrow, sgrow;
@@ -677,7 +676,7 @@ class SftBackwardTask : public SftTask {
         dgbq[j] = round_to_bf16(dg);  // fp32_to_bf16's rule, inline
         dgbq[l + j] = round_to_bf16(du);
       }
-      std::memcpy(hf + size_t(q) * l, hrow.data(), sizeof(float) * l);  // h replaces dh, after its last read
+      std::memcpy(dhq, hrow.data(), sizeof(float) * l);  // h replaces the row of dh after its last read
       sc.dwp[s][row0 + q] = static_cast<float>(dw);
     }
     if (quant) quantize_activations(sc.qbmid[s][i], sc.dgub[s].data() + size_t(g.offset[i]) * 2 * l, 2 * l, b.begin, b.end, L.kt_);
