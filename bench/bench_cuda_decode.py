@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python"))
+sys.path.append(str(ROOT / "python"))  # after PYTHONPATH: a tandem with its _C (gpu_check.sh's) wins
 
 import torch  # noqa: E402
 
@@ -105,6 +105,8 @@ def run_variant(name: str, args, ids_cpu: torch.Tensor) -> dict:
         if timer:
             timer.reset()
         _, t = timed_generate(model, ids, max_new_tokens=args.new, do_sample=False)
+        if args.profile:
+            profile(model, ids, args.profile, name)
         row = dict(variant=name, decode_tps=t.decode_tps, prefill_tps=t.prefill_tps,
                    ms_per_token=1e3 * (t.prefill_s + t.decode_s) / max(t.new_tokens, 1))
         if timer:
@@ -120,6 +122,22 @@ def run_variant(name: str, args, ids_cpu: torch.Tensor) -> dict:
     return row
 
 
+def profile(model, ids: torch.Tensor, new: int, name: str) -> None:
+    """torch.profiler over one generate of `new` tokens: the ops with the most CPU time (the
+    Python thread's view: launches, syncs, CPU kernels) and, on CUDA, the most device time."""
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ids.is_cuda else [])
+    with tprofile(activities=acts) as prof:
+        timed_generate(model, ids, max_new_tokens=new, do_sample=False)
+    ka = prof.key_averages()
+    print(f"\n--- {name}: torch.profiler over {new} new tokens, by CPU total time ---")
+    print(ka.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
+    if ids.is_cuda:
+        print(f"--- {name}: by device time ---")
+        print(ka.table(sort_by="device_time_total", row_limit=12, max_name_column_width=60))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="checkpoint directory (default: the demo model)")
@@ -127,6 +145,8 @@ def main() -> int:
     p.add_argument("--new", type=int, default=100, help="new tokens per timed generate (default 100)")
     p.add_argument("--prompt-tokens", type=int, default=16, help="prompt length in tokens (default 16)")
     p.add_argument("--variants", default="hf-cuda,tandem-cuda,tandem-side,tandem-cpu")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also run torch.profiler over a generate of N new tokens per variant and print its tables")
     args = p.parse_args()
     if args.model is None:
         args.model = str(demo.ensure_demo_model(progress=False))

@@ -13,9 +13,10 @@
 //   peer     the CPU engine with every expert (no device), and its ratio to hybrid
 // On the host stream the "device" is a thread running the CPU BF16 kernels. On either
 // stream the pool leaves one core (unless --threads says otherwise) to the thread that
-// drives the stream, as the engine does.
+// drives the stream, as the engine does. cuda-legacy enqueues on CUDA's legacy default
+// stream (the one torch uses unless told otherwise) instead of a non-blocking stream of its own.
 //
-//   build/bench/bench_hybrid [--stream host|cuda] [--shape qwen3-30b] [--layers 2]
+//   build/bench/bench_hybrid [--stream host|cuda|cuda-legacy] [--shape qwen3-30b] [--layers 2]
 //                            [--tokens 1,64,512] [--hot 0,10,25,50] [--threads N] [--format bf16]
 #include <algorithm>
 #include <cmath>
@@ -56,7 +57,14 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "unknown shape %s (qwen3-30b, qwen3-235b, deepseek-v3, tiny)\n", shape_name.c_str());
     return 2;
   }
-  std::unique_ptr<Stream> stream = stream_kind == "cuda" ? make_cuda_stream(0) : make_host_stream();
+  if (stream_kind != "host" && stream_kind != "cuda" && stream_kind != "cuda-legacy") {
+    std::fprintf(stderr, "--stream %s: not one of host, cuda, cuda-legacy\n", stream_kind.c_str());
+    return 2;
+  }
+  // cudaStreamLegacy is the handle ((cudaStream_t)1).
+  std::unique_ptr<Stream> stream = stream_kind == "cuda"          ? make_cuda_stream(0)
+                                   : stream_kind == "cuda-legacy" ? make_cuda_stream(0, reinterpret_cast<void*>(1))
+                                                                  : make_host_stream();
   Config::Cpu cpu_cfg;
   cpu_cfg.threads = threads > 0 ? threads : 0;
   Pool pool(pool_options(cpu_cfg, 1));  // as the engine: a core for the thread driving the stream

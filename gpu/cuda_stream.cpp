@@ -85,7 +85,7 @@ class CudaExperts : public DeviceExperts {
 
 class CudaStream : public Stream {
  public:
-  CudaStream(int index, cudaStream_t external) : index_(index), owned_(external == nullptr) {
+  CudaStream(int index, cudaStream_t external) : index_(index) {
     int count = 0;
     const cudaError_t e = cudaGetDeviceCount(&count);
     TANDEM_CHECK(e == cudaSuccess && count > 0, Errc::unsupported, "cuda:", index, ": no usable CUDA device (",
@@ -94,10 +94,13 @@ class CudaStream : public Stream {
                  " CUDA device(s)");
     try {
       TANDEM_CUDA_OK(cudaSetDevice(index_));
-      if (owned_)
-        TANDEM_CUDA_OK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-      else
+      if (!external) {
+        TANDEM_CUDA_OK(cudaStreamCreateWithFlags(&owned_, cudaStreamNonBlocking));
+        stream_ = owned_;
+      } else {
         stream_ = external;
+      }
+      TANDEM_CUDA_OK(cudaEventCreateWithFlags(&handoff_, cudaEventDisableTiming));
       TANDEM_CUBLAS_OK(cublasCreate(&blas_));
       TANDEM_CUBLAS_OK(cublasSetStream(blas_, stream_));  // before the workspace: it resets it
       // A fixed workspace, so cuBLAS allocates nothing while a graph is captured.
@@ -116,20 +119,26 @@ class CudaStream : public Stream {
       capturing_ = false;
     }
     if (stream_) cudaStreamSynchronize(stream_);
+    if (owned_ && owned_ != stream_) cudaStreamSynchronize(owned_);
     if (blas_) cublasDestroy(blas_);
     if (workspace_) cudaFree(workspace_);
-    if (stream_ && owned_) cudaStreamDestroy(stream_);
+    if (handoff_) cudaEventDestroy(handoff_);
+    if (owned_) cudaStreamDestroy(owned_);
     stream_ = nullptr;
+    owned_ = nullptr;
     blas_ = nullptr;
     workspace_ = nullptr;
+    handoff_ = nullptr;
   }
   std::string name() const override { return str_cat("cuda:", index_); }
   bool is_cuda() const override { return true; }
-  cudaStream_t native() const { return stream_; }
+  void* native() const override { return stream_; }
+  cudaStream_t stream() const { return stream_; }
   cublasHandle_t blas() const { return blas_; }
   void use() const { TANDEM_CUDA_OK(cudaSetDevice(index_)); }
 
   void* alloc_device(size_t bytes) override {
+    check_may_allocate("device", bytes);
     use();
     void* p = nullptr;
     TANDEM_CUDA_OK(cudaMalloc(&p, std::max<size_t>(bytes, 1)));
@@ -137,6 +146,7 @@ class CudaStream : public Stream {
   }
   void free_device(void* p) noexcept override { cudaFree(p); }
   void* alloc_pinned(size_t bytes) override {
+    check_may_allocate("pinned host", bytes);
     void* p = nullptr;
     TANDEM_CUDA_OK(cudaHostAlloc(&p, std::max<size_t>(bytes, 1), cudaHostAllocPortable));
     return p;
@@ -185,12 +195,34 @@ class CudaStream : public Stream {
     return std::make_unique<CudaExperts>(*this, shape, std::move(experts), source);
   }
   void synchronize() override {
-    TANDEM_CHECK(!capturing_, Errc::invalid_argument, "stream: synchronize() while capturing a graph");
+    TANDEM_CHECK(!capturing(), Errc::invalid_argument, "stream: synchronize() while ", name(),
+                 capturing_ ? " is capturing a graph" : " is being captured into a CUDA graph (by torch or another caller)");
     TANDEM_CUDA_OK(cudaStreamSynchronize(stream_));
     if (auto e = take_error()) std::rethrow_exception(e);
   }
+  bool capturing() const override { return capturing_ || native_capturing(stream_); }
+
+  void follow(void* native) override {
+    cudaStream_t next = native ? static_cast<cudaStream_t>(native) : cudaStreamLegacy;
+    if (next == stream_) return;
+    TANDEM_CHECK(!capturing_, Errc::invalid_argument, "stream: follow() between begin_capture() and end_capture()");
+    use();
+    // Across a capture boundary an event from the other side cannot be waited on (and is
+    // not needed: torch.cuda.graph synchronizes the device before capturing, and captured
+    // work has not run when the capture ends).
+    if (!native_capturing(stream_) && !native_capturing(next)) {
+      TANDEM_CUDA_OK(cudaEventRecord(handoff_, stream_));
+      TANDEM_CUDA_OK(cudaStreamWaitEvent(next, handoff_, 0));
+    }
+    stream_ = next;
+    TANDEM_CUBLAS_OK(cublasSetStream(blas_, stream_));
+    TANDEM_CUBLAS_OK(cublasSetWorkspace(blas_, workspace_, kWorkspace));  // cublasSetStream resets it
+  }
+
   void begin_capture() override {
     TANDEM_CHECK(!capturing_, Errc::invalid_argument, "stream: begin_capture() while already capturing");
+    TANDEM_CHECK(!native_capturing(stream_), Errc::invalid_argument, "stream: begin_capture() while ", name(),
+                 "'s native stream is already being captured (by torch or another caller)");
     // Relaxed: first-use allocations (a new batch shape's buffers) may happen inside.
     TANDEM_CUDA_OK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed));
     capturing_ = true;
@@ -208,10 +240,31 @@ class CudaStream : public Stream {
   }
 
  private:
+  // Whether `s` is being captured. The legacy stream cannot be queried while another
+  // stream captures in global mode (cudaErrorStreamCaptureImplicit): that counts as
+  // captured, and the error is cleared so that torch's next launch check does not see it.
+  static bool native_capturing(cudaStream_t s) {
+    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(s, &st) != cudaSuccess) {
+      cudaGetLastError();
+      return true;
+    }
+    return st != cudaStreamCaptureStatusNone;
+  }
+  // Memory allocated while someone else (torch) captures the stream would invalidate the
+  // capture (global mode forbids cudaMalloc / cudaHostAlloc), so the first call of a batch
+  // shape must run before the capture; tandem's own captures are relaxed and allow it.
+  void check_may_allocate(const char* what, size_t bytes) const {
+    TANDEM_CHECK(capturing_ || !native_capturing(stream_), Errc::invalid_argument, name(), ": tandem needs ", bytes,
+                 " bytes of new ", what, " memory while the stream is being captured into a CUDA graph: run the same "
+                 "batch shape (token count) once before capturing (a warm-up step, as torch.cuda.graph expects)");
+  }
+
   static constexpr size_t kWorkspace = 32u << 20;
   int index_;
-  cudaStream_t stream_ = nullptr;
-  bool owned_ = true;  // false: the caller's stream (not destroyed here)
+  cudaStream_t stream_ = nullptr;  // where work is enqueued now (follow() moves it)
+  cudaStream_t owned_ = nullptr;   // the stream made here when none was given (destroyed here)
+  cudaEvent_t handoff_ = nullptr;  // follow(): the old stream's work, waited for on the new one
   cublasHandle_t blas_ = nullptr;
   void* workspace_ = nullptr;
 };
@@ -256,7 +309,7 @@ CudaExperts::CudaExperts(CudaStream& s, const MoeShape& shape, std::vector<int> 
 }
 
 CudaExperts::~CudaExperts() {
-  cudaStreamSynchronize(s_.native());
+  cudaStreamSynchronize(s_.stream());
   for (auto& [t, sc] : scratch_) {
     s_.free_device(sc.xb);
     s_.free_device(sc.wd);
@@ -273,10 +326,17 @@ CudaExperts::Scratch& CudaExperts::scratch(int tokens) {
   if (it != scratch_.end()) return it->second;
   const size_t T = tokens, nh = experts_.size(), H = shape_.hidden, I = shape_.inter;
   Scratch sc;
-  sc.xb = static_cast<uint16_t*>(s_.alloc_device(T * H * 2));
-  sc.wd = static_cast<float*>(s_.alloc_device(T * nh * 4));
-  sc.gu = static_cast<float*>(s_.alloc_device(T * nh * 2 * I * 4));
-  sc.h = static_cast<uint16_t*>(s_.alloc_device(T * nh * I * 2));
+  try {
+    sc.xb = static_cast<uint16_t*>(s_.alloc_device(T * H * 2));
+    sc.wd = static_cast<float*>(s_.alloc_device(T * nh * 4));
+    sc.gu = static_cast<float*>(s_.alloc_device(T * nh * 2 * I * 4));
+    sc.h = static_cast<uint16_t*>(s_.alloc_device(T * nh * I * 2));
+  } catch (...) {
+    for (void* p : {static_cast<void*>(sc.xb), static_cast<void*>(sc.wd), static_cast<void*>(sc.gu),
+                    static_cast<void*>(sc.h)})
+      if (p) s_.free_device(p);
+    throw;
+  }
   return scratch_.emplace(tokens, sc).first->second;
 }
 
@@ -287,7 +347,7 @@ void CudaExperts::forward(const void* x, XType xt, int tokens, const int32_t* ho
   s_.use();
   const int nh = static_cast<int>(experts_.size()), H = shape_.hidden, I = shape_.inter;
   Scratch& sc = scratch(tokens);
-  cudaStream_t st = s_.native();
+  cudaStream_t st = s_.stream();
   const uint16_t* xb = static_cast<const uint16_t*>(x);
   if (xt == XType::f32) {
     TANDEM_LAUNCH_OK("to_bf16", gpu::launch_to_bf16(static_cast<const float*>(x), sc.xb, size_t(tokens) * H, st));

@@ -357,7 +357,7 @@ PYBIND11_MODULE(_C, m) {
            "Packs MoE layer `index` from row-major [inter x hidden] gate/up and [hidden x inter] down per expert.")
       .def_property_readonly("loaded", [](const Engine& e) { return e.loaded(); })
       .def("forward", [](Engine& e, int i, uintptr_t x, bool x_bf16, int tokens, uintptr_t ids, uintptr_t weights,
-                         int top_k, uintptr_t out, bool sync) {
+                         int top_k, uintptr_t out, bool sync, std::optional<uintptr_t> cuda_stream) {
              LayerIO io;
              io.x = reinterpret_cast<const void*>(x);
              io.x_type = x_bf16 ? XType::bf16 : XType::f32;
@@ -368,10 +368,13 @@ PYBIND11_MODULE(_C, m) {
              io.top_k = top_k;
              io.out = reinterpret_cast<float*>(out);
              py::gil_scoped_release nogil;
+             if (cuda_stream) e.stream().follow(reinterpret_cast<void*>(*cuda_stream));
              e.forward(i, io);
              if (sync) e.synchronize();
            }, py::arg("index"), py::arg("x"), py::arg("x_bf16"), py::arg("tokens"), py::arg("ids"), py::arg("weights"),
-           py::arg("top_k"), py::arg("out"), py::arg("synchronize"))
+           py::arg("top_k"), py::arg("out"), py::arg("synchronize"), py::arg("cuda_stream") = py::none(),
+           "cuda_stream: enqueue this call (and later ones) on that cudaStream_t handle of the engine's device, "
+           "0 for the legacy default stream (torch's current stream); the engine's earlier work is ordered before it")
       .def("synchronize", [](Engine& e) {
              py::gil_scoped_release nogil;
              e.synchronize();

@@ -158,6 +158,13 @@ class HostStream : public Stream {
     if (auto e = take_error()) std::rethrow_exception(e);
   }
 
+  void follow(void* native) override {
+    TANDEM_CHECK(native == nullptr, Errc::invalid_argument, "host stream: follow(", native,
+                 "): the host stream has no native streams to follow");
+  }
+
+  void* native() const override { return nullptr; }
+
   void begin_capture() override {
     TANDEM_CHECK(!capturing_, Errc::invalid_argument, "stream: begin_capture() while already capturing");
     capturing_ = true;

@@ -131,8 +131,9 @@ HybridMoe::Batch& HybridMoe::batch(int tokens, int top_k, XType xt, bool defer) 
   const std::tuple<int, int, int, bool> key{tokens, top_k, static_cast<int>(xt), defer};
   if (auto it = batches_.find(key); it != batches_.end()) return *it->second;
   evict_batches();
-  auto& b = batches_[key];
-  b = std::make_unique<Batch>();
+  // Built aside and entered only when complete: an allocation that fails (out of memory, or
+  // refused while torch captures the stream) leaves no half-made batch behind.
+  auto b = std::make_unique<Batch>();
   b->stream = &stream_;
   b->tokens = tokens;
   b->top_k = top_k;
@@ -185,7 +186,7 @@ HybridMoe::Batch& HybridMoe::batch(int tokens, int top_k, XType xt, bool defer) 
     j->copy_out = {"copy_back", args};
     b->jobs.push_back(std::move(j));
   }
-  return *b;
+  return *(batches_[key] = std::move(b));
 }
 
 void HybridMoe::submit_fn(void* p) {

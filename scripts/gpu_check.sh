@@ -210,6 +210,13 @@ python_tests() {
 
 # ---- 5. the Python module for this Python, and pytest's CUDA tests ------------------------
 PKG="$root/$BUILD/py"
+# The compiler for a module built here: the one whose major version built libtandem.a
+# (BUILD_INFO's cxx line), when this machine has it (the H200 image has g++-12 beside its
+# default g++-13); else $CXX or g++, which may crash at run time (see below).
+lib_major=$(awk -F': ' '/^cxx/ {print $2}' "$BUILD/BUILD_INFO" 2>/dev/null | grep -oE '[0-9]+\.[0-9]+\.[0-9]+' | tail -1 | cut -d. -f1)
+if [[ -z ${CXX:-} && -n $lib_major ]] && command -v "g++-$lib_major" >/dev/null; then
+  CXX=g++-$lib_major
+fi
 py_ok=0
 if ((!DO_PYTHON)); then
   record python SKIP "--no-python"

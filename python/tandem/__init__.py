@@ -32,6 +32,9 @@ __all__ = ["Checkpoint", "DoctorReport", "Engine", "TandemExperts", "convert", "
 
 def __getattr__(name: str):
     # torch / transformers load only when the model integration is used.
+    if name == "attention":  # tandem.attention.generation_attention (SDPA backends for generation on CUDA)
+        import importlib
+        return importlib.import_module(".attention", __name__)
     if name == "offload":
         from .engine import offload
         return offload

@@ -102,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
     import tempfile
 
     sel, pp, tg = check_arguments(args)
+    from .attention import generation_attention
     from .cli_checks import check_device, describe
 
     import torch
@@ -147,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
             gen = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad)
 
             def decode(ids=ids, gen=gen):
-                model.generate(ids, attention_mask=torch.ones_like(ids), **gen)
+                with generation_attention(dev):
+                    model.generate(ids, attention_mask=torch.ones_like(ids), **gen)
             decode()
             runs = [timed(decode) for _ in range(args.repetitions)]
             results.append(("tg", n, runs))

@@ -147,7 +147,9 @@ class Session:
 
         device = next(p.device for p in self.model.parameters())
         t0 = time.perf_counter()
-        with torch.no_grad():
+        from .attention import generation_attention
+
+        with torch.no_grad(), generation_attention(device):
             out = self.model.generate(ids[None].to(device), attention_mask=torch.ones(1, ids.shape[0], device=device,
                                                                                       dtype=torch.long),
                                       past_key_values=self.cache, streamer=Stream(self.tok, skip_prompt=True,

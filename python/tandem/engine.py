@@ -32,9 +32,10 @@ def make_engine(config: ConfigLike, shape: tuple[int, int, int], layers: list[in
     """An engine for MoE layers `layers` of shape (experts, hidden, intermediate).
 
     ``device`` is where the rest of the model (and so the experts' inputs) lives: a CUDA
-    device makes tandem enqueue on torch's current stream of that device (ordered with
-    torch's work, capturable in torch's CUDA graphs) unless the config's gpu.device is
-    "none"; a CPU device uses the host stream (a config asking for a GPU is an error).
+    device makes tandem enqueue each call on torch's current stream of that device at the
+    time of the call (ordered with torch's work, capturable in torch's CUDA graphs) unless
+    the config's gpu.device is "none"; a CPU device uses the host stream (a config asking
+    for a GPU is an error).
     """
     args = config_args(config)
     gpu = config_json(config)["gpu"]["device"]
@@ -50,7 +51,7 @@ def make_engine(config: ConfigLike, shape: tuple[int, int, int], layers: list[in
                              "or change gpu.device")
         handle = torch.cuda.current_stream(index).cuda_stream
         engine = _C.Engine(stream="cuda", cuda_device=index, cuda_stream=handle, **kw)
-        CUDA_BINDINGS[engine] = CudaBinding(index, handle)
+        CUDA_BINDINGS[engine] = CudaBinding(index)
         return engine
     if device.type != "cpu":
         raise ValueError(f"tandem runs models on cpu or cuda devices, not {device}")

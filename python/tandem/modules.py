@@ -9,9 +9,10 @@ placeholders their dtype and device), so ``state_dict()`` and ``Accelerator.prep
 only the rest of the model.
 ``TandemLoraExperts`` is its training counterpart (a ``_C.LoraLayer``, LoRA through
 ``tandem.lora``); ``FrozenLinear`` stands in for a v4 per-expert linear whose weight tandem
-holds. Also here: which device and stream a CUDA engine enqueues on (``CudaBinding``,
-recorded by ``tandem.engine.make_engine`` in ``CUDA_BINDINGS``) and the check each CUDA call
-makes against it (``check_cuda_call``).
+holds. Also here: which device a CUDA engine runs on (``CudaBinding``, recorded by
+``tandem.engine.make_engine`` in ``CUDA_BINDINGS``) and the check each CUDA call makes
+against it (``check_cuda_call``). Each CUDA call enqueues on torch's current stream of that
+device at the time of the call (the engine follows it, ordering its earlier work first).
 """
 from __future__ import annotations
 
@@ -27,37 +28,21 @@ from .lora import run_experts
 
 @dataclass(frozen=True)
 class CudaBinding:
-    """Where a CUDA engine enqueues: device index and the cudaStream_t handle (torch's
-    ``Stream.cuda_stream``; 0 is the legacy default stream) current when it was built. The
-    C++ stream wraps that one handle for the engine's life."""
+    """Where a CUDA engine runs: its device index (its streams follow torch's current one)."""
     device: int
-    stream: int
 
 
 # CUDA engines made by make_engine -> their binding (the _C.Engine does not expose it).
 CUDA_BINDINGS: "weakref.WeakKeyDictionary[_C.Engine, CudaBinding]" = weakref.WeakKeyDictionary()
 
 
-def _stream_name(handle: int) -> str:
-    return "the default stream (0x0)" if handle == 0 else f"stream {handle:#x}"
-
-
-def check_cuda_call(where: str, binding: CudaBinding, device: torch.device, current_stream: int) -> None:
-    """Refuses a call whose hidden states are on another device than the engine's, or made
-    while torch's current stream (``current_stream``, a cudaStream_t handle) is not the one
-    the engine enqueues on: tandem's copies and kernels would run unordered with torch's
-    work (reading inputs not yet written, writing outputs torch already reads)."""
+def check_cuda_call(where: str, binding: CudaBinding, device: torch.device) -> None:
+    """Refuses a call whose hidden states are on another device than the engine's (its
+    hot experts and buffers live there)."""
     if device.index != binding.device:
         raise ValueError(f"{where}: hidden_states is on {device} but this model's tandem engine runs on "
                          f"cuda:{binding.device}; keep the model and its inputs on cuda:{binding.device} "
                          "(tandem's engine cannot move to another device)")
-    if current_stream != binding.stream:
-        raise ValueError(f"{where}: torch's current stream on cuda:{binding.device} is {_stream_name(current_stream)}, "
-                         f"but this model's tandem engine enqueues on {_stream_name(binding.stream)} (the stream that "
-                         "was current when the model was loaded / offloaded), so its work would not be ordered with "
-                         "torch's. Call the model on that stream, or load / offload it under the stream you call it "
-                         "on (with torch.cuda.stream(s): ...; for CUDA graphs capture on that same stream: "
-                         "torch.cuda.graph(g, stream=s))")
 
 
 def _check_inputs(where: str, hidden: int, x: torch.Tensor, top_k_index: torch.Tensor,
@@ -169,7 +154,7 @@ class TandemExperts(_FusedPlaceholders):
         if self.engine.is_cuda:
             if dev.type != "cuda":
                 raise ValueError(f"{where}: the engine runs on {self.engine.stream} but hidden_states is on {dev}")
-            check_cuda_call(where, self._cuda_binding, dev, torch.cuda.current_stream(dev).cuda_stream)
+            check_cuda_call(where, self._cuda_binding, dev)
         elif dev.type != "cpu":  # host stream with a GPU model (gpu.device: none): round trip through the CPU
             out = self.forward(x.cpu(), top_k_index.cpu(), top_k_weights.cpu())
             return out.to(dev)
@@ -181,12 +166,14 @@ class TandemExperts(_FusedPlaceholders):
         args = (self.index, xin.data_ptr(), xin.dtype == torch.bfloat16, T, ids.data_ptr(), w.data_ptr(), ids.shape[1],
                 out.data_ptr())
         if self.engine.is_cuda:
-            # Inputs, temporaries and out were allocated on torch's current stream, which is the
-            # engine's (checked above): the caching allocator reuses their blocks only for work
-            # enqueued later on that stream, so after tandem's reads and writes. The device guard
-            # restores torch's current device, which the C++ stream sets to the engine's.
+            # The engine enqueues on torch's current stream (after its own earlier work), where
+            # the temporaries and out were allocated: the caching allocator reuses their blocks
+            # only for work enqueued later on that stream, so after tandem's reads and writes.
+            # Under a torch CUDA graph capture that stream is the capture stream, so the call
+            # (CPU experts included, as host nodes) is recorded into the graph. The device
+            # guard restores torch's current device, which the C++ stream sets to the engine's.
             with torch.cuda.device(dev):
-                self.engine.forward(*args, synchronize=False)
+                self.engine.forward(*args, synchronize=False, cuda_stream=torch.cuda.current_stream(dev).cuda_stream)
         else:
             try:  # host stream: enqueue, then wait until the stream ran it (x, ids, w, out are read/written there)
                 self.engine.forward(*args, synchronize=True)

@@ -34,9 +34,12 @@ class Timings:
 
 
 def timed_generate(model, input_ids, attention_mask=None, **gen_kwargs):
-    """model.generate, with the time to the first new token and to the last one."""
+    """model.generate, with the time to the first new token and to the last one (on CUDA with
+    SDPA's cuDNN backend off: tandem.attention)."""
     import torch
     from transformers import StoppingCriteria, StoppingCriteriaList
+
+    from .attention import generation_attention
 
     stamps: list[float] = []
 
@@ -50,7 +53,7 @@ def timed_generate(model, input_ids, attention_mask=None, **gen_kwargs):
     if input_ids.is_cuda:
         torch.cuda.synchronize(input_ids.device)
     t0 = time.perf_counter()
-    with torch.inference_mode():
+    with torch.inference_mode(), generation_attention(input_ids.device):
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask,
                              stopping_criteria=StoppingCriteriaList([Stamp()]), **gen_kwargs)
     new = out.shape[1] - input_ids.shape[1]

@@ -487,7 +487,9 @@ class Generator:
             gen.update(temperature=p.temperature, top_p=p.nucleus, top_k=0)
             torch.manual_seed(p.seed if p.seed is not None else secrets.randbits(63))
         ids = job.prompt_ids[None].to(self.device)
-        with torch.no_grad():
+        from .attention import generation_attention
+
+        with torch.no_grad(), generation_attention(self.device):
             self.model.generate(ids, attention_mask=torch.ones_like(ids), streamer=Stream(),
                                 stopping_criteria=StoppingCriteriaList([Stop()]), **gen)
         end = time.perf_counter()

@@ -551,6 +551,41 @@ TEST_P(Hybrid, SlotsAreReusedAcrossLayersStepsAndBatchSizes) {
   }
 }
 
+TEST_P(Hybrid, StepsFollowTheCallersStream) {
+  // From Python the engine enqueues on torch's current stream at each call, which may change
+  // between calls (Stream::follow). Steps back to back on three native streams, nothing
+  // synchronized in between: slots, the batch buffers and the deferred experts' outputs
+  // cross the moves, so each step must still run after the one before.
+  const uint64_t seed = test_seed();
+  std::mt19937_64 rng(seed);
+  Model m(4, 6, 64, 64, rng);
+  std::vector<std::vector<int>> hot{{1}, {}, {0, 5}, {2}};
+  Stack st(m, 2, hot);
+  auto stream = this->stream();
+  std::unique_ptr<Stream> other;  // CUDA: a second stream, only for its native handle
+  std::vector<void*> order(5, nullptr);
+  if (stream->is_cuda()) {
+    other = make_cuda_stream(0);
+    void* own = stream->native();
+    order = {own, other->native(), nullptr, other->native(), own};  // nullptr: the legacy default stream
+  } else {
+    EXPECT_EQ(stream->native(), nullptr);
+    const std::string msg = error_of([&] { stream->follow(reinterpret_cast<void*>(8)); });
+    EXPECT_NE(msg.find("no native streams"), std::string::npos) << msg;
+  }
+  HybridMoe hy(*stream, st.ptrs, {2, 16, 1});
+  for (int l = 0; l < m.layers; ++l) hy.set_hot(l, hot[l], m.source(l));
+  std::vector<std::unique_ptr<Chain>> steps;
+  for (int tokens : {3, 1, 5, 1, 3}) steps.push_back(std::make_unique<Chain>(*stream, m, tokens, 2, rng));
+  for (size_t i = 0; i < steps.size(); ++i) {
+    stream->follow(order[i]);
+    steps[i]->enqueue(hy);
+  }
+  EXPECT_EQ(stream->native(), order.back());
+  stream->synchronize();
+  for (size_t i = 0; i < steps.size(); ++i) steps[i]->check(*stream, hy, 1, "step " + std::to_string(i), false);
+}
+
 TEST_P(Hybrid, CapturedStepReplaysWithTheCpuExperts) {
   const uint64_t seed = test_seed();
   std::mt19937_64 rng(seed);

@@ -33,6 +33,29 @@ def test_embedded_demo_config_is_configs_demo_yaml():
     tandem.parse_config(demo.DEMO_CONFIG_YAML)  # and it is valid
 
 
+def test_generation_on_cuda_runs_sdpa_without_cudnn(monkeypatch):
+    """tandem's generation commands keep SDPA off cuDNN on CUDA (a plan per new key length made
+    every step of a first generation ~60 ms on an H200) and restore torch's flags afterwards;
+    CPU generation and TANDEM_SDPA_CUDNN=1 leave torch's choice alone."""
+    from torch.nn.attention import SDPBackend
+
+    from tandem.attention import generation_attention, generation_sdpa_backends
+
+    monkeypatch.delenv("TANDEM_SDPA_CUDNN", raising=False)
+    got = generation_sdpa_backends("cuda:0")
+    assert SDPBackend.CUDNN_ATTENTION not in got and SDPBackend.FLASH_ATTENTION in got and SDPBackend.MATH in got
+    assert generation_sdpa_backends("cpu") is None
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with generation_attention(torch.device("cuda", 0)):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    monkeypatch.setenv("TANDEM_SDPA_CUDNN", "1")
+    assert generation_sdpa_backends("cuda:0") is None
+    with generation_attention("cuda:0"):
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
 def test_byte_level_tokenizer_round_trips_any_text():
     tok = demo.build_tokenizer()
     assert len(tok) == 256 + len(demo.SPECIAL_TOKENS)

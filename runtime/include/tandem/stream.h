@@ -100,7 +100,20 @@ class Stream {
 
   virtual void begin_capture() = 0;
   virtual std::unique_ptr<Graph> end_capture() = 0;
-  bool capturing() const { return capturing_; }
+  // Whether work enqueued now is recorded rather than run: between begin_capture() and
+  // end_capture(), or (CUDA) while the native stream is captured by someone else, e.g. torch.
+  virtual bool capturing() const { return capturing_; }
+
+  // Enqueue on `native` from now on (CUDA: a cudaStream_t of this stream's device, nullptr
+  // for the legacy default stream; torch's current stream at each call). Work enqueued
+  // before stays ordered before work enqueued after: the new stream waits for an event
+  // recorded on the old one, except across a capture boundary, where the capturing side
+  // orders itself (torch.cuda.graph synchronizes the device before it captures). The host
+  // stream has no native handles: it accepts only nullptr.
+  virtual void follow(void* native) = 0;
+  // The native handle work is enqueued on now (CUDA: a cudaStream_t, cudaStreamLegacy for
+  // the legacy default stream; the host stream: nullptr).
+  virtual void* native() const = 0;
 
   // For host functions: report an error (kept until synchronize) / whether one is pending.
   void set_error(std::exception_ptr e);
