@@ -386,6 +386,12 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("inter", [](const Engine& e) { return e.spec().shape.inter; })
       .def("index_of", &Engine::index_of)
       .def("hot", &Engine::hot)
+      .def_property_readonly("dynamic_hot", [](Engine& e) { return e.config().gpu.hot_experts.dynamic; },
+                             "whether the hot sets move while running (gpu.hot_experts.dynamic)")
+      .def_property_readonly("rebalances", &Engine::rebalances,
+                             "dynamic hot experts (gpu.hot_experts.dynamic): rebalances that moved experts so far")
+      .def_property_readonly("hot_moves", &Engine::hot_moves,
+                             "dynamic hot experts: experts promoted to the device so far, all layers")
       .def_property_readonly("stream", [](Engine& e) { return e.stream().name(); })
       .def_property_readonly("is_cuda", [](Engine& e) { return e.stream().is_cuda(); })
       .def_property_readonly("format", [](Engine& e) { return e.config().cpu.format; })

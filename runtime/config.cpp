@@ -3,6 +3,7 @@
 #include <yaml.h>
 
 #include <charconv>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <deque>
@@ -340,6 +341,16 @@ long long read_int(const Ctx& c, const Node* n, const std::string& key, long lon
   return v;
 }
 
+double read_double(const Ctx& c, const Node* n, const std::string& key, double lo, double hi) {
+  double v = 0;
+  const std::string& s = scalar(n);
+  auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (!is_scalar(n) || !n->plain || s.empty() || ec != std::errc() || p != s.data() + s.size() || !std::isfinite(v))
+    fail(c, n, key, str_cat("expected a number, got ", show(n)));
+  if (v < lo || v > hi) fail(c, n, key, str_cat(s, " is outside the allowed range [", lo, ", ", hi, "]"));
+  return v;
+}
+
 bool read_bool(const Ctx& c, const Node* n, const std::string& key) {
   if (is_scalar(n) && n->plain) {
     const std::string& s = n->value;
@@ -433,8 +444,23 @@ void parse_hot(const Section& parent, const Node* n, HotExpertsConfig& hot) {
     hot.policy = hot.count ? P::uniform : P::none;
     return;
   }
-  Section s(n, key, c, {"count", "statistics", "layers"});
+  Section s(n, key, c, {"count", "statistics", "layers", "dynamic", "rebalance_steps", "hysteresis"});
   auto count = s.value("count"), stats = s.value("statistics"), layers = s.value("layers");
+  auto dynamic = s.value("dynamic"), every = s.value("rebalance_steps"), hyst = s.value("hysteresis");
+  if (present(dynamic)) hot.dynamic = read_bool(c, dynamic, s.key("dynamic"));
+  if (present(every)) {
+    if (!hot.dynamic) fail(c, every, s.key("rebalance_steps"), "applies only with 'dynamic: true'");
+    hot.rebalance_steps = static_cast<int>(read_int(c, every, s.key("rebalance_steps"), 1, 1 << 30));
+  }
+  if (present(hyst)) {
+    if (!hot.dynamic) fail(c, hyst, s.key("hysteresis"), "applies only with 'dynamic: true'");
+    hot.hysteresis = read_double(c, hyst, s.key("hysteresis"), 0.0, 100.0);
+  }
+  if (hot.dynamic && present(layers))
+    fail(c, dynamic, s.key("dynamic"), "dynamic hot experts start from 'count' (uniform or with 'statistics'), not "
+                                       "from explicit per-layer lists");
+  if (hot.dynamic && !present(count))
+    fail(c, dynamic, s.key("dynamic"), "needs 'count' (how many experts per layer the GPU holds)");
   if (present(layers)) {
     if (present(count) || present(stats))
       fail(c, layers, s.key("layers"), "explicit per-layer lists exclude 'count' and 'statistics'; give one or the other");
@@ -458,6 +484,8 @@ void parse_hot(const Section& parent, const Node* n, HotExpertsConfig& hot) {
     hot.statistics = resolve(c, read_string(c, stats, s.key("statistics")));
   }
   hot.policy = hot.count == 0 ? P::none : present(stats) ? P::statistics : P::uniform;
+  if (hot.dynamic && hot.count == 0)
+    fail(c, dynamic, s.key("dynamic"), "given with count 0, so there is nothing to move; set count > 0 or remove it");
 }
 
 void parse_gpu(const Section& s, Config::Gpu& gpu) {
@@ -605,7 +633,10 @@ std::string Config::to_json() const {
                {{"policy", hot_policy_name(gpu.hot_experts.policy)},
                 {"count", gpu.hot_experts.count},
                 {"statistics", gpu.hot_experts.statistics.string()},
-                {"layers", layers}}},
+                {"layers", layers},
+                {"dynamic", gpu.hot_experts.dynamic},
+                {"rebalance_steps", gpu.hot_experts.rebalance_steps},
+                {"hysteresis", gpu.hot_experts.hysteresis}}},
               {"deferred_experts", gpu.deferred_experts}};
   j["buffers"] = {{"pinned_slots", buffers.pinned_slots}, {"max_tokens", buffers.max_tokens}};
   j["trace"] = {{"path", trace.path.string()}, {"enabled", trace.enabled}};

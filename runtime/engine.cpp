@@ -1,6 +1,7 @@
 #include "tandem/engine.h"
 
 #include <algorithm>
+#include <map>
 
 #include "tandem/error.h"
 
@@ -45,11 +46,16 @@ Engine::Engine(const Config& config, EngineSpec spec, std::unique_ptr<Stream> st
   ho.pinned_slots = config_.buffers.pinned_slots;
   ho.max_tokens = config_.buffers.max_tokens;
   ho.deferred = config_.gpu.deferred_experts;
+  ho.hot_may_change = hc.dynamic;
   hybrid_ = std::make_unique<HybridMoe>(*stream_, std::move(raw), ho);
   // Every layer's hot list is resolved (ids range-checked, naming the config key) now,
   // not halfway through a load.
   for (int i = 0; i < moe_layers(); ++i)
     hot_.push_back(choose_hot_experts(config_.gpu.hot_experts, spec_.layers[i], spec_.shape.experts, stats_.get()));
+  if (hc.dynamic) {
+    score_.assign(moe_layers(), std::vector<double>(spec_.shape.experts, 0.0));
+    seen_.assign(moe_layers(), std::vector<uint64_t>(spec_.shape.experts, 0));
+  }
 }
 
 Engine::~Engine() {
@@ -75,9 +81,51 @@ void Engine::load_layer(int i, const std::function<ExpertSource(int)>& source, c
   TANDEM_CHECK(!l.loaded(), Errc::invalid_argument, "engine: MoE layer ", i, " (model layer ", spec_.layers[i],
                ") is already loaded");
   const std::vector<int>& hot = hot_[i];
-  l.exclude(hot);
+  if (!config_.gpu.hot_experts.dynamic) l.exclude(hot);  // dynamic: any expert may run on the CPU later
   l.load(source, progress);
-  hybrid_->set_hot(i, hot, source);
+  place_hot(i, hot, source);
+}
+
+void Engine::place_hot(int i, const std::vector<int>& experts, const std::function<ExpertSource(int)>& source) {
+  if (!config_.gpu.hot_experts.dynamic) {
+    hybrid_->set_hot(i, experts, source);
+    return;
+  }
+  // From the layer's packs, so an expert computes with the same weights wherever it runs
+  // (for int8 / int4 the quantized ones) and a later promotion needs no checkpoint.
+  std::map<int, ExpertWeights> w;
+  for (int e : experts) w.emplace(e, layers_[i]->dequantized(e));
+  const int H = spec_.shape.hidden, I = spec_.shape.inter;
+  hybrid_->set_hot(i, experts, [&](int e) {
+    const ExpertWeights& x = w.at(e);
+    ExpertSource src;
+    src.gate = {x.gate.data(), SourceType::f32, I, H};
+    src.up = {x.up.data(), SourceType::f32, I, H};
+    src.down = {x.down.data(), SourceType::f32, H, I};
+    return src;
+  });
+}
+
+void Engine::rebalance() {
+  const HotExpertsConfig& hc = config_.gpu.hot_experts;
+  stream_->synchronize();  // the counts are final and no enqueued work uses the old sets
+  bool moved = false;
+  for (int i = 0; i < moe_layers(); ++i) {
+    const PlacementCounts c = hybrid_->counts(i);
+    for (int e = 0; e < spec_.shape.experts; ++e) {
+      const uint64_t total = c.hot[e] + c.cold[e] + c.deferred[e];
+      const uint64_t fresh = total >= seen_[i][e] ? total - seen_[i][e] : total;  // reset_counts() restarts them
+      seen_[i][e] = total;
+      score_[i][e] = 0.5 * score_[i][e] + static_cast<double>(fresh);  // halves every rebalance window
+    }
+    const std::vector<int>& now = hybrid_->hot(i);
+    std::vector<int> next = rebalance_hot_experts(now, score_[i], hc.hysteresis);
+    if (next == now) continue;
+    for (int e : next) hot_moves_ += !std::binary_search(now.begin(), now.end(), e);
+    place_hot(i, next, {});
+    moved = true;
+  }
+  rebalances_ += moved;
 }
 
 void Engine::load(const Checkpoint& ckpt, const ExpertNaming& naming, const Progress& progress,
@@ -130,9 +178,9 @@ void Engine::load_store(const ExpertStore& store, const Checkpoint& ckpt, const 
         p = [&, i](int done, int of) { progress(i * E + (of > 0 ? static_cast<int>(int64_t{done} * E / of) : 0), L * E); };
       MoeLayer& l = *layers_[i];
       begun.push_back(i);
-      l.exclude(hot_[i]);
+      if (!config_.gpu.hot_experts.dynamic) l.exclude(hot_[i]);
       l.load(store, i, p);
-      hybrid_->set_hot(i, hot_[i], [&](int e) { return checkpoint_expert(ckpt, model_layer, e, naming, spec_.shape); });
+      place_hot(i, hot_[i], [&](int e) { return checkpoint_expert(ckpt, model_layer, e, naming, spec_.shape); });
       for (int e : hot_[i]) release_checkpoint_expert(ckpt, model_layer, e, naming);
     }
   } catch (...) {
@@ -167,6 +215,13 @@ void Engine::forward(int i, const LayerIO& io) {
   for (int j = 0; j < moe_layers(); ++j)  // the scheduler needs every layer (deferral spans layers)
     TANDEM_CHECK(layers_[j]->loaded(), Errc::invalid_argument, "engine: MoE layer ", j, " (model layer ", spec_.layers[j],
                  ") has no weights: load every layer before the first forward");
+  // Dynamic hot experts move between steps: at the start of every rebalance_steps-th step,
+  // when no layer of the step before is still to be enqueued (its deferred experts end in
+  // its last layer). Never inside a capture (refused there: HybridMoe::enqueue_batch).
+  if (config_.gpu.hot_experts.dynamic && i == 0 && !stream_->capturing()) {
+    if (steps_ > 0 && steps_ % static_cast<uint64_t>(config_.gpu.hot_experts.rebalance_steps) == 0) rebalance();
+    ++steps_;
+  }
   hybrid_->enqueue(i, io);
 }
 

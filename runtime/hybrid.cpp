@@ -284,6 +284,10 @@ void HybridMoe::enqueue(int layer, const LayerIO& io) {
 }
 
 void HybridMoe::enqueue_batch(int layer, const LayerIO& io, bool defer) {
+  TANDEM_CHECK(!(opt_.hot_may_change && stream_.capturing()), Errc::invalid_argument, "hybrid: layer ", layer,
+               ": enqueued while ", stream_.name(), " is being captured into a graph, but this engine's hot experts move "
+               "while it runs (gpu.hot_experts.dynamic): a replayed graph would use freed device memory. Turn dynamic "
+               "hot experts off to capture graphs");
   Batch& b = batch(io.tokens, io.top_k, io.x_type, defer);
   if (defer && layer > 0) {
     TANDEM_CHECK(last_layer_ == layer - 1 && last_batch_ == &b, Errc::invalid_argument, "hybrid: layer ", layer,

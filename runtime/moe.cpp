@@ -28,6 +28,27 @@ size_t MoeLayer::packed_bytes() const { return packs_->bytes(); }
 const PackedWeight& MoeLayer::gate_up_pack(int subpool, int expert) const { return packs_->gate_up(subpool, expert); }
 const PackedWeight& MoeLayer::down_pack(int subpool, int expert) const { return packs_->down(subpool, expert); }
 
+ExpertWeights MoeLayer::dequantized(int e) const {
+  TANDEM_CHECK(loaded_, Errc::invalid_argument, "moe: layer ", layer_, ": dequantized() before load()");
+  TANDEM_CHECK(e >= 0 && e < shape_.experts && !excluded(e), Errc::invalid_argument, "moe: layer ", layer_, ": expert ", e,
+               e >= 0 && e < shape_.experts ? " is not held here" : " is out of range");
+  const size_t H = shape_.hidden, I = shape_.inter;
+  ExpertWeights w;
+  w.gate.assign(I * H, 0.0f);
+  w.up.assign(I * H, 0.0f);
+  w.down.assign(H * I, 0.0f);
+  for (int s = 0; s < pool_.subpools(); ++s) {
+    const auto [i0, i1] = slice(s);
+    const size_t len = i1 - i0;
+    if (!len) continue;
+    const std::vector<float> gu = unpack(gate_up_pack(s, e)), dn = unpack(down_pack(s, e));  // [2 len x H], [H x len]
+    std::copy(gu.begin(), gu.begin() + len * H, w.gate.begin() + i0 * H);
+    std::copy(gu.begin() + len * H, gu.begin() + 2 * len * H, w.up.begin() + i0 * H);
+    for (size_t r = 0; r < H; ++r) std::copy(&dn[r * len], &dn[r * len] + len, &w.down[r * I + i0]);
+  }
+  return w;
+}
+
 void MoeLayer::exclude(const std::vector<int>& experts) {
   TANDEM_CHECK(!loaded_, Errc::invalid_argument, "moe: layer ", layer_, ": exclude() after load()");
   excluded_.assign(shape_.experts, 0);

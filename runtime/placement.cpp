@@ -113,4 +113,29 @@ std::vector<int> choose_hot_experts(const HotExpertsConfig& c, int layer, int ex
   return out;
 }
 
+std::vector<int> rebalance_hot_experts(const std::vector<int>& hot, const std::vector<double>& score,
+                                       double hysteresis) {
+  const int E = static_cast<int>(score.size());
+  TANDEM_CHECK(hysteresis >= 0, Errc::invalid_argument, "rebalance: hysteresis ", hysteresis, " is negative");
+  std::vector<uint8_t> is_hot(E, 0);
+  for (int e : hot) {
+    TANDEM_CHECK(e >= 0 && e < E && !is_hot[e], Errc::invalid_argument, "rebalance: hot expert ", e,
+                 " is outside [0, ", E, ") or listed twice");
+    is_hot[e] = 1;
+  }
+  // "a ranks above b": higher score, or the same score and the lower id.
+  auto above = [&](int a, int b) { return score[a] > score[b] || (score[a] == score[b] && a < b); };
+  std::vector<int> in(hot), out;
+  for (int e = 0; e < E; ++e)
+    if (!is_hot[e]) out.push_back(e);
+  std::sort(in.begin(), in.end(), [&](int a, int b) { return above(b, a); });  // weakest hot first
+  std::sort(out.begin(), out.end(), above);                                     // strongest cold first
+  for (size_t i = 0; i < in.size() && i < out.size(); ++i) {
+    if (!(score[out[i]] > (1 + hysteresis) * score[in[i]])) break;
+    std::swap(in[i], out[i]);
+  }
+  std::sort(in.begin(), in.end());
+  return in;
+}
+
 }  // namespace tandem

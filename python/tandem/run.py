@@ -64,9 +64,11 @@ def timed_generate(model, input_ids, attention_mask=None, **gen_kwargs):
 
 def placement_report(engine) -> str:
     """Per MoE layer: routed (token, expert) pairs by where they ran."""
+    moved = (f"; dynamic hot experts: {engine.rebalances} rebalance(s), {engine.hot_moves} promotion(s)"
+             if getattr(engine, "dynamic_hot", False) else "")
     lines = [f"experts: {engine.moe_layers} MoE layers x {engine.experts} experts, format {engine.format}; "
              f"CPU pool {engine.subpools} subpool(s), {engine.threads} threads ({engine.cpu_bytes / 2**20:.1f} MiB); "
-             f"device stream {engine.stream} ({engine.device_bytes / 2**20:.1f} MiB of hot experts)",
+             f"device stream {engine.stream} ({engine.device_bytes / 2**20:.1f} MiB of hot experts){moved}",
              f"{'layer':>6} {'hot':>6} {'cpu':>8} {'deferred':>9}  hot experts"]
     for i in range(engine.moe_layers):
         c = engine.counts(i)

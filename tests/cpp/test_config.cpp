@@ -115,6 +115,16 @@ TEST(Config, HotExpertForms) {
   EXPECT_EQ(c.gpu.hot_experts.policy, HotExpertsConfig::Policy::none);
   EXPECT_EQ(c.gpu_index(), -1);
   EXPECT_EQ(parse_config("gpu: {device: 3}").gpu.device, "cuda:3");
+  Config d = parse_config("gpu:\n  hot_experts: {count: 4, dynamic: true, rebalance_steps: 16, hysteresis: 0.5}\n");
+  EXPECT_EQ(d.gpu.hot_experts.policy, HotExpertsConfig::Policy::uniform);
+  EXPECT_TRUE(d.gpu.hot_experts.dynamic);
+  EXPECT_EQ(d.gpu.hot_experts.rebalance_steps, 16);
+  EXPECT_EQ(d.gpu.hot_experts.hysteresis, 0.5);
+  EXPECT_NE(d.to_json().find("\"rebalance_steps\": 16"), std::string::npos) << d.to_json();
+  Config e = parse_config("gpu:\n  hot_experts: {count: 4, dynamic: true}\n");
+  EXPECT_EQ(e.gpu.hot_experts.rebalance_steps, 64);
+  EXPECT_EQ(e.gpu.hot_experts.hysteresis, 0.25);
+  EXPECT_FALSE(parse_config("gpu:\n  hot_experts: 4\n").gpu.hot_experts.dynamic);
 }
 
 TEST(Config, UnknownKeys) {
@@ -122,7 +132,8 @@ TEST(Config, UnknownKeys) {
             "p.yaml:2:3: cpu.formt: unknown key; allowed here: format, dense_format, group_size, zero_point, numa_nodes, virtual_subpools, threads, isa, store");
   EXPECT_EQ(err("cpus: {}\n"), "p.yaml:1:1: cpus: unknown key; allowed here: version, model, cpu, gpu, buffers, trace, train");
   EXPECT_EQ(err("gpu:\n  hot_experts:\n    cnt: 3\n"),
-            "p.yaml:3:5: gpu.hot_experts.cnt: unknown key; allowed here: count, statistics, layers");
+            "p.yaml:3:5: gpu.hot_experts.cnt: unknown key; allowed here: count, statistics, layers, dynamic, "
+            "rebalance_steps, hysteresis");
 }
 
 TEST(Config, RepeatedKey) {
@@ -159,6 +170,25 @@ TEST(Config, HotExpertConflicts) {
             "p.yaml:3:17: gpu.hot_experts.statistics: needs 'count' (how many of the most frequent experts per layer go to the GPU)");
   EXPECT_EQ(err("gpu:\n  hot_experts:\n    layers: {0: [1, 1]}\n"), "p.yaml:3:21: gpu.hot_experts.layers.0[1]: 1 is listed twice");
   EXPECT_EQ(err("gpu:\n  hot_experts:\n    layers: {x: [1]}\n"), "p.yaml:3:14: gpu.hot_experts.layers.x: expected an integer, got 'x'");
+  // dynamic hot experts
+  EXPECT_EQ(err("gpu:\n  hot_experts: {dynamic: true}\n"),
+            "p.yaml:2:26: gpu.hot_experts.dynamic: needs 'count' (how many experts per layer the GPU holds)");
+  EXPECT_EQ(err("gpu:\n  hot_experts: {count: 0, dynamic: true}\n"),
+            "p.yaml:2:36: gpu.hot_experts.dynamic: given with count 0, so there is nothing to move; set count > 0 or "
+            "remove it");
+  EXPECT_EQ(err("gpu:\n  hot_experts: {dynamic: true, layers: {0: [1]}}\n"),
+            "p.yaml:2:26: gpu.hot_experts.dynamic: dynamic hot experts start from 'count' (uniform or with "
+            "'statistics'), not from explicit per-layer lists");
+  EXPECT_EQ(err("gpu:\n  hot_experts: {count: 2, rebalance_steps: 8}\n"),
+            "p.yaml:2:44: gpu.hot_experts.rebalance_steps: applies only with 'dynamic: true'");
+  EXPECT_EQ(err("gpu:\n  hot_experts: {count: 2, dynamic: true, hysteresis: -0.1}\n"),
+            "p.yaml:2:54: gpu.hot_experts.hysteresis: -0.1 is outside the allowed range [0, 100]");
+  EXPECT_EQ(err("gpu:\n  hot_experts: {count: 2, dynamic: true, hysteresis: lots}\n"),
+            "p.yaml:2:54: gpu.hot_experts.hysteresis: expected a number, got 'lots'");
+  EXPECT_EQ(err("gpu:\n  hot_experts: {count: 2, dynamic: true, rebalance_steps: 0}\n"),
+            "p.yaml:2:59: gpu.hot_experts.rebalance_steps: 0 is outside the allowed range [1, 1073741824]");
+  EXPECT_EQ(err("gpu:\n  hot_experts: {count: 2, dynamic: sometimes}\n"),
+            "p.yaml:2:36: gpu.hot_experts.dynamic: expected true or false, got 'sometimes'");
 }
 
 TEST(Config, StructureErrors) {

@@ -19,6 +19,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "tandem/engine.h"
 #include "tandem/error.h"
 #include "tandem/gpu_info.h"
 #include "tandem/hybrid.h"
@@ -722,6 +723,85 @@ TEST_P(Hybrid, BadInputGetsAClearError) {
   hy2.enqueue(0, io);  // expert 1 is not hot here, so the CPU gets it
   const std::string msg2 = error_of([&] { stream->synchronize(); });
   EXPECT_NE(msg2.find("does not hold that expert"), std::string::npos) << msg2;
+}
+
+// ---- dynamic hot experts ----------------------------------------------------------------
+
+TEST_P(Hybrid, DynamicHotExpertsFollowTheRoutingAndKeepTheOutputs) {
+  // gpu.hot_experts.dynamic: 2 hot experts per layer, starting uniform (0 and 4), re-chosen
+  // every 3 steps from the routing seen, with hysteresis 0.25 and scores halving per window.
+  // Phase A routes every token to {6, 7}; B to {5, 6} or {6, 7}, which leaves 5 and 7 tied
+  // (no move); C to {0, 5}. Every step's output matches the fp64 reference of the same
+  // weights wherever each expert ran, before and after the moves.
+  const uint64_t seed = test_seed();
+  std::mt19937_64 rng(seed);
+  Model m(2, 8, 64, 64, rng);
+  const Config cfg = parse_config(
+      "version: 1\ncpu: {threads: 1}\ngpu:\n  hot_experts: {count: 2, dynamic: true, rebalance_steps: 3, "
+      "hysteresis: 0.25}\n");
+  Engine e(cfg, EngineSpec{{m.E, m.H, m.I}, {0, 1}}, stream());
+  for (int l = 0; l < m.layers; ++l) e.load_layer(l, m.source(l));
+  Stream& s = e.stream();
+  const int T = 4, K = 2;
+  std::vector<std::unique_ptr<DevBuf>> x, ids, w, out;
+  for (int l = 0; l < m.layers; ++l) {
+    x.push_back(std::make_unique<DevBuf>(s, size_t(T) * m.H * 4));
+    ids.push_back(std::make_unique<DevBuf>(s, size_t(T) * K * 4));
+    w.push_back(std::make_unique<DevBuf>(s, size_t(T) * K * 4));
+    out.push_back(std::make_unique<DevBuf>(s, size_t(T) * m.H * 4));
+  }
+  auto pairs = [](int step, int t) -> std::vector<int32_t> {
+    if (step < 3) return {6, 7};
+    if (step < 6) return t < 3 ? std::vector<int32_t>{5, 6} : std::vector<int32_t>{6, 7};
+    return {0, 5};
+  };
+  const std::vector<std::vector<int>> hot_after = {{0, 4}, {0, 4}, {0, 4}, {6, 7}, {6, 7}, {6, 7},
+                                                   {6, 7}, {6, 7}, {6, 7}, {0, 5}};
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::uniform_real_distribution<float> uw(0.05f, 0.5f);
+  for (int step = 0; step < 10; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    std::vector<std::vector<float>> xs(m.layers), ws(m.layers);
+    std::vector<std::vector<int32_t>> is(m.layers);
+    for (int l = 0; l < m.layers; ++l) {
+      xs[l].resize(size_t(T) * m.H);
+      for (auto& v : xs[l]) v = nd(rng);
+      for (int t = 0; t < T; ++t)
+        for (int32_t id : pairs(step, t)) {
+          is[l].push_back(id);
+          ws[l].push_back(uw(rng));
+        }
+      s.upload(x[l]->p, xs[l].data(), xs[l].size() * 4);
+      s.upload(ids[l]->p, is[l].data(), is[l].size() * 4);
+      s.upload(w[l]->p, ws[l].data(), ws[l].size() * 4);
+    }
+    for (int l = 0; l < m.layers; ++l)
+      e.forward(l, {x[l]->p, XType::f32, T, ids[l]->p, false, w[l]->as<float>(), K, out[l]->as<float>()});
+    e.synchronize();
+    for (int l = 0; l < m.layers; ++l) {
+      EXPECT_EQ(e.hot(l), hot_after[step]) << "layer " << l;
+      std::vector<float> got(size_t(T) * m.H);
+      s.download(got.data(), out[l]->p, got.size() * 4);
+      RefOut ref(got.size());
+      for (int t = 0; t < T; ++t)
+        for (int k = 0; k < K; ++k) {
+          const int ex = is[l][size_t(t) * K + k];
+          add_pair({m.g[l][ex].data(), m.u[l][ex].data(), m.d[l][ex].data()}, m, &xs[l][size_t(t) * m.H],
+                   ws[l][size_t(t) * K + k], size_t(t) * m.H, ref);
+        }
+      expect_close(got, ref, m, "layer " + std::to_string(l));
+    }
+  }
+  EXPECT_EQ(e.rebalances(), 2u);  // steps 3 and 9 moved experts; step 6 found 5 and 7 tied
+  EXPECT_EQ(e.hot_moves(), 8u);   // 2 per layer, twice
+  // A capture would keep pointers into hot sets that later move: refused, and nothing breaks.
+  s.begin_capture();
+  const std::string msg = error_of(
+      [&] { e.forward(0, {x[0]->p, XType::f32, T, ids[0]->p, false, w[0]->as<float>(), K, out[0]->as<float>()}); });
+  s.end_capture();
+  EXPECT_NE(msg.find("gpu.hot_experts.dynamic"), std::string::npos) << msg;
+  e.forward(0, {x[0]->p, XType::f32, T, ids[0]->p, false, w[0]->as<float>(), K, out[0]->as<float>()});
+  e.synchronize();
 }
 
 TEST_P(Hybrid, StatisticsRoundTripAndChooseTheHottest) {

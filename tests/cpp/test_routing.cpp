@@ -200,6 +200,26 @@ TEST(PlacementChoose, NoneAndUniform) {
   EXPECT_EQ(choose_hot_experts(cfg.gpu.hot_experts, 3, 16), (std::vector<int>{0, 4, 8, 12}));
 }
 
+TEST(PlacementRebalance, SwapsOnlyPastTheHysteresis) {
+  // 8 experts, hot {0, 1}.
+  std::vector<double> s = {10, 2, 0, 0, 0, 0, 9, 30};
+  EXPECT_EQ(rebalance_hot_experts({0, 1}, s, 0.25), (std::vector<int>{0, 7}));  // 30 > 1.25 x 2; 9 < 1.25 x 10
+  EXPECT_EQ(rebalance_hot_experts({0, 1}, s, 20.0), (std::vector<int>{0, 1}));  // 30 < 21 x 2: no swap
+  EXPECT_EQ(rebalance_hot_experts({0, 1}, s, 0.0), (std::vector<int>{0, 7}));   // 9 < 10: 0 stays
+  s[6] = 13;  // 13 > 1.25 x 10: both hot experts go, the strongest cold one replaces the weakest hot one
+  EXPECT_EQ(rebalance_hot_experts({0, 1}, s, 0.25), (std::vector<int>{6, 7}));
+  // never routed: a hot expert with score 0 gives way to any routed one, not to another 0
+  EXPECT_EQ(rebalance_hot_experts({2, 3}, {0, 0, 0, 0, 0, 1}, 0.25), (std::vector<int>{2, 5}));
+  EXPECT_EQ(rebalance_hot_experts({2, 3}, {0, 0, 0, 0, 0, 0}, 0.0), (std::vector<int>{2, 3}));
+  // equal scores never swap, whatever the ids
+  EXPECT_EQ(rebalance_hot_experts({4, 5}, {7, 7, 7, 7, 7, 7}, 0.0), (std::vector<int>{4, 5}));
+  // empty and full sets
+  EXPECT_TRUE(rebalance_hot_experts({}, {1, 2, 3}, 0.25).empty());
+  EXPECT_EQ(rebalance_hot_experts({0, 1, 2}, {1, 2, 3}, 0.25), (std::vector<int>{0, 1, 2}));
+  EXPECT_NE(test::error_of([] { rebalance_hot_experts({1, 1}, {1, 2, 3}, 0.25); }).find("listed twice"), npos);
+  EXPECT_NE(test::error_of([] { rebalance_hot_experts({3}, {1, 2, 3}, 0.25); }).find("outside"), npos);
+}
+
 TEST(PlacementChoose, ExplicitLists) {
   HotExpertsConfig c;
   c.policy = HotExpertsConfig::Policy::explicit_lists;

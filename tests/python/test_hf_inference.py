@@ -232,6 +232,31 @@ def test_hot_experts_from_the_config_run_on_the_device_stream(models):
         assert c["tokens"] == ids.numel()
 
 
+def test_dynamic_hot_experts_move_to_the_routed_ones_and_keep_the_logits(models):
+    """gpu.hot_experts.dynamic on the host stream: the hot set of each layer (2 of 8, starting
+    uniform) is re-chosen every 2 forward steps from the routing seen; after several steps
+    each layer's hot experts are among its most-routed ones, and every step's logits still
+    match transformers (the hot copies are the CPU packs' own weights)."""
+    path, ref = models("qwen3_moe", "fp32")
+    conf = cfg(hot_experts={"count": 2, "dynamic": True, "rebalance_steps": 2, "hysteresis": 0.0})
+    model = tandem.load_model(path, conf, progress=False)
+    e = model.tandem_engine
+    assert [e.hot(i) for i in range(e.moe_layers)] == [[0, 4]] * e.moe_layers
+    ids = tokens(12)
+    ra, rb = record_routing(ref), record_routing(model)
+    for step in range(5):  # the same input each step; rebalances at the start of steps 2 and 4
+        ra.clear(), rb.clear()
+        with torch.no_grad():
+            a, b = ref(ids).logits, model(ids).logits
+        assert max_rel(b, a, clean_tokens(ra, rb, *ids.shape)) <= LOGIT_BOUND["fp32"], f"step {step}"
+    assert e.rebalances >= 1 and e.hot_moves >= 1
+    for i in range(e.moe_layers):
+        routed = torch.bincount(rb[i].flatten(), minlength=8)
+        top = set(torch.argsort(routed, descending=True, stable=True)[:2].tolist())
+        ties = {x for x in range(8) if routed[x] >= routed[sorted(top, key=lambda x: routed[x])[0]]}
+        assert set(e.hot(i)) <= ties, f"layer {i}: hot {e.hot(i)}, routed {routed.tolist()}"
+
+
 def test_hot_count_policy(models):
     path, _ = models("deepseek_v3", "fp32")
     model = tandem.load_model(path, cfg(hot_experts={"count": 4}), progress=False)

@@ -54,6 +54,13 @@ struct HotExpertsConfig {
   int count = 0;                              // uniform / statistics: experts per layer
   std::filesystem::path statistics;           // statistics: routing-frequency file
   std::map<int, std::vector<int>> layers;     // explicit_lists: layer -> expert ids
+  // Dynamic: the hot set (same count per layer) is re-chosen from the routing seen while
+  // running, every `rebalance_steps` steps (calls of the first MoE layer); a cold expert
+  // replaces a hot one only when its decayed count exceeds the hot one's by `hysteresis`
+  // (a fraction). uniform / statistics give the starting set.
+  bool dynamic = false;
+  int rebalance_steps = 64;
+  double hysteresis = 0.25;
 };
 
 struct Config {

@@ -78,6 +78,10 @@ class Engine {
   // The MoE index of a model layer, -1 when that layer has no routed experts.
   int index_of(int model_layer) const;
   const std::vector<int>& hot(int i) const { return hybrid_->hot(i); }
+  // Dynamic hot experts (gpu.hot_experts.dynamic): rebalances done so far, and how many
+  // experts changed place in them (each promotion counts once).
+  uint64_t rebalances() const { return rebalances_; }
+  uint64_t hot_moves() const { return hot_moves_; }
 
   Pool& pool() { return *pool_; }
   Stream& stream() { return *stream_; }
@@ -91,6 +95,10 @@ class Engine {
  private:
   void check_index(int i) const;
   void drop_layer(int i);  // packs and hot experts given back (unload_layer without the wait)
+  // Puts `experts` of MoE layer i on the device: from `source` (the checkpoint's weights),
+  // or with dynamic hot experts from layer i's own packs, as every later rebalance does.
+  void place_hot(int i, const std::vector<int>& experts, const std::function<ExpertSource(int)>& source);
+  void rebalance();  // dynamic: re-choose every layer's hot set from the routing since the last
 
   Config config_;
   EngineSpec spec_;
@@ -101,6 +109,11 @@ class Engine {
   std::unique_ptr<HybridMoe> hybrid_;
   std::unique_ptr<RoutingStatistics> stats_;  // for gpu.hot_experts.statistics
   std::vector<std::vector<int>> hot_;         // per MoE layer, from the config
+  // Dynamic hot experts: steps seen (calls of MoE layer 0), per layer each expert's decayed
+  // routed count and the cumulative count at the last rebalance.
+  uint64_t steps_ = 0, rebalances_ = 0, hot_moves_ = 0;
+  std::vector<std::vector<double>> score_;
+  std::vector<std::vector<uint64_t>> seen_;
 };
 
 }  // namespace tandem

@@ -37,6 +37,7 @@ struct HybridOptions {
   int pinned_slots = 2;    // 1 .. 4; at least 2 with deferral
   int max_tokens = 4096;   // rows the buffers hold; larger batches run in chunks of this many
   int deferred = 0;        // per token, this many of its lowest-weighted CPU experts are deferred
+  bool hot_may_change = false;  // the hot sets move while running (dynamic): refuse graph captures
 };
 
 // One layer's inputs and output, all in the stream's device memory.

@@ -60,6 +60,12 @@ struct TokenGroups {
 // experts get no row. layer < 0: the experts are not a model layer's (a stream's hot set).
 TokenGroups group_tokens(const MoeInput& in, int experts, int layer, const std::vector<uint8_t>& excluded = {});
 
+// One expert's weights as dense fp32 matrices in nn.Linear layout (gate, up [inter x hidden],
+// down [hidden x inter]): what MoeLayer::dequantized rebuilds from its packs.
+struct ExpertWeights {
+  std::vector<float> gate, up, down;
+};
+
 class MoeLayer {
  public:
   MoeLayer(Pool& pool, MoeShape shape, PackOptions format, int layer_index = 0);
@@ -109,6 +115,10 @@ class MoeLayer {
   // The packed gate_up / down of expert e on subpool s (tests, benchmarks).
   const PackedWeight& gate_up_pack(int subpool, int expert) const;
   const PackedWeight& down_pack(int subpool, int expert) const;
+  // Expert e's weights as this layer computes with them (its packs dequantized and put back
+  // together from the subpools' slices): exact for bf16, the quantized values otherwise.
+  // For a device copy that runs what the CPU runs (dynamic hot experts).
+  ExpertWeights dequantized(int expert) const;
 
  private:
   Pool& pool_;

@@ -29,4 +29,12 @@ void save_routing_statistics(const RoutingStatistics& stats, const std::filesyst
 std::vector<int> choose_hot_experts(const HotExpertsConfig& config, int layer, int experts,
                                     const RoutingStatistics* stats = nullptr);
 
+// Dynamic hot experts (gpu.hot_experts.dynamic): one layer's hot set after a rebalance.
+// `hot`: the current set (ascending ids), `score[e]`: expert e's decayed routed count. The
+// set keeps its size; the highest-scored cold expert replaces the lowest-scored hot one
+// while its score exceeds (1 + hysteresis) times the hot one's (ties: the lower id counts
+// as higher), so near-equal experts do not trade places back and forth. Ascending ids.
+std::vector<int> rebalance_hot_experts(const std::vector<int>& hot, const std::vector<double>& score,
+                                       double hysteresis);
+
 }  // namespace tandem
