@@ -133,6 +133,12 @@ class CudaStream : public Stream {
   std::string name() const override { return str_cat("cuda:", index_); }
   bool is_cuda() const override { return true; }
   void* native() const override { return stream_; }
+  MemoryInfo device_memory() const override {
+    use();
+    size_t free = 0, total = 0;
+    TANDEM_CUDA_OK(cudaMemGetInfo(&free, &total));
+    return {free, total};
+  }
   cudaStream_t stream() const { return stream_; }
   cublasHandle_t blas() const { return blas_; }
   void use() const { TANDEM_CUDA_OK(cudaSetDevice(index_)); }

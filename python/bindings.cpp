@@ -173,6 +173,8 @@ PYBIND11_MODULE(_C, m) {
         "The level kernels run for a config's cpu.isa: lowered by TANDEM_ISA, capped by the hardware (ValueError above).");
 
   // ---- config ----
+  m.def("hot_auto_reserve", &hot_auto_reserve, py::arg("device_total_bytes"),
+        "device bytes gpu.hot_experts count: auto leaves free for the KV cache and activations (placement.h)");
   m.def("load_config_json", [](const std::filesystem::path& p) { return load_config(p).to_json(); },
         "Parse and validate a placement YAML file; returns the validated config as JSON text.");
   m.def("parse_config_json",
@@ -311,7 +313,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<Engine>(m, "Engine", "The routed experts of a model's MoE layers (tandem/engine.h).")
       .def(py::init([](const std::string& config_path, const std::string& config_text, int experts, int hidden,
                        int inter, std::vector<int> layers, const std::string& stream, int cuda_device,
-                       uintptr_t cuda_stream) {
+                       uintptr_t cuda_stream, std::optional<uint64_t> hot_budget) {
              Config c = config_from(config_path, config_text);
              TANDEM_CHECK(stream == "config" || stream == "host" || stream == "cuda", Errc::invalid_argument,
                           "engine: stream '", stream, "' is not one of: config, host, cuda");
@@ -320,13 +322,15 @@ PYBIND11_MODULE(_C, m) {
              if (stream == "host") s = make_host_stream(c.isa());
              // torch's handle 0 is the legacy default stream (cudaStreamLegacy is handle 1).
              if (stream == "cuda") s = make_cuda_stream(cuda_device, reinterpret_cast<void*>(cuda_stream ? cuda_stream : 1));
-             return std::make_unique<Engine>(c, EngineSpec{{experts, hidden, inter}, std::move(layers)}, std::move(s));
+             return std::make_unique<Engine>(c, EngineSpec{{experts, hidden, inter}, std::move(layers)}, std::move(s),
+                                             hot_budget);
            }),
            py::arg("config_path") = "", py::arg("config_text") = "", py::arg("experts"), py::arg("hidden"),
            py::arg("inter"), py::arg("layers"), py::arg("stream") = "config", py::arg("cuda_device") = 0,
-           py::arg("cuda_stream") = 0,
+           py::arg("cuda_stream") = 0, py::arg("hot_budget") = py::none(),
            "stream: 'config' (gpu.device decides), 'host', or 'cuda' (enqueue on the CUDA stream handle cuda_stream "
-           "of device cuda_device, e.g. torch's current stream)")
+           "of device cuda_device, e.g. torch's current stream). hot_budget: device bytes gpu.hot_experts count: auto "
+           "may fill (default: the device's free memory less a reserve; 0 on the host stream)")
       .def("load_checkpoint", [](Engine& e, const Checkpoint& c, const NamingTuple& n, const py::object& progress,
                                  const std::vector<int>& layers) {
              load_from_checkpoint(e, c, n, progress, layers);
@@ -388,6 +392,8 @@ PYBIND11_MODULE(_C, m) {
       .def("hot", &Engine::hot)
       .def_property_readonly("dynamic_hot", [](Engine& e) { return e.config().gpu.hot_experts.dynamic; },
                              "whether the hot sets move while running (gpu.hot_experts.dynamic)")
+      .def_property_readonly("hot_budget", &Engine::hot_budget,
+                             "gpu.hot_experts count: auto: the device bytes the hot count was sized from (0 otherwise)")
       .def_property_readonly("rebalances", &Engine::rebalances,
                              "dynamic hot experts (gpu.hot_experts.dynamic): rebalances that moved experts so far")
       .def_property_readonly("hot_moves", &Engine::hot_moves,

@@ -438,8 +438,13 @@ void parse_hot(const Section& parent, const Node* n, HotExpertsConfig& hot) {
   const Ctx& c = parent.ctx();
   const std::string key = parent.key("hot_experts");
   using P = HotExpertsConfig::Policy;
-  if (is_scalar(n)) {  // shorthand: a uniform count
+  if (is_scalar(n)) {  // shorthand: a uniform count, or auto
     check_untagged(c, n, key);
+    if (n->plain && n->value == "auto") {
+      hot.auto_count = true;
+      hot.policy = P::uniform;
+      return;
+    }
     hot.count = static_cast<int>(read_int(c, n, key, 0, 1 << 20));
     hot.policy = hot.count ? P::uniform : P::none;
     return;
@@ -477,14 +482,17 @@ void parse_hot(const Section& parent, const Node* n, HotExpertsConfig& hot) {
   }
   if (present(stats) && !present(count))
     fail(c, stats, s.key("statistics"), "needs 'count' (how many of the most frequent experts per layer go to the GPU)");
-  if (present(count)) hot.count = static_cast<int>(read_int(c, count, s.key("count"), 0, 1 << 20));
+  if (present(count) && is_scalar(count) && count->plain && count->value == "auto")
+    hot.auto_count = true;
+  else if (present(count))
+    hot.count = static_cast<int>(read_int(c, count, s.key("count"), 0, 1 << 20));
   if (present(stats)) {
-    if (hot.count == 0)
+    if (hot.count == 0 && !hot.auto_count)
       fail(c, stats, s.key("statistics"), "given with count 0, so nothing would be chosen from it; set count > 0 or remove it");
     hot.statistics = resolve(c, read_string(c, stats, s.key("statistics")));
   }
-  hot.policy = hot.count == 0 ? P::none : present(stats) ? P::statistics : P::uniform;
-  if (hot.dynamic && hot.count == 0)
+  hot.policy = hot.count == 0 && !hot.auto_count ? P::none : present(stats) ? P::statistics : P::uniform;
+  if (hot.dynamic && hot.count == 0 && !hot.auto_count)
     fail(c, dynamic, s.key("dynamic"), "given with count 0, so there is nothing to move; set count > 0 or remove it");
 }
 
@@ -631,7 +639,8 @@ std::string Config::to_json() const {
   j["gpu"] = {{"device", gpu.device},
               {"hot_experts",
                {{"policy", hot_policy_name(gpu.hot_experts.policy)},
-                {"count", gpu.hot_experts.count},
+                {"count", gpu.hot_experts.auto_count ? nlohmann::ordered_json("auto")
+                                                     : nlohmann::ordered_json(gpu.hot_experts.count)},
                 {"statistics", gpu.hot_experts.statistics.string()},
                 {"layers", layers},
                 {"dynamic", gpu.hot_experts.dynamic},

@@ -20,10 +20,10 @@ int EngineSpec::index_of(int model_layer) const {
   return it != layers.end() && *it == model_layer ? static_cast<int>(it - layers.begin()) : -1;
 }
 
-Engine::Engine(const Config& config, EngineSpec spec, std::unique_ptr<Stream> stream)
+Engine::Engine(const Config& config, EngineSpec spec, std::unique_ptr<Stream> stream, std::optional<uint64_t> hot_budget)
     : config_(config), spec_(std::move(spec)) {
   spec_.check();
-  const HotExpertsConfig& hc = config_.gpu.hot_experts;
+  HotExpertsConfig& hc = config_.gpu.hot_experts;
   if (hc.policy == HotExpertsConfig::Policy::statistics)
     stats_ = std::make_unique<RoutingStatistics>(load_routing_statistics(hc.statistics));
   if (hc.policy == HotExpertsConfig::Policy::explicit_lists)
@@ -34,6 +34,20 @@ Engine::Engine(const Config& config, EngineSpec spec, std::unique_ptr<Stream> st
   const PackOptions format = pack_options(config_.cpu);
   isa_ = config_.isa();
   stream_ = stream ? std::move(stream) : make_stream(config_);
+  if (hc.auto_count) {  // resolved once, here: the count every later step keeps
+    if (hot_budget) {
+      hot_budget_ = *hot_budget;
+    } else {
+      const Stream::MemoryInfo m = stream_->device_memory();
+      const uint64_t reserve = hot_auto_reserve(m.total);
+      hot_budget_ = m.free > reserve ? m.free - reserve : 0;
+    }
+    hc.count = hot_count_for_budget(hot_budget_, moe_layers(), spec_.shape);
+    if (hc.count == 0) {  // no room (or no device): every expert on the CPU, nothing to move
+      hc.policy = HotExpertsConfig::Policy::none;
+      hc.dynamic = false;
+    }
+  }
   // With a CUDA stream, one core stays free for the thread that drives the GPU.
   pool_ = std::make_unique<Pool>(pool_options(config_.cpu, stream_->is_cuda() ? 1 : 0));
   std::vector<MoeLayer*> raw;

@@ -164,6 +164,7 @@ class HostStream : public Stream {
   }
 
   void* native() const override { return nullptr; }
+  MemoryInfo device_memory() const override { return {}; }
 
   void begin_capture() override {
     TANDEM_CHECK(!capturing_, Errc::invalid_argument, "stream: begin_capture() while already capturing");

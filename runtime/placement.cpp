@@ -113,6 +113,17 @@ std::vector<int> choose_hot_experts(const HotExpertsConfig& c, int layer, int ex
   return out;
 }
 
+int hot_count_for_budget(uint64_t budget_bytes, int moe_layers, const MoeShape& shape) {
+  TANDEM_CHECK(moe_layers >= 1, Errc::invalid_argument, "hot experts: ", moe_layers, " MoE layers");
+  const uint64_t per_expert = 6ull * static_cast<uint64_t>(shape.hidden) * static_cast<uint64_t>(shape.inter);
+  const uint64_t n = budget_bytes / (per_expert * static_cast<uint64_t>(moe_layers));
+  return static_cast<int>(std::min<uint64_t>(n, static_cast<uint64_t>(shape.experts)));
+}
+
+uint64_t hot_auto_reserve(uint64_t device_total_bytes) {
+  return std::max<uint64_t>(uint64_t{2} << 30, device_total_bytes / 10);
+}
+
 std::vector<int> rebalance_hot_experts(const std::vector<int>& hot, const std::vector<double>& score,
                                        double hysteresis) {
   const int E = static_cast<int>(score.size());

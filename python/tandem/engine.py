@@ -28,7 +28,7 @@ from .tracing import apply_config
 
 
 def make_engine(config: ConfigLike, shape: tuple[int, int, int], layers: list[int],
-                device: torch.device | str | None = None) -> _C.Engine:
+                device: torch.device | str | None = None, hot_budget: int | None = None) -> _C.Engine:
     """An engine for MoE layers `layers` of shape (experts, hidden, intermediate).
 
     ``device`` is where the rest of the model (and so the experts' inputs) lives: a CUDA
@@ -36,6 +36,10 @@ def make_engine(config: ConfigLike, shape: tuple[int, int, int], layers: list[in
     time of the call (ordered with torch's work, capturable in torch's CUDA graphs) unless
     the config's gpu.device is "none"; a CPU device uses the host stream (a config asking
     for a GPU is an error).
+
+    ``hot_budget``: device bytes a ``gpu.hot_experts`` count of ``auto`` may fill (a loader
+    that knows what else will land on the device passes it); None: the device's free memory
+    less ``_C.hot_auto_reserve`` of its total.
     """
     args = config_args(config)
     gpu = config_json(config)["gpu"]["device"]
@@ -50,7 +54,7 @@ def make_engine(config: ConfigLike, shape: tuple[int, int, int], layers: list[in
             raise ValueError(f"config gpu.device is {gpu!r} but the model is on {device}; move the model "
                              "or change gpu.device")
         handle = torch.cuda.current_stream(index).cuda_stream
-        engine = _C.Engine(stream="cuda", cuda_device=index, cuda_stream=handle, **kw)
+        engine = _C.Engine(stream="cuda", cuda_device=index, cuda_stream=handle, hot_budget=hot_budget, **kw)
         CUDA_BINDINGS[engine] = CudaBinding(index)
         return engine
     if device.type != "cpu":
@@ -58,7 +62,7 @@ def make_engine(config: ConfigLike, shape: tuple[int, int, int], layers: list[in
     if gpu not in ("auto", "none"):
         raise ValueError(f"config gpu.device is {gpu!r} but the model is on the CPU; move the model to {gpu} "
                          "or set gpu.device: none")
-    return _C.Engine(stream="host", **kw)
+    return _C.Engine(stream="host", hot_budget=hot_budget, **kw)
 
 
 # The training side of a model (tandem/lora_engine.h): the CPU pool from the config and one

@@ -176,6 +176,23 @@ def open_store(store: str | os.PathLike, me: ModelExperts, cpu: dict[str, Any], 
     return s
 
 
+def _auto_hot_budget(cfg_json: dict, model, blocks, dtype: torch.dtype, device: torch.device) -> int | None:
+    """For gpu.hot_experts count: auto on a CUDA device: its free memory less what the rest of
+    the model will take there (every parameter and buffer outside the routed experts, in the
+    dtype it is loaded in) and less the reserve for the KV cache and activations. None
+    otherwise (the engine then decides: the host stream holds no hot experts)."""
+    if cfg_json["gpu"]["hot_experts"].get("count") != "auto" or torch.device(device).type != "cuda":
+        return None
+    skip = {id(t) for b in blocks for t in b.block.experts.parameters()}
+    rest = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) not in skip:
+            size = torch.tensor([], dtype=dtype).element_size() if t.is_floating_point() else t.element_size()
+            rest += t.numel() * size
+    free, total = torch.cuda.mem_get_info(torch.device(device))
+    return max(0, free - rest - _C.hot_auto_reserve(total))
+
+
 def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None, *,
                device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                train: bool = False, backward_format: str | None = None, progress: bool = True,
@@ -233,7 +250,7 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
         engine = make_lora_layers(config, (E, H, I), layers,
                                   backward_format or cfg_json.get("train", {}).get("backward_format", "bf16"))
     else:
-        engine = make_engine(config, (E, H, I), layers, device)
+        engine = make_engine(config, (E, H, I), layers, device, _auto_hot_budget(cfg_json, model, blocks, dtype, device))
     # Both engines check every expert tensor first, then pack layer by layer, giving each
     # layer's checkpoint pages back once it is packed. With an adapter, inference packs
     # wait for it (below): the layers it changes are packed merged, once.

@@ -66,6 +66,8 @@ def placement_report(engine) -> str:
     """Per MoE layer: routed (token, expert) pairs by where they ran."""
     moved = (f"; dynamic hot experts: {engine.rebalances} rebalance(s), {engine.hot_moves} promotion(s)"
              if getattr(engine, "dynamic_hot", False) else "")
+    if getattr(engine, "hot_budget", 0):
+        moved += f"; hot count auto: {len(engine.hot(0))} per layer in {engine.hot_budget / 2**30:.1f} GiB"
     lines = [f"experts: {engine.moe_layers} MoE layers x {engine.experts} experts, format {engine.format}; "
              f"CPU pool {engine.subpools} subpool(s), {engine.threads} threads ({engine.cpu_bytes / 2**20:.1f} MiB); "
              f"device stream {engine.stream} ({engine.device_bytes / 2**20:.1f} MiB of hot experts){moved}",

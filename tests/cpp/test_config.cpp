@@ -125,6 +125,16 @@ TEST(Config, HotExpertForms) {
   EXPECT_EQ(e.gpu.hot_experts.rebalance_steps, 64);
   EXPECT_EQ(e.gpu.hot_experts.hysteresis, 0.25);
   EXPECT_FALSE(parse_config("gpu:\n  hot_experts: 4\n").gpu.hot_experts.dynamic);
+  for (const char* text : {"gpu:\n  hot_experts: auto\n", "gpu:\n  hot_experts: {count: auto}\n"}) {
+    const Config a = parse_config(text);
+    EXPECT_TRUE(a.gpu.hot_experts.auto_count) << text;
+    EXPECT_EQ(a.gpu.hot_experts.policy, HotExpertsConfig::Policy::uniform) << text;
+    EXPECT_NE(a.to_json().find("\"count\": \"auto\""), std::string::npos) << a.to_json();
+  }
+  const Config s = parse_config("gpu:\n  hot_experts: {count: auto, statistics: s.json, dynamic: true}\n", "p.yaml", "/cfg");
+  EXPECT_EQ(s.gpu.hot_experts.policy, HotExpertsConfig::Policy::statistics);
+  EXPECT_TRUE(s.gpu.hot_experts.auto_count && s.gpu.hot_experts.dynamic);
+  EXPECT_EQ(err("gpu:\n  hot_experts: {count: many}\n"), "p.yaml:2:24: gpu.hot_experts.count: expected an integer, got 'many'");
 }
 
 TEST(Config, UnknownKeys) {

@@ -804,6 +804,34 @@ TEST_P(Hybrid, DynamicHotExpertsFollowTheRoutingAndKeepTheOutputs) {
   e.synchronize();
 }
 
+TEST_P(Hybrid, HotCountAutoFillsTheBudget) {
+  // gpu.hot_experts: auto. Each hot expert takes 6 * 64 * 64 bytes on the device, 2 layers.
+  std::mt19937_64 rng(test_seed());
+  Model m(2, 8, 64, 64, rng);
+  const Config cfg = parse_config("version: 1\ncpu: {threads: 1}\ngpu:\n  hot_experts: auto\n");
+  const uint64_t per_count = 2 * 6 * 64 * 64;
+  Engine e(cfg, EngineSpec{{m.E, m.H, m.I}, {0, 1}}, stream(), 3 * per_count + 100);
+  for (int l = 0; l < m.layers; ++l) e.load_layer(l, m.source(l));
+  EXPECT_EQ(e.hot_budget(), 3 * per_count + 100);
+  EXPECT_EQ(e.hot(0), (std::vector<int>{0, 2, 5}));  // 3 spread evenly over 8
+  EXPECT_EQ(e.device_bytes(), 3 * per_count);
+  // No budget given: the device's free memory less the reserve; the host stream has none.
+  Engine d(cfg, EngineSpec{{m.E, m.H, m.I}, {0, 1}}, stream());
+  const Stream::MemoryInfo mem = d.stream().device_memory();
+  if (d.stream().is_cuda()) {
+    EXPECT_GT(mem.total, 0u);
+    EXPECT_LE(d.hot_budget(), mem.total);
+    EXPECT_EQ(static_cast<int>(choose_hot_experts(d.config().gpu.hot_experts, 0, m.E).size()),
+              hot_count_for_budget(d.hot_budget(), 2, {m.E, m.H, m.I}));
+  } else {
+    EXPECT_EQ(mem.total, 0u);
+    EXPECT_EQ(d.hot_budget(), 0u);
+    EXPECT_EQ(d.config().gpu.hot_experts.policy, HotExpertsConfig::Policy::none);
+  }
+  for (int l = 0; l < m.layers; ++l) d.load_layer(l, m.source(l));
+  EXPECT_EQ(d.hot(0).size(), static_cast<size_t>(d.config().gpu.hot_experts.count));
+}
+
 TEST_P(Hybrid, StatisticsRoundTripAndChooseTheHottest) {
   std::mt19937_64 rng(test_seed());
   Model m(2, 6, 64, 64, rng);

@@ -220,6 +220,19 @@ TEST(PlacementRebalance, SwapsOnlyPastTheHysteresis) {
   EXPECT_NE(test::error_of([] { rebalance_hot_experts({3}, {1, 2, 3}, 0.25); }).find("outside"), npos);
 }
 
+TEST(PlacementAuto, CountFromTheBudget) {
+  const MoeShape s{128, 2048, 768};               // qwen3-30b: one expert is 9 MiB on the device
+  const uint64_t expert = 6ull * 2048 * 768;      // bytes
+  EXPECT_EQ(hot_count_for_budget(0, 48, s), 0);
+  EXPECT_EQ(hot_count_for_budget(48 * expert - 1, 48, s), 0);
+  EXPECT_EQ(hot_count_for_budget(48 * expert, 48, s), 1);
+  EXPECT_EQ(hot_count_for_budget(48 * expert * 17 + 5, 48, s), 17);
+  EXPECT_EQ(hot_count_for_budget(uint64_t{1} << 50, 48, s), 128);  // never more than the layer has
+  EXPECT_EQ(hot_auto_reserve(0), uint64_t{2} << 30);
+  EXPECT_EQ(hot_auto_reserve(uint64_t{140} << 30), uint64_t{14} << 30);
+  EXPECT_NE(test::error_of([&] { hot_count_for_budget(1, 0, s); }).find("MoE layers"), npos);
+}
+
 TEST(PlacementChoose, ExplicitLists) {
   HotExpertsConfig c;
   c.policy = HotExpertsConfig::Policy::explicit_lists;

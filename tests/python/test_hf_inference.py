@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from torch import nn
 from hf_models import (KINDS, VOCAB, DeferralReference, V4Block, build, clean_tokens, expert_fp64, moe_experts,
                        record_routing)
 
@@ -255,6 +256,35 @@ def test_dynamic_hot_experts_move_to_the_routed_ones_and_keep_the_logits(models)
         top = set(torch.argsort(routed, descending=True, stable=True)[:2].tolist())
         ties = {x for x in range(8) if routed[x] >= routed[sorted(top, key=lambda x: routed[x])[0]]}
         assert set(e.hot(i)) <= ties, f"layer {i}: hot {e.hot(i)}, routed {routed.tolist()}"
+
+
+def test_hot_count_auto(models, monkeypatch):
+    """gpu.hot_experts: auto. On the host stream there is no device memory to fill: no hot
+    experts. On CUDA the loader's budget is the free memory less everything else the model
+    puts there (parameters and buffers outside the routed experts, in the load dtype) and
+    less the reserve for the KV cache (checked here with a stand-in for torch's query)."""
+    import types
+
+    from tandem import loader as tl
+
+    path, _ = models("qwen3_moe", "fp32")
+    model = tandem.load_model(path, cfg(hot_experts="auto"), progress=False)
+    e = model.tandem_engine
+    assert e.hot_budget == 0 and all(e.hot(i) == [] for i in range(e.moe_layers))
+    base = nn.Sequential(nn.Linear(10, 20), nn.LayerNorm(20))     # 10*20+20 + 20+20 = 260 values
+    experts = nn.Linear(100, 100)                                 # not counted
+    base.add_module("experts", experts)
+    blocks = [types.SimpleNamespace(block=types.SimpleNamespace(experts=experts))]
+    gib = 2 ** 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 40 * gib))
+    cj = {"gpu": {"hot_experts": {"count": "auto"}}}
+    assert tl._auto_hot_budget(cj, base, blocks, torch.bfloat16, torch.device("cuda", 0)) == 10 * gib - 260 * 2 - 4 * gib
+    assert tl._auto_hot_budget(cj, base, blocks, torch.float32, torch.device("cuda", 0)) == 10 * gib - 260 * 4 - 4 * gib
+    assert tl._auto_hot_budget(cj, base, blocks, torch.bfloat16, torch.device("cpu")) is None
+    assert tl._auto_hot_budget({"gpu": {"hot_experts": {"count": 4}}}, base, blocks, torch.bfloat16,
+                               torch.device("cuda", 0)) is None
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 * gib, 16 * gib))  # reserve 2 GiB > free
+    assert tl._auto_hot_budget(cj, base, blocks, torch.bfloat16, torch.device("cuda", 0)) == 0
 
 
 def test_hot_count_policy(models):

@@ -52,6 +52,10 @@ struct HotExpertsConfig {
   enum class Policy { none, uniform, statistics, explicit_lists };
   Policy policy = Policy::none;
   int count = 0;                              // uniform / statistics: experts per layer
+  // count: auto: as many per layer as fit in the device memory left for them (resolved by
+  // the engine: Engine's hot_budget, else the device's free memory less a reserve); 0 on
+  // the host stream unless a budget is given.
+  bool auto_count = false;
   std::filesystem::path statistics;           // statistics: routing-frequency file
   std::map<int, std::vector<int>> layers;     // explicit_lists: layer -> expert ids
   // Dynamic: the hot set (same count per layer) is re-chosen from the routing seen while

@@ -17,6 +17,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "tandem/config.h"
@@ -41,8 +42,12 @@ struct EngineSpec {
 class Engine {
  public:
   // The stream is make_stream(config) unless one is given (e.g. a CUDA stream wrapping
-  // the caller's own, so tandem's work is ordered with the framework's).
-  Engine(const Config& config, EngineSpec spec, std::unique_ptr<Stream> stream = nullptr);
+  // the caller's own, so tandem's work is ordered with the framework's). hot_budget: the
+  // device bytes gpu.hot_experts count: auto may fill (a loader that knows what else will
+  // land on the device passes it); unset: the device's free memory less hot_auto_reserve,
+  // 0 on the host stream.
+  Engine(const Config& config, EngineSpec spec, std::unique_ptr<Stream> stream = nullptr,
+         std::optional<uint64_t> hot_budget = std::nullopt);
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -81,6 +86,8 @@ class Engine {
   // Dynamic hot experts (gpu.hot_experts.dynamic): rebalances done so far, and how many
   // experts changed place in them (each promotion counts once).
   uint64_t rebalances() const { return rebalances_; }
+  // count: auto: the device bytes it was sized from (0 otherwise).
+  uint64_t hot_budget() const { return hot_budget_; }
   uint64_t hot_moves() const { return hot_moves_; }
 
   Pool& pool() { return *pool_; }
@@ -111,7 +118,7 @@ class Engine {
   std::vector<std::vector<int>> hot_;         // per MoE layer, from the config
   // Dynamic hot experts: steps seen (calls of MoE layer 0), per layer each expert's decayed
   // routed count and the cumulative count at the last rebalance.
-  uint64_t steps_ = 0, rebalances_ = 0, hot_moves_ = 0;
+  uint64_t steps_ = 0, rebalances_ = 0, hot_moves_ = 0, hot_budget_ = 0;
   std::vector<std::vector<double>> score_;
   std::vector<std::vector<uint64_t>> seen_;
 };

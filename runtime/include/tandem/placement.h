@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "tandem/config.h"
+#include "tandem/experts.h"
 
 namespace tandem {
 
@@ -28,6 +29,14 @@ void save_routing_statistics(const RoutingStatistics& stats, const std::filesyst
 // Errors name the config key or the statistics file.
 std::vector<int> choose_hot_experts(const HotExpertsConfig& config, int layer, int experts,
                                     const RoutingStatistics* stats = nullptr);
+
+// gpu.hot_experts count: auto. Experts per layer that `budget_bytes` of device memory hold
+// for `moe_layers` layers of `shape` (each hot expert is gate, up and down in bf16 on the
+// device: 6 * hidden * intermediate bytes), at most all of them.
+int hot_count_for_budget(uint64_t budget_bytes, int moe_layers, const MoeShape& shape);
+// The device memory that count: auto leaves to the rest of the model's growth (KV cache,
+// activations): the larger of 2 GiB and a tenth of the device.
+uint64_t hot_auto_reserve(uint64_t device_total_bytes);
 
 // Dynamic hot experts (gpu.hot_experts.dynamic): one layer's hot set after a rebalance.
 // `hot`: the current set (ascending ids), `score[e]`: expert e's decayed routed count. The

@@ -95,6 +95,13 @@ class Stream {
   virtual std::unique_ptr<DeviceExperts> upload_experts(const MoeShape& shape, std::vector<int> experts,
                                                         const std::function<ExpertSource(int)>& source) = 0;
 
+  // The device's free and total memory in bytes (CUDA: cudaMemGetInfo; the host stream has
+  // no device memory of its own: {0, 0}).
+  struct MemoryInfo {
+    uint64_t free = 0, total = 0;
+  };
+  virtual MemoryInfo device_memory() const = 0;
+
   // Waits until everything enqueued so far ran; rethrows the first error set since the last call.
   virtual void synchronize() = 0;
 
