@@ -173,6 +173,12 @@ PYBIND11_MODULE(_C, m) {
         "The level kernels run for a config's cpu.isa: lowered by TANDEM_ISA, capped by the hardware (ValueError above).");
 
   // ---- config ----
+  m.def("rms_norm_bf16", [](uintptr_t x, uintptr_t w, float eps, int64_t rows, int n, uintptr_t y) {
+        py::gil_scoped_release nogil;
+        rms_norm_bf16(reinterpret_cast<const uint16_t*>(x), reinterpret_cast<const uint16_t*>(w), eps, rows, n,
+                      reinterpret_cast<uint16_t*>(y));
+      }, py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("rows"), py::arg("n"), py::arg("out"),
+      "transformers' Llama-family RMSNorm on bf16 rows (tandem/dense.h): out = bf16(w * bf16(x / rms(x)))");
   m.def("hot_auto_reserve", &hot_auto_reserve, py::arg("device_total_bytes"),
         "device bytes gpu.hot_experts count: auto leaves free for the KV cache and activations (placement.h)");
   m.def("load_config_json", [](const std::filesystem::path& p) { return load_config(p).to_json(); },

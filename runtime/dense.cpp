@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "expert_core.h"
 #include "tandem/error.h"
@@ -68,6 +69,44 @@ size_t DenseLinear::bytes() const {
   for (const auto& ps : pieces_)
     for (const Piece& p : ps) b += p.w.bytes();
   return b;
+}
+
+namespace {
+// round_to_bf16 without its branch (NaN -> quiet NaN by a select), so the loop vectorizes.
+inline uint16_t to_bf16_select(float f) {
+  uint32_t v;
+  std::memcpy(&v, &f, 4);
+  const uint32_t nan = (v >> 16) | 0x40u, rounded = (v + 0x7fffu + ((v >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((v & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+}
+inline float from_bf16(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+}  // namespace
+
+void rms_norm_bf16(const uint16_t* x, const uint16_t* w, float eps, int64_t rows, int n, uint16_t* y) {
+  TANDEM_CHECK(rows >= 0 && n >= 1, Errc::invalid_argument, "rms_norm: ", rows, " rows of ", n, " values");
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* xr = x + r * n;
+    uint16_t* yr = y + r * n;
+    double acc[8] = {};  // independent partial sums: no add waits for the one before
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+      for (int j = 0; j < 8; ++j) {
+        const double v = from_bf16(xr[i + j]);
+        acc[j] += v * v;
+      }
+    for (; i < n; ++i) {
+      const double v = from_bf16(xr[i]);
+      acc[0] += v * v;
+    }
+    const double ss = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    const float inv = 1.0f / std::sqrt(static_cast<float>(ss / n) + eps);
+    for (int k = 0; k < n; ++k) yr[k] = to_bf16_select(from_bf16(w[k]) * from_bf16(to_bf16_select(from_bf16(xr[k]) * inv)));
+  }
 }
 
 std::vector<float> DenseLinear::dequantized() const {

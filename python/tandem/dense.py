@@ -1,4 +1,5 @@
-"""The CPU's other linear layers on tandem's kernels: ``TandemLinear`` and ``replace_dense``.
+"""The CPU's other linear layers on tandem's kernels: ``TandemLinear`` and ``replace_dense``;
+and their RMSNorms fused (``TandemRMSNorm``, ``replace_norms``).
 
 A model whose non-expert weights sit on the CPU runs its attention projections, shared
 experts, dense MLPs and lm_head through torch, on torch's threads, beside tandem's pool.
@@ -92,6 +93,94 @@ class TandemLinear(nn.Module):
                 f"format={self.format} (from {str(self.source_dtype).removeprefix('torch.')})")
 
 
+class TandemRMSNorm(nn.Module):
+    """A transformers RMSNorm (the Llama-family form: ``weight * (x / rms(x)).to(bf16)``) on
+    tandem's fused kernel (``_C.rms_norm_bf16``: one pass per row instead of torch's six ops
+    and two casts) for bf16 CPU inputs; any other input goes to the module it replaces.
+    ``replace_norms`` swaps a norm only after checking on a probe that this kernel computes
+    what that module computes."""
+
+    def __init__(self, norm: nn.Module, eps: float, name: str) -> None:
+        super().__init__()
+        # The module's own weight Parameter, under the same name: state_dict keys, .to() and
+        # the module kept for other inputs (not registered, so not a second copy) all see it.
+        self.weight = norm.weight
+        object.__setattr__(self, "_inner", norm)
+        self.eps = float(eps)
+        self.name = name
+
+    @property
+    def inner(self) -> nn.Module:
+        """The module this one replaced (runs every input the fused kernel does not take)."""
+        return self._inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if (x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.device.type != "cpu" or x.numel() == 0
+                or x.shape[-1] != w.shape[0] or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+            return self.inner(x)
+        from . import _C
+
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        w = w.contiguous()
+        _C.rms_norm_bf16(x.data_ptr(), w.data_ptr(), self.eps, x.numel() // x.shape[-1], x.shape[-1], y.data_ptr())
+        return y
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, fused (tandem)"
+
+
+def _norm_eps(mod: nn.Module) -> float | None:
+    for attr in ("variance_epsilon", "eps", "epsilon"):
+        v = getattr(mod, attr, None)
+        if isinstance(v, float):
+            return v
+    return None
+
+
+def replace_norms(model: nn.Module) -> list[str]:
+    """Swaps the model's bf16 CPU RMSNorm modules for ``TandemRMSNorm`` where the fused kernel
+    computes what the module does: each candidate (a module whose class name ends in
+    "RMSNorm", with a 1-D bf16 ``weight`` and an epsilon) is run on a probe of random rows
+    (several magnitudes) both ways, and replaced only if every output agrees within one bf16
+    rounding (the kernel sums the squares in another order than torch). Other forms (Gemma's
+    ``1 + weight``, norms in fp32, LayerNorms) fail the probe and stay in torch. Returns the
+    names replaced."""
+    todo = []
+    for name, mod in model.named_modules():
+        for child_name, child in mod.named_children():
+            if not type(child).__name__.endswith("RMSNorm") or isinstance(child, TandemRMSNorm):
+                continue
+            w = getattr(child, "weight", None)
+            eps = _norm_eps(child)
+            if (not isinstance(w, torch.Tensor) or w.dim() != 1 or w.dtype != torch.bfloat16
+                    or w.device.type != "cpu" or eps is None):
+                continue
+            todo.append((mod, child_name, f"{name}.{child_name}" if name else child_name, child, eps))
+    done: list[str] = []
+    checked: dict[tuple, bool] = {}
+    g = torch.Generator().manual_seed(0)
+    for parent, attr, full, child, eps in todo:
+        fused = TandemRMSNorm(child, eps, full)
+        n = child.weight.shape[0]
+        key = (type(child), n, eps)  # one probe per kind and size (the weight is the module's own)
+        if key not in checked:
+            probe = torch.randn(4, n, generator=g) * torch.tensor([[1e-3], [1.0], [30.0], [1.0]])
+            probe = probe.to(torch.bfloat16)
+            with torch.no_grad():
+                want, got = child(probe), fused(probe)
+            ok = want.dtype == got.dtype and want.shape == got.shape
+            if ok:
+                diff = (got.float() - want.float()).abs()
+                ok = bool((diff <= want.float().abs() * 2.0 ** -7 + 1e-30).all())
+            checked[key] = ok
+        if checked[key]:
+            setattr(parent, attr, fused)
+            done.append(full)
+    return done
+
+
 def dense_choice(fmt: str, weight_dtype: torch.dtype) -> str | None:
     """The format a layer with weights of `weight_dtype` gets under ``cpu.dense_format``
     `fmt`, or None for torch."""
@@ -139,4 +228,6 @@ def describe_dense(model: nn.Module) -> str:
     counts = Counter(done.values())
     packed = sum(m.packed_bytes for m in model.modules() if isinstance(m, TandemLinear))
     formats = ", ".join(f"{n} {f}" for f, n in sorted(counts.items()))
-    return f"dense layers: {len(done)} on tandem's kernels ({formats}; {packed / 2**20:.1f} MiB packed)"
+    norms = getattr(model, "tandem_norms", None)
+    fused = f"; {len(norms)} RMSNorms fused" if norms else ""
+    return f"dense layers: {len(done)} on tandem's kernels ({formats}; {packed / 2**20:.1f} MiB packed){fused}"

@@ -29,7 +29,7 @@ from .adapters import merge_for_inference, peft_for_training, read_adapter_confi
 from .checkpoint_reader import TensorReader
 from .config import ConfigLike, config_json
 from .checkpoint_names import CheckpointNames
-from .dense import replace_dense
+from .dense import replace_dense, replace_norms
 from .discovery import find_moe_blocks
 from .engine import make_engine, make_lora_layers, share_cpu_with_torch
 from .experts_check import check_experts
@@ -351,6 +351,9 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
         # shared-expert gates (direct children of a MoE block) stay in torch.
         keep = {id(m) for b in blocks for m in b.block.children() if isinstance(m, nn.Linear)}
         model.tandem_dense = replace_dense(model, engine, cfg_json["cpu"], keep)
+        # Their RMSNorms too, where the fused kernel computes what they do (checked per kind).
+        if cfg_json["cpu"].get("dense_format", "auto") != "torch":
+            model.tandem_norms = replace_norms(model)
     share_cpu_with_torch(engine, device)
     apply_config(cfg_json)  # trace.enabled: record from now on, write trace.path at exit
     model.tandem_engine = engine

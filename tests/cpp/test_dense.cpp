@@ -112,6 +112,43 @@ TEST(Dense, Bf16MatchesFp64) {
     }
 }
 
+TEST(RmsNorm, MatchesFp64WithinTwoBf16Roundings) {
+  // y = bf16(w * bf16(x / rms(x))): two bf16 roundings (unit roundoff 2^-8 each) after an
+  // fp32 product whose own error is ~2^-23; rows of several lengths and magnitudes, some
+  // tiny (eps matters) and some zero.
+  std::mt19937_64 rng(test::test_seed());
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (int n : {1, 7, 64, 128, 2048, 2051}) {
+    for (float scale : {1e-4f, 1.0f, 300.0f}) {
+      const int rows = 5;
+      std::vector<uint16_t> x(size_t(rows) * n), w(n), y(x.size());
+      for (auto& v : x) v = fp32_to_bf16(nd(rng) * scale);
+      for (int i = 0; i < n; ++i) x[size_t(3) * n + i] = 0;  // an all-zero row: eps keeps it finite (zero out)
+      for (auto& v : w) v = fp32_to_bf16(1.0f + 0.5f * nd(rng));
+      const float eps = 1e-6f;
+      rms_norm_bf16(x.data(), w.data(), eps, rows, n, y.data());
+      for (int r = 0; r < rows; ++r) {
+        double ss = 0;
+        for (int i = 0; i < n; ++i) ss += double(bf16_to_fp32(x[size_t(r) * n + i])) * bf16_to_fp32(x[size_t(r) * n + i]);
+        const double inv = 1.0 / std::sqrt(ss / n + double(eps));
+        for (int i = 0; i < n; ++i) {
+          const double want = double(bf16_to_fp32(w[i])) * bf16_to_fp32(x[size_t(r) * n + i]) * inv;
+          const double got = bf16_to_fp32(y[size_t(r) * n + i]);
+          ASSERT_LE(std::abs(got - want), std::ldexp(std::abs(want), -7) * (1 + 1e-5) + 1e-30)
+              << "n " << n << " scale " << scale << " row " << r << " i " << i;
+        }
+      }
+    }
+  }
+  // in place, and no rows
+  std::vector<uint16_t> x = {fp32_to_bf16(3.0f), fp32_to_bf16(4.0f)}, w = {fp32_to_bf16(1.0f), fp32_to_bf16(2.0f)};
+  rms_norm_bf16(x.data(), w.data(), 0.0f, 1, 2, x.data());  // rms = sqrt(12.5)
+  EXPECT_EQ(bf16_to_fp32(x[0]), bf16_to_fp32(fp32_to_bf16(3.0f / std::sqrt(12.5f))));
+  rms_norm_bf16(nullptr, w.data(), 0.0f, 0, 2, nullptr);
+  EXPECT_NE(test::error_of([&] { rms_norm_bf16(x.data(), w.data(), 0.0f, 1, 0, x.data()); }).find("rms_norm"),
+            std::string::npos);
+}
+
 TEST(Dense, BadInputIsRefused) {
   auto pool = dense_pool(1);
   std::vector<bf16_t> w(64 * 100, fp32_to_bf16(1.0f));

@@ -13,7 +13,7 @@ from torch import nn
 from hf_models import VOCAB, checkpoint_cache
 
 import tandem
-from tandem.dense import TandemLinear, dense_choice
+from tandem.dense import TandemLinear, TandemRMSNorm, dense_choice, replace_norms
 
 def cfg(dense: str | None = None, **cpu) -> dict:
     c = {"virtual_subpools": 2, **cpu}
@@ -64,12 +64,59 @@ def test_bf16_layers_run_on_tandem_and_compute_what_torch_does(ckpt, kind):
         assert isinstance(model.get_submodule(name), TandemLinear), name
     for name in routers(ref):  # still torch's (the routers decide which experts run)
         assert type(model.get_submodule(name)) is nn.Linear, name
+    norms = {n for n, m in ref.named_modules() if type(m).__name__.endswith("RMSNorm")}
+    assert norms and set(model.tandem_norms) == norms  # every Llama-form RMSNorm fused
     plain = tandem.load_model(path, cfg("torch"), progress=False)
-    assert plain.tandem_dense == {} and not any(isinstance(m, TandemLinear) for m in plain.modules())
+    assert plain.tandem_dense == {} and not any(isinstance(m, (TandemLinear, TandemRMSNorm)) for m in plain.modules())
+    assert not hasattr(plain, "tandem_norms")
     for seed in (1, 2):
         with torch.no_grad():
             a, b = model(tokens(seed)).logits.double(), plain(tokens(seed)).logits.double()
         assert ((a - b).abs().max() / b.abs().max()).item() <= 2 ** -6
+
+
+class GemmaLikeRMSNorm(nn.Module):
+    """Another RMSNorm form (Gemma's: scaled by 1 + weight, in fp32): must fail the probe."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n).bfloat16())
+        self.eps = 1e-6
+
+    def forward(self, x):
+        h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def test_fused_rmsnorm_computes_what_the_module_does_or_is_not_used():
+    """replace_norms fuses a Llama-form RMSNorm (within one bf16 rounding of torch's on any
+    input; another dtype or a gradient goes to the module itself) and leaves a norm of
+    another form, a LayerNorm and fp32 norms alone."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
+
+    torch.manual_seed(3)
+    llama = Qwen3MoeRMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        llama.weight.copy_(torch.randn(64))
+    model = nn.ModuleDict({"a": llama.bfloat16(), "b": GemmaLikeRMSNorm(64), "c": nn.LayerNorm(64).bfloat16(),
+                           "d": Qwen3MoeRMSNorm(64)})  # d: fp32 weight
+    assert replace_norms(model) == ["a"]
+    assert isinstance(model["a"], TandemRMSNorm) and type(model["b"]) is GemmaLikeRMSNorm
+    fused, ref = model["a"], model["a"].inner
+    for scale in (1e-3, 1.0, 100.0):
+        x = (torch.randn(3, 5, 64) * scale).bfloat16()
+        with torch.no_grad():
+            got, want = fused(x), ref(x)
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape
+        assert ((got.float() - want.float()).abs() <= want.float().abs() * 2.0 ** -7).all()
+    xf = torch.randn(2, 64)
+    assert torch.equal(fused(xf), ref(xf))  # fp32 input: the module's own forward
+    xg = torch.randn(2, 64).bfloat16().requires_grad_()
+    assert fused(xg).requires_grad  # autograd goes through the module
+    assert replace_norms(model) == []  # already fused: nothing more
+    assert set(model.state_dict()) == {"a.weight", "b.weight", "c.weight", "c.bias", "d.weight"}  # keys unchanged
+    model.to(torch.float32)  # .to() reaches the replaced module's weight too
+    assert fused.inner.weight is fused.weight and fused.weight.dtype == torch.float32
 
 
 def test_biases_and_the_shared_expert_gate(tmp_path):

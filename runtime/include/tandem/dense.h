@@ -21,6 +21,14 @@
 
 namespace tandem {
 
+// The RMSNorm of transformers' Llama-family models (Qwen3, Qwen3-MoE, Mixtral, DeepSeek,
+// ...) on bf16 rows: for each of `rows` rows of n values, h = x * 1 / sqrt(mean(x^2) + eps)
+// in fp32, rounded to bf16, then y = bf16(w * h) (torch's `weight * h.to(bf16)`). One
+// pass per row on the calling thread (no pool task: a decode step's norm is microseconds).
+// x, w, y: bf16 bits; y may alias x. The sum of squares is accumulated in double, so it
+// can differ from torch's fp32 sum in the last bit of the mean.
+void rms_norm_bf16(const uint16_t* x, const uint16_t* w, float eps, int64_t rows, int n, uint16_t* y);
+
 class DenseLinear {
  public:
   // Packs w; errors name `name` (and the element, for a NaN or Inf weight: refused in
