@@ -236,10 +236,56 @@ WeightView checkpoint_view(const Checkpoint& ckpt, const std::string& name, int 
   return v;
 }
 
+// Rows [row0, row0 + n) of expert e in a fused tensor [experts x rows x k] (transformers v5's
+// experts.gate_up_proj [E, 2I, H] and experts.down_proj [E, H, I]), read in place.
+WeightView fused_view(const Checkpoint& ckpt, const std::string& name, int experts, int e, int rows, int row0, int n,
+                      int k) {
+  TANDEM_CHECK(ckpt.contains(name), Errc::bad_format, "checkpoint ", ckpt.root().string(), " has no tensor ", name);
+  const TensorView t = ckpt.tensor(name);
+  const auto& sh = t.info->shape;
+  TANDEM_CHECK(sh.size() == 3 && sh[0] == experts && sh[1] == rows && sh[2] == k, Errc::bad_format, name, " has shape ",
+               shape_str(sh), ", the layer's fused experts need [", experts, ", ", rows, ", ", k,
+               "] (a transposed layout is not supported)");
+  WeightView v;
+  size_t elem = 0;
+  switch (t.info->dtype) {
+    case Dtype::F32: v.type = SourceType::f32; elem = 4; break;
+    case Dtype::BF16: v.type = SourceType::bf16; elem = 2; break;
+    case Dtype::F16: v.type = SourceType::f16; elem = 2; break;
+    default:
+      TANDEM_FAIL(Errc::unsupported, name, " has dtype ", dtype_name(t.info->dtype),
+                  "; fused expert tensors must be F32, BF16 or F16 (FP8 and 4-bit experts are read per expert)");
+  }
+  v.data = t.data + (static_cast<size_t>(e) * rows + row0) * static_cast<size_t>(k) * elem;
+  v.n = n;
+  v.k = k;
+  v.name = t.info->name.c_str();
+  v.file = ckpt.file_of(name).path().c_str();
+  return v;
+}
+
 }  // namespace
+
+bool ExpertNaming::fused() const {
+  const bool g = gate.find("{E}") == std::string::npos, u = up.find("{E}") == std::string::npos,
+             d = down.find("{E}") == std::string::npos;
+  TANDEM_CHECK(g == u && u == d && (!g || gate == up), Errc::invalid_argument, "expert naming (", gate, ", ", up, ", ",
+               down, "): either every pattern names one expert ({E}), or gate and up name the same fused gate_up "
+               "tensor and down the fused down tensor (no {E})");
+  return g;
+}
 
 ExpertSource checkpoint_expert(const Checkpoint& ckpt, int layer, int e, const ExpertNaming& naming, const MoeShape& shape) {
   ExpertSource s;
+  if (naming.fused()) {
+    TANDEM_CHECK(e >= 0 && e < shape.experts, Errc::invalid_argument, "expert ", e, " is outside [0, ", shape.experts, ")");
+    const std::string gu = expand(naming.gate, layer, e), dn = expand(naming.down, layer, e);
+    const int E = shape.experts, H = shape.hidden, I = shape.inter;
+    s.gate = fused_view(ckpt, gu, E, e, 2 * I, 0, I, H);  // transformers' chunk(2): gate first
+    s.up = fused_view(ckpt, gu, E, e, 2 * I, I, I, H);
+    s.down = fused_view(ckpt, dn, E, e, H, 0, H, I);
+    return s;
+  }
   s.gate = checkpoint_view(ckpt, expand(naming.gate, layer, e), shape.inter, shape.hidden, s.keep);
   s.up = checkpoint_view(ckpt, expand(naming.up, layer, e), shape.inter, shape.hidden, s.keep);
   s.down = checkpoint_view(ckpt, expand(naming.down, layer, e), shape.hidden, shape.inter, s.keep);

@@ -90,6 +90,10 @@ def merged_layer_weights(ckpt: _C.Checkpoint, naming: tuple[str, str, str], laye
     """One model layer's expert weights from the checkpoint, W + s B A where `lora` is
     given, in one dtype the engine packs from: (gate, up, down lists, dtype name)."""
     E, H, I = shape
+    if "{E}" not in naming[0]:
+        raise ValueError(f"{where}: the checkpoint stores these experts fused ({_C.expert_key(naming[0], layer, 0)}); "
+                         "merging an adapter into fused experts is not supported yet (save the base model with one "
+                         "tensor per expert: save_pretrained's default, save_original_format=True)")
     reader = TensorReader(ckpt)
     names = [[_C.expert_key(p, layer, e) for p in naming] for e in range(E)]
     dtypes = {ckpt.info(k)[0] for row in names for k in row}

@@ -12,7 +12,9 @@ patterns -> a fused tensor). `CheckpointNames` runs them backwards:
 - ``experts(module_path, layer)``: the (gate, up, down) per-expert name patterns of one MoE
   layer's routed experts, with ``{L}`` for the layer and ``{E}`` for the expert, as the C++
   loader takes them (the converters' per-expert patterns, else the common ``gate_proj /
-  up_proj / down_proj`` and ``w1 / w3 / w2`` namings), checked against the checkpoint.
+  up_proj / down_proj`` and ``w1 / w3 / w2`` namings), checked against the checkpoint; or,
+  for experts stored fused (transformers v5's ``experts.gate_up_proj`` / ``down_proj``),
+  (gate_up, gate_up, down) patterns without ``{E}`` (``is_fused``).
 
 No hand list per family: a model type transformers has rules for gets them.
 """
@@ -50,6 +52,11 @@ def _mapping(model_type: str) -> list:
 def _present(ckpt: _C.Checkpoint, name: str) -> bool:
     """The checkpoint holds weight `name`, as it is or 4-bit quantized (GPTQ / AWQ / compressed-tensors)."""
     return name in ckpt or bool(_C.expert_tensor_names(ckpt, name))
+
+
+def is_fused(naming: tuple[str, str, str]) -> bool:
+    """Whether expert name patterns (from ``CheckpointNames.experts``) name fused tensors."""
+    return "{E}" not in naming[0]
 
 
 class CheckpointNames:
@@ -116,12 +123,16 @@ class CheckpointNames:
                 if all(_present(self.ckpt, _C.expert_key(a, layer, 0)) for a in alts):
                     return alts
                 tried.append(_C.expert_key(alts[0], layer, 0))
-        fused = [a for part in _FUSED for a in self.candidates(f"{module_path}.{part}") if a in self.ckpt]
+        # Fused: transformers v5's layout (save_original_format=False; some families store it).
+        gate_up, down = (self.candidates(f"{module_path}.{part}") for part in _FUSED)
+        for gu, dn in zip(gate_up, down):
+            if gu in self.ckpt and dn in self.ckpt:
+                gu_p, dn_p = (n.replace(marker, "layers.{L}.", 1) for n in (gu, dn))
+                return gu_p, gu_p, dn_p
+        fused = [a for a in gate_up + down if a in self.ckpt]
         if fused:
-            raise ValueError(f"{self.where} holds layer {layer}'s routed experts fused in one tensor ({fused[0]}): "
-                             "tandem loads routed experts stored one tensor per expert so far (fused ones are what "
-                             "transformers v5 writes with save_original_format=False, and what some families store "
-                             "natively)")
+            raise ValueError(f"{self.where} holds layer {layer}'s routed experts fused ({fused[0]}) but not both "
+                             f"fused tensors ({_FUSED[0]} and {_FUSED[1]} under {module_path})")
         shown = ", ".join(tried[:4]) + (f" and {len(tried) - 4} more" if len(tried) > 4 else "")
         raise ValueError(f"{self.where} has no routed experts for layer {layer} under the names "
                          f"transformers gives {self.model_type} (tried {shown})")

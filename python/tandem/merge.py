@@ -118,6 +118,10 @@ def plan(model_dir: Path, adapter: Path, ckpt: _C.Checkpoint) -> dict[str, Chang
         if lora is None:
             continue
         naming = names.experts(b.path, b.layer)
+        if "{E}" not in naming[0]:
+            raise ValueError(f"{where}: the checkpoint stores these experts fused "
+                             f"({_C.expert_key(naming[0], b.layer, 0)}); merging an adapter into fused experts is "
+                             "not supported yet (save the base model with one tensor per expert)")
         for e in range(E):
             for j, pattern in enumerate(naming):
                 changes[_C.expert_key(pattern, b.layer, e)] = (

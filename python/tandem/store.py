@@ -76,8 +76,9 @@ def convert(model: str | os.PathLike, config: ConfigLike = None, *, format: str 
             bar(None)
     report["seconds"] = time.perf_counter() - t0
     report["path"] = str(out)
-    report["source_bytes"] = sum(_tensor_bytes(me.ckpt, t) for L in me.layers for e in range(E) for p in me.naming
-                                 for t in _C.expert_tensor_names(me.ckpt, _C.expert_key(p, L, e)))
+    report["source_bytes"] = sum(_tensor_bytes(me.ckpt, t) for t in {  # a set: fused tensors serve every expert
+        t for L in me.layers for e in range(E) for p in me.naming
+        for t in _C.expert_tensor_names(me.ckpt, _C.expert_key(p, L, e))})
     if verify:
         store = _C.ExpertStore(str(out))
         vbar = progress_bar(progress, len(me.layers), "verifying the store")

@@ -475,6 +475,61 @@ void expect_same_outputs(const Weights& w, std::mt19937_64& rng, Engine& a, Engi
   EXPECT_EQ(outs[1], outs[3]);
 }
 
+// transformers v5's fused layout: experts.gate_up_proj [E, 2I, H] (gate the first I rows of
+// each expert) and experts.down_proj [E, H, I]. The same weights as the per-expert
+// checkpoint: the same packs and the same outputs; a transposed or mixed naming is refused.
+TEST(Engine, FusedExpertTensorsLoadAsThePerExpertOnes) {
+  std::mt19937_64 rng(test_seed());
+  const Weights w(rng);
+  std::vector<test::Entry> fused;
+  for (size_t i = 0; i < kLayers.size(); ++i) {
+    std::vector<float> gu, dn;
+    for (int e = 0; e < kE; ++e) {
+      gu.insert(gu.end(), w.g[i][e].begin(), w.g[i][e].end());
+      gu.insert(gu.end(), w.u[i][e].begin(), w.u[i][e].end());
+      dn.insert(dn.end(), w.d[i][e].begin(), w.d[i][e].end());
+    }
+    const std::string base = "model.layers." + std::to_string(kLayers[i]) + ".mlp.experts.";
+    fused.push_back({base + "gate_up_proj", "BF16", {kE, 2 * kI, kH}, tensor_bytes(gu, "BF16")});
+    fused.push_back({base + "down_proj", "BF16", {kE, kH, kI}, tensor_bytes(dn, "BF16")});
+  }
+  test::ScratchDir dir;  // one per test: three files in it
+  auto open = [&](const std::string& file, const std::vector<test::Entry>& entries) {
+    test::write_file(dir / file, test::good_file(entries));
+    return Checkpoint::open(dir / file);
+  };
+  const Checkpoint per_expert = open("a.safetensors", checkpoint_entries(w, "BF16")),
+                   fused_ckpt = open("b.safetensors", fused);
+  const ExpertNaming naming{"model.layers.{L}.mlp.experts.gate_up_proj", "model.layers.{L}.mlp.experts.gate_up_proj",
+                            "model.layers.{L}.mlp.experts.down_proj"};
+  EXPECT_TRUE(naming.fused());
+  EXPECT_FALSE(ExpertNaming::qwen3().fused());
+  const Config cfg = config(", hot_experts: {layers: {1: [2]}}");
+  Engine x(cfg, spec()), y(cfg, spec());
+  x.load(per_expert, ExpertNaming::qwen3());
+  y.load(fused_ckpt, naming);
+  for (int i = 0; i < 2; ++i)
+    for (int s = 0; s < 2; ++s)
+      for (int e = 0; e < kE; ++e) {
+        if (x.layer(i).excluded(e)) continue;
+        ASSERT_EQ(unpack(x.layer(i).gate_up_pack(s, e)), unpack(y.layer(i).gate_up_pack(s, e))) << i << " " << e;
+        ASSERT_EQ(unpack(x.layer(i).down_pack(s, e)), unpack(y.layer(i).down_pack(s, e))) << i << " " << e;
+      }
+  expect_same_outputs(w, rng, x, y);
+  // A mix of per-expert and fused patterns, or gate and up naming different tensors.
+  const std::string mixed = test::error_of([&] {
+    checkpoint_expert(fused_ckpt, kLayers[0], 0, {naming.gate, naming.up, ExpertNaming::qwen3().down}, {kE, kH, kI});
+  });
+  EXPECT_NE(mixed.find("either every pattern names one expert"), std::string::npos) << mixed;
+  // The transposed layout ([E, H, 2I], as Llama 4 stores it) is refused naming the shapes.
+  std::vector<test::Entry> transposed = fused;
+  transposed[0].shape = {kE, kH, 2 * kI};
+  const Checkpoint t = open("c.safetensors", transposed);
+  const std::string msg = test::error_of([&] { checkpoint_expert(t, kLayers[0], 0, naming, {kE, kH, kI}); });
+  EXPECT_NE(msg.find("a transposed layout is not supported"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("gate_up_proj"), std::string::npos) << msg;
+}
+
 // The same weights from memory (f32) and from a checkpoint (bf16) pack and run alike.
 TEST(Engine, LoadLayerFromMemoryMatchesTheCheckpoint) {
   const uint64_t seed = test_seed();
@@ -636,6 +691,11 @@ TEST(Engine, NonFiniteWeightsAreRefusedAndNothingStaysLoaded) {
 // one) grows by >= 100 KB a cycle; allocator noise after malloc_trim measured < 10 KB a
 // cycle. 20 cycles may grow by 1 MiB (50 KB a cycle) at most.
 TEST(Engine, ReloadLoopLeavesNothingBehind) {
+  // Every cycle starts and joins the pool's threads. glibc gives a thread that meets a
+  // locked arena a new one (up to 8 per core), each keeping its heap: on a loaded CI machine
+  // (the test 10x slower than alone) 20 cycles grew 1656 KB that way, none of it tandem's.
+  // One arena for this process, so the bound below sees only what tandem keeps.
+  mallopt(M_ARENA_MAX, 1);
   std::mt19937_64 rng(test_seed());
   const Weights w(rng);
   test::ScratchDir dir;

@@ -9,7 +9,8 @@ products and differ by accumulation order and tandem's bf16 activations (relativ
 <= 2^-8 per product, observed 1e-5..3e-3 on the logits; bound 2e-2). Where the reference's
 top two logits are further apart than twice the largest difference, the greedy token must
 agree. The same model saved in transformers' v5 fused layout (``save_original_format=False``)
-must be refused with a message naming that layout.
+must load to the same logits bit for bit (the same weights packed), or be refused with a
+ValueError; the table's last column says which.
 
 Outcomes: "supported" (load_model matches), "refused" (load_model raised a ValueError
 naming what it lacks: a clean refusal), "not built" (this test could not make a tiny model
@@ -40,7 +41,7 @@ SMALL = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, exp
              moe_topk=2, expert_ffn_hidden_size=32, zero_expert_num=2, num_layers=2, max_position_embeddings=256, shared_expert_intermediate_size=32,
              n_shared_experts=1, num_shared_experts=1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
              initializer_range=0.08, tie_word_embeddings=False)
-RESULTS: dict[str, tuple[str, str]] = {}
+RESULTS: dict[str, tuple[str, str, str]] = {}
 
 
 def moe_model_types() -> list[str]:
@@ -102,13 +103,13 @@ def test_load_model_matches_from_pretrained(model_type, tmp_path):
         model.save_pretrained(tmp_path / "orig")
         model.save_pretrained(tmp_path / "fused", save_original_format=False)
     except Exception as e:  # noqa: BLE001 (this harness's tiny config does not fit the type)
-        RESULTS[model_type] = ("not built", f"{type(e).__name__}: {_clean(str(e), tmp_path)}")
+        RESULTS[model_type] = ("not built", f"{type(e).__name__}: {_clean(str(e), tmp_path)}", "")
         pytest.skip(f"no tiny {model_type} model: {RESULTS[model_type][1]}")
     conf = {"version": 1, "cpu": {"format": "bf16"}, "gpu": {"device": "none"}}
     try:
         ours = tandem.load_model(tmp_path / "orig", conf, progress=False)
     except ValueError as e:
-        RESULTS[model_type] = ("refused", _clean(str(e), tmp_path / "orig", tmp_path))
+        RESULTS[model_type] = ("refused", _clean(str(e), tmp_path / "orig", tmp_path), "")
         assert str(e).strip(), "a refusal says why"
         return
     ref = AutoModelForCausalLM.from_pretrained(tmp_path / "orig", dtype=torch.float32).eval()
@@ -131,12 +132,18 @@ def test_load_model_matches_from_pretrained(model_type, tmp_path):
     top2 = want.topk(2, dim=-1).values
     sure = (top2[..., 0] - top2[..., 1]) > 2 * diff
     assert torch.equal(got.argmax(-1)[sure], want.argmax(-1)[sure]), f"{model_type}: greedy tokens differ"
-    # The v5 fused layout is refused, naming the tensor.
-    fused_names = [k for k in _names(tmp_path / "fused") if k.endswith("experts.gate_up_proj")]
-    if fused_names:
-        with pytest.raises(ValueError, match="routed experts fused in one tensor"):
-            tandem.load_model(tmp_path / "fused", conf, progress=False)
-    RESULTS[model_type] = ("supported", "")
+    # The v5 fused layout: the same weights, so the same logits bit for bit, or a refusal.
+    fused_layout = "same checkpoint (no fused tensors)"
+    if any(k.endswith("experts.gate_up_proj") for k in _names(tmp_path / "fused")):
+        try:
+            fused = tandem.load_model(tmp_path / "fused", conf, progress=False)
+        except ValueError as e:
+            fused_layout = "refused: " + _clean(str(e), tmp_path / "fused", tmp_path)
+        else:
+            with torch.no_grad():
+                assert torch.equal(fused(ids).logits, ours(ids).logits), f"{model_type}: fused layout differs"
+            fused_layout = "supported"
+    RESULTS[model_type] = ("supported", "", fused_layout)
 
 
 def routing(model) -> list[torch.Tensor]:
@@ -182,16 +189,18 @@ def test_models_md_is_this_runs_table(request):
         "- not built: the test could not make a tiny model of the type (its config needs more than the",
         "  generic small sizes); load_model was not tried.",
         "",
-        "Checkpoints in transformers' v5 fused layout (`save_original_format=False`) are refused for now.",
+        "The last column: the same model saved in transformers' v5 fused layout (`save_original_format=False`:",
+        "`experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I]) loaded by `tandem.load_model`",
+        "(supported: the same logits bit for bit as the per-expert checkpoint).",
         "",
-        "| model type | outcome | detail |",
-        "|---|---|---|",
+        "| model type | outcome | detail | v5 fused layout |",
+        "|---|---|---|---|",
     ]
     counts: dict[str, int] = {}
     for t in types:
-        outcome, detail = RESULTS[t]
+        outcome, detail, fused = RESULTS[t]
         counts[outcome] = counts.get(outcome, 0) + 1
-        lines.append(f"| `{t}` | {outcome} | {detail.replace('|', '/')} |")
+        lines.append(f"| `{t}` | {outcome} | {detail.replace('|', '/')} | {fused.replace('|', '/')} |")
     lines += ["", ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) + f", of {len(types)} types.", ""]
     text = "\n".join(lines)
     if os.environ.get("TANDEM_UPDATE_MODELS_MD") == "1":

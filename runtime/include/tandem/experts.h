@@ -33,9 +33,14 @@ void check_expert_source(const ExpertSource& src, const MoeShape& shape, int exp
 using Progress = std::function<void(int done, int total)>;
 
 // How a checkpoint names a layer's experts. {L} is the layer, {E} the expert; a weight
-// stored as FP8 may have a "<name>_scale_inv" block-scale tensor next to it.
+// stored as FP8 may have a "<name>_scale_inv" block-scale tensor next to it. Fused experts
+// (transformers v5's layout, also what some families store): patterns without {E}, gate
+// and up both naming the [experts, 2 x intermediate, hidden] gate_up tensor (gate the first
+// half of each expert's rows), down the [experts, hidden, intermediate] one.
 struct ExpertNaming {
   std::string gate, up, down;
+  // Whether the patterns name fused tensors; an inconsistent mix is an error.
+  bool fused() const;
   static ExpertNaming qwen3();    // model.layers.{L}.mlp.experts.{E}.{gate,up,down}_proj.weight (also DeepSeek)
   static ExpertNaming mixtral();  // model.layers.{L}.block_sparse_moe.experts.{E}.{w1,w3,w2}.weight
   // The first scheme whose expert-0 gate key for `layer` exists in the checkpoint.
