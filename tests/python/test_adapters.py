@@ -454,3 +454,21 @@ def test_a_merge_that_fails_leaves_the_base_packed(tmp_path):
     with torch.no_grad(), ours.disable_adapter():
         got = ours(input_ids=ids).logits
     assert (got - base).abs().max() <= 1e-3 * base.abs().max()
+
+
+def test_adapters_on_fused_expert_checkpoints_are_refused(adapted, tmp_path):
+    """A checkpoint that stores the experts fused (transformers v5's save_original_format=False)
+    loads (tests/python/test_model_zoo.py), but merging an adapter into its experts, by
+    load_model(adapter=) or tandem merge, is refused naming the fused tensor."""
+    from transformers import AutoModelForCausalLM
+
+    from tandem.merge import merge_checkpoint
+
+    path, adapter, _ = adapted("qwen3_moe")
+    AutoModelForCausalLM.from_pretrained(path).save_pretrained(tmp_path / "fused", save_original_format=False)
+    assert tandem.load_model(tmp_path / "fused", cfg(), progress=False).tandem_engine.moe_layers > 0
+    with pytest.raises(ValueError, match=r"stores these experts fused \(model\.layers\.\d+\.mlp\.experts\.gate_up_proj\)"):
+        tandem.load_model(tmp_path / "fused", cfg(), adapter=adapter, progress=False)
+    with pytest.raises(ValueError, match="merging an adapter into fused experts is not supported"):
+        merge_checkpoint(tmp_path / "fused", adapter, tmp_path / "merged", progress=False)
+    assert not (tmp_path / "merged").exists()
