@@ -61,6 +61,25 @@ def test_a_model_from_its_store_computes_what_the_packing_model_does(checkpoint,
     assert torch.equal(logits(packed, seed), logits(via_config, seed))
 
 
+def test_a_fused_expert_checkpoint_converts_and_loads_from_its_store(checkpoint, tmp_path, seed):
+    """Experts stored fused (transformers v5's save_original_format=False): the store holds
+    the same packs as the per-expert checkpoint's (each expert's rows of the fused tensors
+    hashed once, not the whole tensors per expert), so the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    path = checkpoint("qwen3_moe", "bf16")
+    AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).save_pretrained(
+        tmp_path / "fused", save_original_format=False)
+    report = tandem.convert(tmp_path / "fused", cfg("int8"), out=tmp_path / "store", progress=False, verify=True)
+    assert report["layers_written"] > 0
+    # source bytes: each fused tensor counted once, as big as the per-expert ones together
+    per_expert = tandem.convert(path, cfg("int8"), out=tmp_path / "store2", progress=False)
+    assert report["source_bytes"] == per_expert["source_bytes"]
+    packed = tandem.load_model(path, cfg("int8"), progress=False)
+    stored = tandem.load_model(tmp_path / "fused", cfg("int8"), store=tmp_path / "store", progress=False)
+    assert torch.equal(logits(packed, seed), logits(stored, seed))
+
+
 def test_convert_and_run_from_the_command_line(tmp_path, capsys):
     from tandem import demo
 
