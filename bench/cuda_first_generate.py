@@ -6,10 +6,11 @@ with and without an attention mask), and where the syncing calls come from.
 
 2026-11-27 on an H200 it showed the first generate of a process at 17.7 tokens/s and the
 later ones at 116-172: torch's cuDNN attention builds a plan per new key length
-(bench/RESULTS.md). It runs generate directly, without tandem.attention's context, to show
-torch's default behaviour; TANDEM_SDPA_CUDNN is irrelevant here.
+(bench/RESULTS.md). It sets TANDEM_SDPA_CUDNN=1, so tandem's timed_generate leaves torch's
+SDPA backends as torch chooses them (cuDNN included): the behaviour this probe is about.
 """
 import collections
+import os
 import sys
 import threading
 import time
@@ -18,28 +19,15 @@ from pathlib import Path
 
 import torch
 
+os.environ["TANDEM_SDPA_CUDNN"] = "1"  # torch's own SDPA choice (see above)
 sys.path.append(str(Path(__file__).resolve().parents[1] / "python"))
 import tandem  # noqa: E402
 from tandem import demo  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList  # noqa: E402
+from tandem.run import timed_generate  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 if not torch.cuda.is_available():
     sys.exit("cuda_first_generate: needs a CUDA device")
-
-
-def timed_generate(m, ids, mask, **gen):
-    """Greedy decode tokens/s after the first new token, torch's default SDPA backends."""
-    stamps = []
-
-    class Stamp(StoppingCriteria):
-        def __call__(self, input_ids, scores, **kwargs):
-            torch.cuda.synchronize()
-            stamps.append(time.perf_counter())
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-    with torch.inference_mode():
-        m.generate(input_ids=ids, attention_mask=mask, stopping_criteria=StoppingCriteriaList([Stamp()]), **gen)
-    return (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else float("nan")
 
 
 dev = "cuda:0"
@@ -63,7 +51,7 @@ hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(dev)
 def run(m, mask, n=40):
     timed_generate(m, enc["input_ids"], enc["attention_mask"] if mask else None, max_new_tokens=4, do_sample=False)
     return timed_generate(m, enc["input_ids"], enc["attention_mask"] if mask else None, max_new_tokens=n,
-                          do_sample=False)
+                          do_sample=False)[1].decode_tps
 
 for label, m in [("tandem", model), ("hf", hf)]:
     for mask in (False, True):

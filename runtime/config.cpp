@@ -440,7 +440,7 @@ void parse_hot(const Section& parent, const Node* n, HotExpertsConfig& hot) {
   using P = HotExpertsConfig::Policy;
   if (is_scalar(n)) {  // shorthand: a uniform count, or auto
     check_untagged(c, n, key);
-    if (n->plain && n->value == "auto") {
+    if (scalar(n) == "auto") {
       hot.auto_count = true;
       hot.policy = P::uniform;
       return;
@@ -482,7 +482,7 @@ void parse_hot(const Section& parent, const Node* n, HotExpertsConfig& hot) {
   }
   if (present(stats) && !present(count))
     fail(c, stats, s.key("statistics"), "needs 'count' (how many of the most frequent experts per layer go to the GPU)");
-  if (present(count) && is_scalar(count) && count->plain && count->value == "auto")
+  if (present(count) && scalar(count) == "auto")
     hot.auto_count = true;
   else if (present(count))
     hot.count = static_cast<int>(read_int(c, count, s.key("count"), 0, 1 << 20));

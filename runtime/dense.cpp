@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "bf16_round.h"
 #include "expert_core.h"
 #include "tandem/error.h"
 #include "tandem/trace.h"
@@ -72,13 +73,6 @@ size_t DenseLinear::bytes() const {
 }
 
 namespace {
-// round_to_bf16 without its branch (NaN -> quiet NaN by a select), so the loop vectorizes.
-inline uint16_t to_bf16_select(float f) {
-  uint32_t v;
-  std::memcpy(&v, &f, 4);
-  const uint32_t nan = (v >> 16) | 0x40u, rounded = (v + 0x7fffu + ((v >> 16) & 1u)) >> 16;
-  return static_cast<uint16_t>((v & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
-}
 inline float from_bf16(uint16_t b) {
   const uint32_t u = static_cast<uint32_t>(b) << 16;
   float f;
@@ -105,7 +99,7 @@ void rms_norm_bf16(const uint16_t* x, const uint16_t* w, float eps, int64_t rows
     }
     const double ss = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
     const float inv = 1.0f / std::sqrt(static_cast<float>(ss / n) + eps);
-    for (int k = 0; k < n; ++k) yr[k] = to_bf16_select(from_bf16(w[k]) * from_bf16(to_bf16_select(from_bf16(xr[k]) * inv)));
+    for (int k = 0; k < n; ++k) yr[k] = round_to_bf16(from_bf16(w[k]) * from_bf16(round_to_bf16(from_bf16(xr[k]) * inv)));
   }
 }
 

@@ -162,13 +162,14 @@ std::string files_key(const json& files) {
 // Adds one expert's tensors as they are in the checkpoint (block scales and quantization
 // tensors included) to a layer's source hash, and gives their pages back.
 void hash_expert_source(const Checkpoint& ckpt, const StoreSpec& s, int model_layer, int e, Hasher& h) {
-  if (s.naming.fused()) {  // expert e's rows of the layer's fused tensors (gate, up, down in turn)
-    const ExpertSource src = checkpoint_expert(ckpt, model_layer, e, s.naming, s.shape);
-    for (const WeightView* v : {&src.gate, &src.up, &src.down})
-      h.update(v->data, static_cast<size_t>(v->n) * v->k * (v->type == SourceType::f32 ? 4 : 2));  // F32 / BF16 / F16
-    if (e + 1 == s.shape.experts)  // the whole tensors serve every expert: given back after the last
-      for (const std::string* p : {&s.naming.gate, &s.naming.down})
-        ckpt.release(ExpertNaming::name(*p, model_layer, e));
+  if (s.naming.fused()) {  // expert e's slice of the layer's fused gate_up and down tensors
+    for (const std::string* p : {&s.naming.gate, &s.naming.down}) {
+      const std::string n = ExpertNaming::name(*p, model_layer, e);
+      const TensorView t = ckpt.tensor(n);
+      const size_t per = t.nbytes / s.shape.experts;
+      h.update(t.data + e * per, per);
+      if (e + 1 == s.shape.experts) ckpt.release(n);  // the whole tensor serves every expert
+    }
     return;
   }
   for (const std::string* p : {&s.naming.gate, &s.naming.up, &s.naming.down})

@@ -184,11 +184,8 @@ def _auto_hot_budget(cfg_json: dict, model, blocks, dtype: torch.dtype, device: 
     if cfg_json["gpu"]["hot_experts"].get("count") != "auto" or torch.device(device).type != "cuda":
         return None
     skip = {id(t) for b in blocks for t in b.block.experts.parameters()}
-    rest = 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        if id(t) not in skip:
-            size = torch.tensor([], dtype=dtype).element_size() if t.is_floating_point() else t.element_size()
-            rest += t.numel() * size
+    rest = sum(t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size())
+               for t in list(model.parameters()) + list(model.buffers()) if id(t) not in skip)
     free, total = torch.cuda.mem_get_info(torch.device(device))
     return max(0, free - rest - _C.hot_auto_reserve(total))
 
