@@ -47,6 +47,14 @@ inline float exp_approx(float x) {
 inline void silu_mul(const float* g, const float* u, float* out, int n) {
   for (int j = 0; j < n; ++j) out[j] = g[j] / (1.0f + exp_approx(-g[j])) * u[j];
 }
+// gpt-oss's clamped SwiGLU (GateAct::Kind::swiglu_oai), with silu_mul's exponential.
+// std::min / std::max return their first argument for NaN, so NaN in g or u propagates.
+inline void swiglu_oai(const float* g, const float* u, float* out, int n, float alpha, float limit) {
+  for (int j = 0; j < n; ++j) {
+    const float gc = std::min(g[j], limit), uc = std::min(std::max(u[j], -limit), limit);
+    out[j] = gc / (1.0f + exp_approx(-alpha * gc)) * (uc + 1.0f);
+  }
+}
 // 1 / (1 + exp(-x)) with silu_mul's exponential; NaN stays NaN (exp_approx's clamp
 // would otherwise turn it into a number).
 inline void sigmoid(const float* x, float* out, int n) {
@@ -77,8 +85,9 @@ inline void store_rows(const Args& g, const float* t, int mr, int r0, int n0, in
   }
 }
 
-// Writes silu(gate) * up for rows t[r] (row stride ld) into H (fp32 or bf16), scaling
-// both by act_scale[r0 + r] first when given.
+// Writes silu(gate) * up (or g.act's activation) for rows t[r] (row stride ld) into H
+// (fp32 or bf16), scaling both by act_scale[r0 + r] first when given and adding g's
+// biases (outputs n0 + j) before the activation.
 template <typename Args>
 inline void store_silu_rows(const Args& g, float* tg, float* tu, int mr, int r0, int n0, int nn, const float* act_scale,
                             int ld = kPanel) {
@@ -93,13 +102,22 @@ inline void store_silu_rows(const Args& g, float* tg, float* tu, int mr, int r0,
         ur[j] *= s;
       }
     }
-    const size_t row = static_cast<size_t>(r0 + r) * g.ldh + n0;
-    if (g.h) {
-      silu_mul(gr, ur, g.h + row, nn);
-    } else {
-      silu_mul(gr, ur, h, nn);
-      for (int j = 0; j < nn; ++j) g.h_bf16[row + j] = round_to_bf16(h[j]);
+    if (g.gate_bias) {
+      const float* gb = g.gate_bias + n0;
+      const float* ub = g.up_bias + n0;
+      for (int j = 0; j < nn; ++j) {
+        gr[j] += gb[j];
+        ur[j] += ub[j];
+      }
     }
+    const size_t row = static_cast<size_t>(r0 + r) * g.ldh + n0;
+    float* dst = g.h ? g.h + row : h;
+    if (g.act.plain())
+      silu_mul(gr, ur, dst, nn);
+    else
+      swiglu_oai(gr, ur, dst, nn, g.act.alpha, g.act.limit);
+    if (!g.h)
+      for (int j = 0; j < nn; ++j) g.h_bf16[row + j] = round_to_bf16(h[j]);
   }
 }
 

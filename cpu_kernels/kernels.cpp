@@ -2,6 +2,7 @@
 // kernel_list(), the tables chosen from it by feature set, and the validated entry
 // points. No ISA flags here: the wide code lives in the per-ISA files and is only
 // reached through a line whose features the hardware was checked for.
+#include <cmath>
 #include "tandem/kernels.h"
 
 #include <span>
@@ -223,6 +224,14 @@ void quantize_activations(QuantizedActs& qa, const float* a, int lda, int r0, in
   quantize_range(qa, a, lda, r0, r1, kt);
 }
 
+void check_gate_act(const char* what, const GateUpArgs& g) {
+  TANDEM_CHECK(!g.gate_bias == !g.up_bias, Errc::invalid_argument, what, ": give both biases (gate and up) or neither");
+  if (!g.act.plain())
+    TANDEM_CHECK(std::isfinite(g.act.alpha) && std::isfinite(g.act.limit) && g.act.limit > 0, Errc::invalid_argument, what,
+                 ": swiglu_oai needs a finite alpha and a finite positive limit, not alpha = ", g.act.alpha, ", limit = ",
+                 g.act.limit);
+}
+
 void gemm(const PackedWeight& w, const GemmArgs& g) {
   TANDEM_CHECK(!w.gate_up, Errc::invalid_argument, "gemm: the weight is a fused gate_up pack; use gate_up()");
   TANDEM_CHECK(g.m >= 0, Errc::invalid_argument, "gemm: m = ", g.m, " is negative");
@@ -243,6 +252,7 @@ void gate_up(const PackedWeight& w, const GateUpArgs& g) {
                "gate_up: give exactly one output (fp32 h or bf16 h_bf16)");
   TANDEM_CHECK(g.ldh >= w.n, Errc::invalid_argument, "gate_up: ldh = ", g.ldh, " is smaller than n = ", w.n);
   check_panels("gate_up", w, g.panel_begin, g.panel_end);
+  check_gate_act("gate_up", g);
   kernels().of(w.format).pick(g.m).gate_up(w, g);
 }
 

@@ -18,6 +18,7 @@
 // asym 0.104, each within 3% of the prediction, for N(0, 1) weights and activations).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
 #include <omp.h>
 
@@ -276,6 +277,56 @@ TEST_P(KernelsInt, GateUpMatchesReference) {
           ASSERT_LE(std::abs(h[i] - want), tol) << v->name << " m=" << m << " n=" << n << " i=" << i << " seed=" << seed;
           ASSERT_LE(std::abs(bf16_to_fp32(hb[i]) - want), tol + std::abs(want) / 256) << "bf16 out, i=" << i;
         }
+      }
+    }
+}
+
+// gpt-oss's expert activation with biases (see the BF16 test of the same name for the
+// bound): the silu bound of the test above, plus one fp32 rounding for each bias add.
+TEST_P(KernelsInt, GateUpSwigluOaiWithBiases) {
+  const GateAct act{GateAct::Kind::swiglu_oai, 1.702f, 7.0f};
+  std::normal_distribution<float> d(0.f, 3.f);
+  for (const KernelVariant* v : variants)
+    for (const auto& [m, n] : std::vector<std::pair<int, int>>{{1, 70}, {6, 100}, {40, 100}, {600, 160}}) {
+      const int k = ks()[1];
+      auto wg = random_weights(static_cast<size_t>(n) * k, rng), wu = random_weights(static_cast<size_t>(n) * k, rng);
+      auto a = random_acts(static_cast<size_t>(m) * k, rng);
+      std::vector<float> bg(n), bu(n);
+      for (int j = 0; j < n; ++j) {
+        bg[j] = d(rng);
+        bu[j] = d(rng);
+      }
+      PackedWeight pw = pack_gate_up({wg.data(), SourceType::f32, n, k}, {wu.data(), SourceType::f32, n, k}, opt);
+      std::vector<float> h(static_cast<size_t>(m) * n);
+      std::vector<bf16_t> hb(h.size());
+      GateUpArgs g;
+      g.a = a.data();
+      g.m = m;
+      g.lda = k;
+      g.h = h.data();
+      g.ldh = n;
+      g.act = act;
+      g.gate_bias = bg.data();
+      g.up_bias = bu.data();
+      v->gate_up(pw, g);
+      g.h = nullptr;
+      g.h_bf16 = hb.data();
+      v->gate_up(pw, g);
+      const auto wdq = unpack(pw);
+      const auto aq = dequantized_acts(pw, a.data(), m, k);
+      std::vector<double> rg, mg, ru, mu;
+      reference(wdq, 0, n, k, aq, m, rg, mg);
+      reference(wdq, n, n, k, aq, m, ru, mu);
+      for (size_t i = 0; i < h.size(); ++i) {
+        const int j = static_cast<int>(i % n);
+        const double gv = rg[i] + bg[j], uv = ru[i] + bu[j];
+        const double gc = std::min(gv, 7.0), uc = std::clamp(uv, -7.0, 7.0);
+        const double glu = gc / (1 + std::exp(-1.702 * gc)), want = glu * (uc + 1);
+        const double eg = bound(pw, mg[i]) + 2 * kU * (std::abs(rg[i]) + std::abs(bg[j]));
+        const double eu = bound(pw, mu[i]) + 2 * kU * (std::abs(ru[i]) + std::abs(bu[j]));
+        const double tol = 1.1 * eg * std::abs(uc + 1) + std::abs(glu) * eu + 8 * kU * std::abs(want);
+        ASSERT_LE(std::abs(h[i] - want), tol) << v->name << " m=" << m << " n=" << n << " i=" << i << " seed=" << seed;
+        ASSERT_LE(std::abs(bf16_to_fp32(hb[i]) - want), tol + std::abs(want) / 256) << "bf16 out, i=" << i;
       }
     }
 }

@@ -7,6 +7,7 @@
 //
 // plus two fused forms used by the MoE layer:
 //   gate_up:  H[m x n] = silu(A . Wg^T) * (A . Wu^T)       (fp32 or bf16 out)
+//             (or, per GateAct, gpt-oss's clamped SwiGLU; optional biases on g and u)
 //   down:     C[m x n] += w[m] * (A . Wd^T)               (per-token routing weight)
 //
 // Weights are packed once into the layout the kernels read (PackedWeight, formats
@@ -300,6 +301,19 @@ struct GemmArgs {
   int panel_begin = 0, panel_end = -1;  // -1: all panels
 };
 
+// The gate_up epilogue's activation of g = A . Wg^T (+ gate_bias) and u = A . Wu^T (+ up_bias):
+//   silu         h = silu(g) * u
+//   swiglu_oai   gpt-oss's clamped SwiGLU: g' = min(g, limit), u' = clamp(u, -limit, limit),
+//                h = g' * sigmoid(alpha * g') * (u' + 1)
+// NaN in g or u gives NaN in h in both.
+struct GateAct {
+  enum class Kind : uint8_t { silu, swiglu_oai };
+  Kind kind = Kind::silu;
+  float alpha = 1.702f, limit = 7.0f;  // swiglu_oai only
+  bool plain() const { return kind == Kind::silu; }
+  bool operator==(const GateAct&) const = default;
+};
+
 struct GateUpArgs {
   const bf16_t* a = nullptr;  // [m x k]
   const float* a_f32 = nullptr;
@@ -309,6 +323,11 @@ struct GateUpArgs {
   bf16_t* h_bf16 = nullptr;   // [m x n] bf16 out (exactly one of the two)
   int ldh = 0;
   int panel_begin = 0, panel_end = -1;  // in units of gate (= up) panels
+  GateAct act;
+  // Optional [n] fp32 biases added to g and u before the activation (output j of the
+  // pack: gate_bias[j]); both or neither.
+  const float* gate_bias = nullptr;
+  const float* up_bias = nullptr;
 };
 
 using GemmFn = void (*)(const PackedWeight& w, const GemmArgs& args);
@@ -396,5 +415,8 @@ KernelTable with_kernel(KernelTable table, const KernelListEntry& e);
 // Validated entry points through kernels() (TANDEM_CHECK on every argument).
 void gemm(const PackedWeight& w, const GemmArgs& args);
 void gate_up(const PackedWeight& w, const GateUpArgs& args);
+// Refuses (naming `what`) one bias without the other, or a swiglu_oai with a non-finite
+// alpha / limit or a limit <= 0.
+void check_gate_act(const char* what, const GateUpArgs& args);
 
 }  // namespace tandem
