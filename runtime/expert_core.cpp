@@ -19,6 +19,7 @@ ExpertPacks::ExpertPacks(const MoeShape& shape, const PackOptions& format, int s
       shards_(subpools) {
   for (auto& sh : shards_)
     for (auto* v : {&sh.gate_up, &sh.gate, &sh.up, &sh.down}) v->resize(shape.experts);
+  if (shape.bias) bias_.assign(bias_at(shape.experts, 0) + static_cast<size_t>(shape.experts) * shape.hidden, 0.0f);
 }
 
 bool finite_bf16(const PackedWeight& p) {
@@ -78,6 +79,19 @@ PackedWeight packed(std::initializer_list<Source> sources, Make&& make) {
 
 void ExpertPacks::pack_slice(int s, int e, const ExpertSource& src) {
   check_expert_source(src, shape_, e);
+  if (shape_.bias && s == 0) {  // one writer per expert (subpool 0's), all of them
+    decode_rows(src.gate_bias, 0, 1, bias_.data() + bias_at(e, 0));
+    decode_rows(src.up_bias, 0, 1, bias_.data() + bias_at(e, 1));
+    float* db = bias_.data() + bias_at(shape_.experts, 0) + static_cast<size_t>(e) * shape_.hidden;
+    decode_rows(src.down_bias, 0, 1, db);
+    const float* parts[] = {bias_.data() + bias_at(e, 0), bias_.data() + bias_at(e, 1), db};
+    const char* names[] = {"gate bias", "up bias", "down bias"};
+    const int lens[] = {shape_.inter, shape_.inter, shape_.hidden};
+    for (int i = 0; i < 3; ++i)
+      for (int j = 0; j < lens[i]; ++j)
+        TANDEM_CHECK(std::isfinite(parts[i][j]), Errc::bad_format, layer_ >= 0 ? str_cat("layer ", layer_, ", ") : "",
+                     "expert ", e, " ", names[i], ": element ", j, " is ", parts[i][j], "; non-finite biases are refused");
+  }
   const auto [i0, i1] = slice(s);
   if (i0 == i1) return;
   const int H = shape_.hidden;
@@ -137,6 +151,8 @@ void ExpertPacks::drop(int e) {
 }
 
 void ExpertPacks::load_store(Pool& pool, const ExpertStore& store, int index, const Progress& progress) {
+  TANDEM_CHECK(shape_.plain(), Errc::invalid_argument, "experts: a packed expert store holds silu(gate) * up experts "
+               "without biases; these are ", describe_experts(shape_), " (load them from the checkpoint)");
   TANDEM_CHECK(layout_ == Layout::fused, Errc::internal, "experts: a store holds fused gate/up packs");
   TANDEM_CHECK(pool.subpools() == subpools(), Errc::internal, "experts: packs for ", subpools(), " subpools, pool of ",
                pool.subpools());
@@ -285,10 +301,14 @@ void run_gemm(const KernelTable& kt, const PackedWeight& w, int m, int begin, in
 }
 
 void run_gate_up(const KernelTable& kt, const PackedWeight& w, int m, int begin, int end, const bf16_t* a,
-                 const QuantizedActs* qa, int lda, bf16_t* h, int ldh) {
+                 const QuantizedActs* qa, int lda, bf16_t* h, int ldh, const GateAct& act, const float* gate_bias,
+                 const float* up_bias) {
   GateUpArgs g = product_args<GateUpArgs>(w, m, begin, end, a, qa, lda);
   g.h_bf16 = h;
   g.ldh = ldh;
+  g.act = act;
+  g.gate_bias = gate_bias;
+  g.up_bias = up_bias;
   kt.of(w.format).pick(m).gate_up(w, g);
 }
 
@@ -306,7 +326,7 @@ inline void columns(int n, F f) {
 }  // namespace
 
 void merge_block(float* out, bool accumulate, int t, int K, const int* slot_row, const float* weights,
-                 const float* const* y, int subpools, int H, int j0, int j1) {
+                 const float* const* y, int subpools, int H, int j0, int j1, const float* bias, const int* row_expert) {
   float* o = out + static_cast<size_t>(t) * H + j0;
   const int n = j1 - j0;
   if (!accumulate) std::fill(o, o + n, 0.0f);
@@ -333,6 +353,10 @@ void merge_block(float* out, bool accumulate, int t, int K, const int* slot_row,
       if (!ys) continue;
       const float* yr = ys + static_cast<size_t>(r) * H + j0;
       columns(n, [&](int j) { sum[j] += yr[j]; });
+    }
+    if (bias) {
+      const float* b = bias + static_cast<size_t>(row_expert[r]) * H + j0;
+      columns(n, [&](int j) { sum[j] += b[j]; });
     }
     const float w = weights ? weights[static_cast<size_t>(t) * K + k] : 1.0f;
     columns(n, [&](int j) { o[j] += w * sum[j]; });
@@ -401,6 +425,10 @@ void ExpertForward::prepare() {
   } else {
     sc.xg.get(static_cast<size_t>(total_rows) * P.shape().hidden);
   }
+  if (P.down_bias()) {
+    row_expert_.resize(total_rows);
+    for (int i = 0; i < n; ++i) std::fill_n(row_expert_.begin() + offset[i], count[i], active[i]);
+  }
   sc.h.resize(S);
   sc.y.resize(S);
   sc.qmid.resize(S);
@@ -437,7 +465,8 @@ void ExpertForward::run(int phase, int s, int item, int) {
       const auto it = gu_runs_[s].item(item);
       run_gate_up(kt, P.gate_up(s, active[it.i]), count[it.i], it.begin, it.end,
                   quant ? nullptr : sc.xg.data() + size_t(offset[it.i]) * H,
-                  quant ? &sc.qin[it.i] : nullptr, H, sc.h[s].data() + size_t(offset[it.i]) * len, len);
+                  quant ? &sc.qin[it.i] : nullptr, H, sc.h[s].data() + size_t(offset[it.i]) * len, len, P.shape().act,
+                  P.gate_bias(s, active[it.i]), P.up_bias(s, active[it.i]));
       break;
     }
     case kAct:
@@ -455,7 +484,7 @@ void ExpertForward::run(int phase, int s, int item, int) {
       const int idx = static_cast<int>(total * s / S) + item;
       const int t = idx / blocks, j0 = (idx % blocks) * kMergeCols;
       merge_block(in_.out, in_.accumulate, t, in_.top_k, slot_row.data(), in_.weights, ys_.data(), S, H, j0,
-                  std::min(H, j0 + kMergeCols));
+                  std::min(H, j0 + kMergeCols), P.down_bias(), row_expert_.data());
       break;
     }
   }

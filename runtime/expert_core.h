@@ -86,6 +86,11 @@ class ExpertPacks {
   const PackedWeight& gate(int s, int e) const { return shards_[s].gate[e]; }        // separate
   const PackedWeight& up(int s, int e) const { return shards_[s].up[e]; }
   const PackedWeight& down(int s, int e) const { return shards_[s].down[e]; }
+  // With MoeShape::bias: expert e's gate / up biases from subpool s's slice on (fp32), and
+  // every expert's down biases [experts x hidden]; null without.
+  const float* gate_bias(int s, int e) const { return bias_.empty() ? nullptr : bias_.data() + bias_at(e, 0) + slices_[s]; }
+  const float* up_bias(int s, int e) const { return bias_.empty() ? nullptr : bias_.data() + bias_at(e, 1) + slices_[s]; }
+  const float* down_bias() const { return bias_.empty() ? nullptr : bias_.data() + bias_at(shape_.experts, 0); }
   // A pack of expert e whose layout the gate/up input must be quantized for.
   const PackedWeight& gate_up_layout(int e) const;
   size_t bytes() const;
@@ -104,6 +109,10 @@ class ExpertPacks {
   std::vector<int> slices_;
   std::vector<Shard> shards_;
   std::vector<uint8_t> skipped_;
+  // With MoeShape::bias, fp32: per expert gate [inter] then up [inter]; then every
+  // expert's down [hidden].
+  std::vector<float> bias_;
+  size_t bias_at(int e, int which) const { return (2 * static_cast<size_t>(e) + which) * shape_.inter; }
 };
 
 // A bf16 pack holds its source's values as they are, NaN / Inf included, where the integer
@@ -156,17 +165,21 @@ void quantize_token_rows(const MoeInput& in, int t0, int t1, int hidden, Quantiz
 // panels [begin, end).
 void run_gemm(const KernelTable& kt, const PackedWeight& w, int m, int begin, int end, const bf16_t* a,
               const QuantizedActs* qa, int lda, float* c, int ldc);
-// h (ldh, bf16) = silu(a . Wg^T) * (a . Wu^T) over gate panels [begin, end) of a fused pack.
+// h (ldh, bf16) = silu(a . Wg^T) * (a . Wu^T) over gate panels [begin, end) of a fused pack
+// (or act's activation, biases added first when given: kernels.h, GateUpArgs).
 void run_gate_up(const KernelTable& kt, const PackedWeight& w, int m, int begin, int end, const bf16_t* a,
-                 const QuantizedActs* qa, int lda, bf16_t* h, int ldh);
+                 const QuantizedActs* qa, int lda, bf16_t* h, int ldh, const GateAct& act = {},
+                 const float* gate_bias = nullptr, const float* up_bias = nullptr);
 
-// out[t, j0:j1] (+)= sum_k w[t, k] * sum_s y_s[slot_row[t, k], j0:j1] (w null: 1), the
-// slots in order and, inside each, the subpools in order: the same bits on every run
-// and every thread count. y[s] null: subpool s has nothing.
+// out[t, j0:j1] (+)= sum_k w[t, k] * (sum_s y_s[r, j0:j1] + bias[row_expert[r], j0:j1]),
+// r = slot_row[t, k] (w null: 1; bias null: none; bias is [experts x hidden]), the slots
+// in order and, inside each, the subpools in order, then the bias: the same bits on
+// every run and every thread count. y[s] null: subpool s has nothing.
 inline constexpr int kMergeCols = 512;
 inline int merge_blocks(int hidden) { return (hidden + kMergeCols - 1) / kMergeCols; }
 void merge_block(float* out, bool accumulate, int t, int top_k, const int* slot_row, const float* weights,
-                 const float* const* y, int subpools, int hidden, int j0, int j1);
+                 const float* const* y, int subpools, int hidden, int j0, int j1, const float* bias = nullptr,
+                 const int* row_expert = nullptr);
 
 // Scratch of the inference forward, kept by its owner between calls.
 struct ForwardScratch {
@@ -209,6 +222,7 @@ class ExpertForward : public Task, public TokenGroups {
   int64_t begin_ns_ = 0;
   std::vector<WorkRuns> gu_runs_, dn_runs_;
   std::vector<const float*> ys_;  // per subpool: its partial y, null for an empty slice
+  std::vector<int> row_expert_;   // grouped row -> expert (experts with down biases only)
 };
 
 // Runs a task's phases in order on the calling thread, as a pool of one subpool would.

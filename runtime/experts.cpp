@@ -53,6 +53,22 @@ void check_expert_source(const ExpertSource& src, const MoeShape& sh, int e) {
   check("gate", src.gate, sh.inter, sh.hidden);
   check("up", src.up, sh.inter, sh.hidden);
   check("down", src.down, sh.hidden, sh.inter);
+  const WeightView* biases[] = {&src.gate_bias, &src.up_bias, &src.down_bias};
+  const char* names[] = {"gate bias", "up bias", "down bias"};
+  const int lens[] = {sh.inter, sh.inter, sh.hidden};
+  for (int i = 0; i < 3; ++i) {
+    const bool given = biases[i]->data != nullptr;
+    TANDEM_CHECK(given == sh.bias, Errc::invalid_argument, "moe: expert ", e, ": ",
+                 sh.bias ? "the layer's experts have biases, its " : "the layer's experts have no biases, but its ",
+                 names[i], given ? " is given" : " is missing");
+    if (given) check(names[i], *biases[i], 1, lens[i]);
+  }
+}
+
+std::string describe_experts(const MoeShape& sh) {
+  std::string s = sh.act.plain() ? "silu(gate) * up"
+                                 : str_cat("gpt-oss's clamped SwiGLU (alpha ", sh.act.alpha, ", limit ", sh.act.limit, ")");
+  return sh.bias ? s + " with biases" : s;
 }
 
 std::string ExpertNaming::name(const std::string& pattern, int layer, int expert) { return expand(pattern, layer, expert); }

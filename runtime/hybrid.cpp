@@ -115,6 +115,8 @@ void HybridMoe::set_hot(int layer, std::vector<int> experts, const std::function
     TANDEM_CHECK(!mask[e], Errc::invalid_argument, "hybrid: layer ", layer, ": hot expert ", e, " is listed twice");
     mask[e] = 1;
   }
+  TANDEM_CHECK(experts.empty() || shape_.plain(), Errc::unsupported, "hybrid: layer ", layer, ": hot experts run "
+               "silu(gate) * up experts without biases only; this layer's experts are ", describe_experts(shape_));
   stream_.synchronize();  // no enqueued work may still use the old set
   hot_[layer].reset();
   if (!experts.empty()) hot_[layer] = stream_.upload_experts(shape_, experts, source);

@@ -154,6 +154,8 @@ LoraMoe::LoraMoe(Pool& pool, MoeShape shape, SftOptions options, int layer_index
       scratch_(std::make_unique<Scratch>()) {
   TANDEM_CHECK(shape.experts >= 1 && shape.hidden >= 1 && shape.inter >= 1, Errc::invalid_argument, "lora: shape (experts ",
                shape.experts, ", hidden ", shape.hidden, ", intermediate ", shape.inter, ") must be positive");
+  TANDEM_CHECK(shape.plain(), Errc::unsupported, "lora: layer ", layer_index, ": LoRA training runs silu(gate) * up "
+               "experts without biases only; this layer's experts are ", describe_experts(shape));
   set_lora(options.lora);
   TANDEM_CHECK(options.backward_format != WeightFormat::int4, Errc::unsupported,
                "lora: backward_format int4 is not supported (use bf16, or int8 to halve the backward packs)");

@@ -28,6 +28,7 @@
 #include "tandem/error.h"
 #include "tandem/routing.h"
 #include "tandem/safetensors.h"
+#include "tandem/lora.h"
 #include "test_util.h"
 
 namespace tandem {
@@ -816,6 +817,40 @@ TEST(Engine, BatchShapesAreBoundedAndStayCorrect) {
           expect_close(b1.out, reference(w, 1, b1), what + ", MoE layer 1", size_t(t) * kH);
         }
   }
+}
+
+// gpt-oss's experts (clamped SwiGLU, biases) run on the CPU only: hot experts are refused
+// naming the activation, auto finds no room for them, LoRA training and a packed store
+// refuse them, and a source without the biases is refused naming the missing one.
+TEST(Engine, GptOssExpertsStayOnTheCpuAndTheRestIsRefused) {
+  EngineSpec oai = spec();
+  oai.shape.act = {GateAct::Kind::swiglu_oai, 1.702f, 7.0f};
+  oai.shape.bias = true;
+  EXPECT_TRUE(throws_error([&] { Engine e(config(", hot_experts: {count: 2}"), oai); },
+                           "gpu.hot_experts: hot experts run silu(gate) * up experts without biases only; this model's "
+                           "experts are gpt-oss's clamped SwiGLU (alpha 1.702, limit 7) with biases",
+                           Errc::unsupported));
+  {
+    Engine e(config(", hot_experts: {count: auto}"), oai, nullptr, uint64_t{1} << 30);
+    for (int i = 0; i < e.moe_layers(); ++i) EXPECT_TRUE(e.hot(i).empty());
+  }
+  Config::Cpu cpu;
+  cpu.threads = 1;
+  Pool pool(pool_options(cpu));
+  EXPECT_TRUE(throws_error([&] { LoraMoe l(pool, oai.shape, SftOptions{}, 5); },
+                           "lora: layer 5: LoRA training runs silu(gate) * up experts without biases only", Errc::unsupported));
+  MoeLayer layer(pool, oai.shape, PackOptions{WeightFormat::bf16}, 4);
+  std::vector<float> g(size_t(kI) * kH, 0.01f), d(size_t(kH) * kI, 0.01f), b(kI, 0.5f);
+  EXPECT_TRUE(throws_error(
+      [&] {
+        layer.load([&](int) {
+          ExpertSource src{{g.data(), SourceType::f32, kI, kH}, {g.data(), SourceType::f32, kI, kH}, {d.data(), SourceType::f32, kH, kI}};
+          src.gate_bias = {b.data(), SourceType::f32, 1, kI};
+          src.up_bias = {b.data(), SourceType::f32, 1, kI};
+          return src;  // no down bias
+        });
+      },
+      "moe: expert 0: the layer's experts have biases, its down bias is missing", Errc::invalid_argument));
 }
 
 }  // namespace

@@ -12,6 +12,8 @@
 // measured relative L2 error is below twice that prediction.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <random>
 
@@ -30,6 +32,7 @@ struct Case {
   PackOptions fmt;
   int subpools;
   bool fp32_in = false, i64 = false, accumulate = false, mask = false, one_expert = false;
+  bool oai = false;  // gpt-oss's experts: clamped SwiGLU (limit 1.5, so that the clamps bite) and biases
 };
 
 std::unique_ptr<Pool> make_pool(int subpools) {
@@ -41,6 +44,7 @@ std::unique_ptr<Pool> make_pool(int subpools) {
 
 struct Weights {
   std::vector<std::vector<float>> g, u, d;  // per expert, fp32 nn.Linear layout
+  std::vector<std::vector<float>> bg, bu, bd;  // per expert, biases (Case::oai)
 };
 
 Weights random_weights(const Case& c, std::mt19937_64& rng) {
@@ -55,6 +59,13 @@ Weights random_weights(const Case& c, std::mt19937_64& rng) {
     w.g.push_back(std::move(g));
     w.u.push_back(std::move(u));
     w.d.push_back(std::move(d));
+    std::vector<float> bg(c.inter), bu(c.inter), bd(c.hidden);
+    if (c.oai)  // (only then: the other cases keep their random streams)
+      for (auto* b : {&bg, &bu, &bd})
+        for (auto& x : *b) x = nd(rng);
+    w.bg.push_back(std::move(bg));
+    w.bu.push_back(std::move(bu));
+    w.bd.push_back(std::move(bd));
   }
   return w;
 }
@@ -65,14 +76,25 @@ void check_case(const Case& c, uint64_t seed) {
                                   << " subpools " << c.subpools << " seed " << seed);
   std::mt19937_64 rng(seed);
   auto pool = make_pool(c.subpools);
-  MoeLayer layer(*pool, {c.experts, c.hidden, c.inter}, c.fmt, 7);
+  MoeShape shape{c.experts, c.hidden, c.inter};
+  if (c.oai) {
+    shape.act = {GateAct::Kind::swiglu_oai, 1.702f, 1.5f};
+    shape.bias = true;
+  }
+  MoeLayer layer(*pool, shape, c.fmt, 7);
   Weights w = random_weights(c, rng);
   int progress_calls = 0, last_done = -1;
   layer.load(
       [&](int e) {
-        return ExpertSource{{w.g[e].data(), SourceType::f32, c.inter, c.hidden},
-                            {w.u[e].data(), SourceType::f32, c.inter, c.hidden},
-                            {w.d[e].data(), SourceType::f32, c.hidden, c.inter}};
+        ExpertSource src{{w.g[e].data(), SourceType::f32, c.inter, c.hidden},
+                         {w.u[e].data(), SourceType::f32, c.inter, c.hidden},
+                         {w.d[e].data(), SourceType::f32, c.hidden, c.inter}};
+        if (c.oai) {
+          src.gate_bias = {w.bg[e].data(), SourceType::f32, 1, c.inter};
+          src.up_bias = {w.bu[e].data(), SourceType::f32, 1, c.inter};
+          src.down_bias = {w.bd[e].data(), SourceType::f32, 1, c.hidden};
+        }
+        return src;
       },
       [&](int done, int total) {
         ++progress_calls;
@@ -170,7 +192,12 @@ void check_case(const Case& c, uint64_t seed) {
           g += G[e][size_t(j) * c.hidden + q] * xq[size_t(t) * c.hidden + q];
           u += U[e][size_t(j) * c.hidden + q] * xq[size_t(t) * c.hidden + q];
         }
-        h[j] = g / (1 + std::exp(-g)) * u;
+        if (c.oai) {
+          const double gc = std::min(g + w.bg[e][j], 1.5), uc = std::clamp(u + w.bu[e][j], -1.5, 1.5);
+          h[j] = gc / (1 + std::exp(-1.702 * gc)) * (uc + 1);
+        } else {
+          h[j] = g / (1 + std::exp(-g)) * u;
+        }
       }
       // The int8 step of h per subpool slice.
       std::vector<double> hmax(c.subpools, 0);
@@ -185,6 +212,10 @@ void check_case(const Case& c, uint64_t seed) {
           const double ulp = h[j] == 0 ? 0 : std::ldexp(1.0, std::ilogb(h[j]) - 7);  // of bf16 at h
           v += dw * dw * (ulp * ulp + step[j] * step[j]) / 12;
           m += std::abs(dw * h[j]);
+        }
+        if (c.oai) {
+          s += w.bd[e][r];
+          m += std::abs(w.bd[e][r]);
         }
         ref[r] += wk * s;
         bound[r] += wk * b;
@@ -233,6 +264,22 @@ TEST_P(MoeEngine, MatchesTheFp64ReferenceOverRandomConfigs) {
     c.mask = i % 5 == 2;
     check_case(c, seed + i);
   }
+}
+
+// gpt-oss's experts (clamped SwiGLU, biases on gate, up and down) in every format.
+TEST_P(MoeEngine, GptOssExpertsMatchTheFp64Reference) {
+  const uint64_t seed = test::test_seed();
+  const PackOptions formats[] = {{WeightFormat::bf16}, {WeightFormat::int8}, {WeightFormat::int4, 32, false}};
+  const std::array<int, 5> shapes[] = {{16, 128, 96, 4, 37}, {3, 64, 64, 2, 600}, {128, 64, 64, 8, 5}};
+  int i = 0;
+  for (const auto& f : formats)
+    for (const auto& [E, H, I, K, T] : shapes) {
+      Case c{E, H, I, K, T, f, GetParam()};
+      c.oai = true;
+      c.accumulate = i % 2 == 1;
+      c.fp32_in = i % 3 == 1;
+      check_case(c, seed + i++);
+    }
 }
 
 TEST_P(MoeEngine, AllTokensOnOneExpertAndTheRestIdle) {

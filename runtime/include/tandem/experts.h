@@ -16,12 +16,22 @@ namespace tandem {
 
 struct MoeShape {
   int experts = 0, hidden = 0, inter = 0;
+  // The experts' activation (kernels.h: GateAct) and whether each expert has biases on
+  // gate, up ([inter], before the activation) and down ([hidden], added to the expert's
+  // output before its routing weight scales it): gpt-oss's experts. Plain: silu, none.
+  GateAct act;
+  bool bias = false;
+  bool plain() const { return act.plain() && !bias; }
 };
+// "silu(gate) * up" or "gpt-oss's clamped SwiGLU (alpha .., limit ..)", "with biases".
+std::string describe_experts(const MoeShape& shape);
 
 // One expert's three projections as they sit in memory (nn.Linear layout):
-// gate, up [inter x hidden], down [hidden x inter].
+// gate, up [inter x hidden], down [hidden x inter]; with MoeShape::bias, its biases as
+// views of one row: gate_bias, up_bias [1 x inter], down_bias [1 x hidden].
 struct ExpertSource {
   WeightView gate, up, down;
+  WeightView gate_bias, up_bias, down_bias;
   // What quantized views point to (q4_gptq sources), kept alive with the source.
   std::vector<std::shared_ptr<const Q4Source>> keep;
 };
