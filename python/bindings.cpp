@@ -99,18 +99,42 @@ struct PyLoraEngine {
 
 // Expert sources from per-expert data pointers: row-major [inter x hidden] gate / up and
 // [hidden x inter] down of dtype `dtype`. Errors name `what` when the counts do not fit.
+// Biases (shape.bias): per expert fp32 [inter] gate / up and [hidden] down pointers.
 std::function<ExpertSource(int)> pointer_sources(const MoeShape& sh, const std::vector<uintptr_t>& gate,
                                                  const std::vector<uintptr_t>& up, const std::vector<uintptr_t>& down,
-                                                 const std::string& dtype, const char* what) {
+                                                 const std::string& dtype, const char* what,
+                                                 const std::vector<uintptr_t>& gate_bias = {},
+                                                 const std::vector<uintptr_t>& up_bias = {},
+                                                 const std::vector<uintptr_t>& down_bias = {}) {
   TANDEM_CHECK(gate.size() == size_t(sh.experts) && up.size() == gate.size() && down.size() == gate.size(),
                Errc::invalid_argument, what, " needs ", sh.experts, " gate/up/down pointers, got ", gate.size(), "/",
                up.size(), "/", down.size());
+  const size_t nb = sh.bias ? gate.size() : 0;
+  TANDEM_CHECK(gate_bias.size() == nb && up_bias.size() == nb && down_bias.size() == nb, Errc::invalid_argument, what,
+               sh.bias ? " needs the experts' gate/up/down biases (" : " got biases for experts without them (", nb,
+               " each), got ", gate_bias.size(), "/", up_bias.size(), "/", down_bias.size());
   const SourceType t = source_type(dtype);
-  auto view = [t](uintptr_t p, int n, int k) { return WeightView{reinterpret_cast<const void*>(p), t, n, k}; };
+  auto view = [](uintptr_t p, SourceType type, int n, int k) { return WeightView{reinterpret_cast<const void*>(p), type, n, k}; };
   return [=](int x) {
-    return ExpertSource{view(gate[x], sh.inter, sh.hidden), view(up[x], sh.inter, sh.hidden),
-                        view(down[x], sh.hidden, sh.inter)};
+    ExpertSource src{view(gate[x], t, sh.inter, sh.hidden), view(up[x], t, sh.inter, sh.hidden),
+                     view(down[x], t, sh.hidden, sh.inter)};
+    if (nb) {
+      src.gate_bias = view(gate_bias[x], SourceType::f32, 1, sh.inter);
+      src.up_bias = view(up_bias[x], SourceType::f32, 1, sh.inter);
+      src.down_bias = view(down_bias[x], SourceType::f32, 1, sh.hidden);
+    }
+    return src;
   };
+}
+
+// The experts' math from the Python arguments: "silu" or "swiglu_oai" (gpt-oss), biases.
+MoeShape moe_shape(int experts, int hidden, int inter, const std::string& activation, float alpha, float limit, bool bias) {
+  MoeShape sh{experts, hidden, inter};
+  TANDEM_CHECK(activation == "silu" || activation == "swiglu_oai", Errc::invalid_argument, "engine: activation '",
+               activation, "' is not one of: silu, swiglu_oai");
+  if (activation == "swiglu_oai") sh.act = {GateAct::Kind::swiglu_oai, alpha, limit};
+  sh.bias = bias;
+  return sh;
 }
 
 }  // namespace
@@ -319,8 +343,10 @@ PYBIND11_MODULE(_C, m) {
   py::class_<Engine>(m, "Engine", "The routed experts of a model's MoE layers (tandem/engine.h).")
       .def(py::init([](const std::string& config_path, const std::string& config_text, int experts, int hidden,
                        int inter, std::vector<int> layers, const std::string& stream, int cuda_device,
-                       uintptr_t cuda_stream, std::optional<uint64_t> hot_budget) {
+                       uintptr_t cuda_stream, std::optional<uint64_t> hot_budget, const std::string& activation,
+                       float swiglu_alpha, float swiglu_limit, bool bias) {
              Config c = config_from(config_path, config_text);
+             const MoeShape shape = moe_shape(experts, hidden, inter, activation, swiglu_alpha, swiglu_limit, bias);
              TANDEM_CHECK(stream == "config" || stream == "host" || stream == "cuda", Errc::invalid_argument,
                           "engine: stream '", stream, "' is not one of: config, host, cuda");
              py::gil_scoped_release nogil;
@@ -328,15 +354,17 @@ PYBIND11_MODULE(_C, m) {
              if (stream == "host") s = make_host_stream(c.isa());
              // torch's handle 0 is the legacy default stream (cudaStreamLegacy is handle 1).
              if (stream == "cuda") s = make_cuda_stream(cuda_device, reinterpret_cast<void*>(cuda_stream ? cuda_stream : 1));
-             return std::make_unique<Engine>(c, EngineSpec{{experts, hidden, inter}, std::move(layers)}, std::move(s),
-                                             hot_budget);
+             return std::make_unique<Engine>(c, EngineSpec{shape, std::move(layers)}, std::move(s), hot_budget);
            }),
            py::arg("config_path") = "", py::arg("config_text") = "", py::arg("experts"), py::arg("hidden"),
            py::arg("inter"), py::arg("layers"), py::arg("stream") = "config", py::arg("cuda_device") = 0,
-           py::arg("cuda_stream") = 0, py::arg("hot_budget") = py::none(),
+           py::arg("cuda_stream") = 0, py::arg("hot_budget") = py::none(), py::arg("activation") = "silu",
+           py::arg("swiglu_alpha") = 1.702f, py::arg("swiglu_limit") = 7.0f, py::arg("bias") = false,
            "stream: 'config' (gpu.device decides), 'host', or 'cuda' (enqueue on the CUDA stream handle cuda_stream "
            "of device cuda_device, e.g. torch's current stream). hot_budget: device bytes gpu.hot_experts count: auto "
-           "may fill (default: the device's free memory less a reserve; 0 on the host stream)")
+           "may fill (default: the device's free memory less a reserve; 0 on the host stream). activation: 'silu' "
+           "(silu(gate) * up) or 'swiglu_oai' (gpt-oss's clamped SwiGLU, swiglu_alpha / swiglu_limit); bias: the "
+           "experts have gate/up/down biases (load_layer's *_bias)")
       .def("load_checkpoint", [](Engine& e, const Checkpoint& c, const NamingTuple& n, const py::object& progress,
                                  const std::vector<int>& layers) {
              load_from_checkpoint(e, c, n, progress, layers);
@@ -357,14 +385,20 @@ PYBIND11_MODULE(_C, m) {
            }, py::arg("index"), "Gives back MoE layer `index`'s weights so that load_layer can load it again.")
       .def("layer_loaded", [](const Engine& e, int i) { return e.loaded(i); }, py::arg("index"))
       .def("load_layer", [](Engine& e, int i, const std::vector<uintptr_t>& gate, const std::vector<uintptr_t>& up,
-                            const std::vector<uintptr_t>& down, const std::string& dtype, const py::object& progress) {
-             const auto source = pointer_sources(e.spec().shape, gate, up, down, dtype, "engine: load_layer");
+                            const std::vector<uintptr_t>& down, const std::string& dtype, const py::object& progress,
+                            const std::vector<uintptr_t>& gate_bias, const std::vector<uintptr_t>& up_bias,
+                            const std::vector<uintptr_t>& down_bias) {
+             const auto source = pointer_sources(e.spec().shape, gate, up, down, dtype, "engine: load_layer", gate_bias,
+                                                 up_bias, down_bias);
              Progress p = py_progress(progress);
              py::gil_scoped_release nogil;
              e.load_layer(i, source, p);
            }, py::arg("index"), py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("dtype"),
-           py::arg("progress") = py::none(),
-           "Packs MoE layer `index` from row-major [inter x hidden] gate/up and [hidden x inter] down per expert.")
+           py::arg("progress") = py::none(), py::arg("gate_bias") = std::vector<uintptr_t>{},
+           py::arg("up_bias") = std::vector<uintptr_t>{}, py::arg("down_bias") = std::vector<uintptr_t>{},
+           "Packs MoE layer `index` from row-major [inter x hidden] gate/up and [hidden x inter] down per expert "
+           "(with biases: fp32 [inter] gate/up and [hidden] down per expert).")
+      .def_property_readonly("activation", [](const Engine& e) { return describe_experts(e.spec().shape); })
       .def_property_readonly("loaded", [](const Engine& e) { return e.loaded(); })
       .def("forward", [](Engine& e, int i, uintptr_t x, bool x_bf16, int tokens, uintptr_t ids, uintptr_t weights,
                          int top_k, uintptr_t out, bool sync, std::optional<uintptr_t> cuda_stream) {

@@ -49,10 +49,81 @@ def find_moe_blocks(model: nn.Module) -> list[MoeBlock]:
     return found
 
 
+@dataclass(frozen=True)
+class ExpertMath:
+    """What a layer's experts compute: ``silu(gate) * up`` without biases (the default), or
+    gpt-oss's experts: biases on gate, up and down and the clamped SwiGLU
+    ``g = min(g, limit); u = clamp(u, -limit, limit); h = g * sigmoid(alpha g) * (u + 1)``."""
+    activation: str = "silu"   # "silu" or "swiglu_oai"
+    alpha: float = 1.702
+    limit: float = 7.0
+    bias: bool = False
+
+    @property
+    def plain(self) -> bool:
+        return self.activation == "silu" and not self.bias
+
+    def engine_args(self) -> dict:
+        """The keyword arguments of ``_C.Engine`` that select this math."""
+        return dict(activation=self.activation, swiglu_alpha=self.alpha, swiglu_limit=self.limit, bias=self.bias)
+
+    def describe(self) -> str:
+        if self.plain:
+            return "silu(gate) * up"
+        return f"gpt-oss's clamped SwiGLU (alpha {self.alpha:g}, limit {self.limit:g}) with biases"
+
+
+PLAIN = ExpertMath()
+_OAI_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+
+
+def oai_math(experts: nn.Module) -> ExpertMath | None:
+    """gpt-oss's experts layout (``GptOssExperts``), or None: float ``alpha`` and ``limit``,
+    an ``_apply_gate`` of its class, and exactly gate_up_proj [E, H, 2I] (gate and up
+    interleaved along the last dimension: gate at even columns), gate_up_proj_bias [E, 2I],
+    down_proj [E, I, H] and down_proj_bias [E, H]. That it computes the gpt-oss formula is
+    checked on its own forward (experts_check)."""
+    if isinstance(experts, nn.ModuleList) or getattr(type(experts), "_apply_gate", None) is None:
+        return None
+    alpha, limit = getattr(experts, "alpha", None), getattr(experts, "limit", None)
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (alpha, limit)):
+        return None
+    names = sorted(n for n, _ in experts.named_parameters(recurse=False))
+    if names != sorted(_OAI_TENSORS) or any(True for _ in experts.named_buffers()):
+        return None
+    gu, gb, dn, db = (getattr(experts, n) for n in _OAI_TENSORS)
+    if gu.dim() != 3 or gu.shape[2] % 2:
+        return None
+    E, H, two_i = gu.shape
+    I = two_i // 2
+    if (tuple(gb.shape), tuple(dn.shape), tuple(db.shape)) != ((E, two_i), (E, I, H), (E, H)):
+        return None
+    return ExpertMath("swiglu_oai", float(alpha), float(limit), True)
+
+
+def expert_math(experts: nn.Module) -> ExpertMath:
+    """The math of an experts module (a TandemExperts: its engine's)."""
+    if isinstance(experts, TandemExperts):
+        return experts.math
+    return oai_math(experts) or PLAIN
+
+
+def oai_weights(experts: nn.Module, rows: int | None = None) -> tuple[torch.Tensor, ...]:
+    """A gpt-oss experts module's first `rows` experts (all: None) in the kernels' layout:
+    gate, up [E, I, H], down [E, H, I] and the biases gate, up [E, I], down [E, H] (views
+    of its tensors, not copies)."""
+    gu, gb, dn, db = (getattr(experts, n).detach()[:rows] for n in _OAI_TENSORS)
+    return (gu[..., 0::2].transpose(1, 2), gu[..., 1::2].transpose(1, 2), dn.transpose(1, 2),
+            gb[:, 0::2], gb[:, 1::2], db)
+
+
 def expert_shape(experts: nn.Module) -> tuple[int, int, int]:
     """(experts, hidden, intermediate) of a fused v5 experts module or a v4 ModuleList."""
     if isinstance(experts, TandemExperts):
         return experts.num_experts, experts.hidden_dim, experts.intermediate_dim
+    if oai_math(experts) is not None:
+        E, H, two_i = experts.gate_up_proj.shape
+        return E, H, two_i // 2
     if isinstance(experts, nn.ModuleList):
         g = _unwrap_linear(v4_modules(experts[0])[0])
         return len(experts), g.in_features, g.out_features

@@ -19,7 +19,8 @@ from torch import nn
 
 from . import _C
 from .config import ConfigLike, config_args, config_json
-from .discovery import check_v4_block, expert_shape, find_moe_blocks, patch_v4_block, v4_projections
+from .discovery import (PLAIN, ExpertMath, check_v4_block, expert_math, expert_shape, find_moe_blocks, oai_weights,
+                        patch_v4_block, v4_projections)
 from .experts_check import check_experts
 from .modules import CUDA_BINDINGS, CudaBinding, TandemExperts, TandemLoraExperts
 from .peft_glue import attach_v4_lora, claim_wrappers, has_v4_lora, hf_model, innermost, watch_block
@@ -28,7 +29,8 @@ from .tracing import apply_config
 
 
 def make_engine(config: ConfigLike, shape: tuple[int, int, int], layers: list[int],
-                device: torch.device | str | None = None, hot_budget: int | None = None) -> _C.Engine:
+                device: torch.device | str | None = None, hot_budget: int | None = None,
+                math: ExpertMath = PLAIN) -> _C.Engine:
     """An engine for MoE layers `layers` of shape (experts, hidden, intermediate).
 
     ``device`` is where the rest of the model (and so the experts' inputs) lives: a CUDA
@@ -40,12 +42,15 @@ def make_engine(config: ConfigLike, shape: tuple[int, int, int], layers: list[in
     ``hot_budget``: device bytes a ``gpu.hot_experts`` count of ``auto`` may fill (a loader
     that knows what else will land on the device passes it); None: the device's free memory
     less ``_C.hot_auto_reserve`` of its total.
+
+    ``math``: what the experts compute (``discovery.ExpertMath``; gpt-oss's experts run on
+    the CPU pools only: a config with hot experts is refused, ``auto`` places none).
     """
     args = config_args(config)
     gpu = config_json(config)["gpu"]["device"]
     device = torch.device(device) if device is not None else torch.device("cpu")
     E, H, I = shape
-    kw = dict(experts=E, hidden=H, inter=I, layers=list(layers), **args)
+    kw = dict(experts=E, hidden=H, inter=I, layers=list(layers), **math.engine_args(), **args)
     if device.type == "cuda":
         if gpu == "none":
             return _C.Engine(stream="host", **kw)
@@ -148,29 +153,38 @@ def offload(model: nn.Module, config: ConfigLike = None, *, train: bool | None =
     if len(shapes) != 1:
         raise ValueError(f"MoE layers have different expert shapes {sorted(shapes)}; tandem needs one")
     shape = shapes.pop()
+    maths = {expert_math(e) for e, _ in inner}
+    if len(maths) != 1:
+        raise ValueError(f"MoE layers compute different expert math ({', '.join(sorted(m.describe() for m in maths))}); "
+                         "tandem needs one")
+    math = maths.pop()
+    if train and not math.plain:
+        raise ValueError(f"this model's experts compute {math.describe()} (gpt-oss); tandem's LoRA training path "
+                         "computes silu(gate) * up experts without biases only: offload with train=False for inference")
     for (e, _), b in zip(inner, blocks):
         if isinstance(e, nn.ModuleList):
             check_v4_block(b.block)
     act = _activation(hf)
-    if act not in ("silu", "swish"):
+    if math.plain and act not in ("silu", "swish"):
         raise ValueError(f"expert activation {act!r} is not supported (silu only)")
     device = _model_device(hf)
     if train:
         engine = make_lora_layers(config, shape, [b.layer for b in blocks],
                                   backward_format or config_json(config).get("train", {}).get("backward_format", "bf16"))
     else:
-        engine = make_engine(config, shape, [b.layer for b in blocks], device)
+        engine = make_engine(config, shape, [b.layer for b in blocks], device, math=math)
     bar = progress_bar(progress, shape[0] * len(blocks), "packing experts")
     for i, (b, (experts, wrapper)) in enumerate(zip(blocks, inner)):
-        gate, up, down, dtype, keep = _layer_pointers(experts)
+        gate, up, down, dtype, keep, biases = _layer_pointers(experts, math)
         base = i * shape[0]
         step = (lambda d, t, base=base: bar(base + d)) if bar else None
         if not train:
-            engine.load_layer(i, gate, up, down, dtype, progress=step)
+            engine.load_layer(i, gate, up, down, dtype, progress=step, **biases)
             if isinstance(experts, nn.ModuleList):
                 patch_v4_block(b.block, hf)
             fused = not isinstance(experts, nn.ModuleList)
-            b.block.experts = TandemExperts(engine, i, b.layer, act, fused=fused, dtype=keep[0].dtype, device=device)
+            b.block.experts = TandemExperts(engine, i, b.layer, act, fused=fused, dtype=keep[0].dtype, device=device,
+                                            math=math)
             if fused:
                 watch_block(b.block, b.block.experts)
             continue
@@ -210,8 +224,17 @@ def _activation(model: nn.Module) -> str:
     return getattr(cfg, "hidden_act", "silu") if cfg is not None else "silu"
 
 
-def _layer_pointers(experts: nn.Module) -> tuple[list[int], list[int], list[int], str, list[torch.Tensor]]:
-    """Per-expert gate / up / down data pointers (row-major, CPU) and the tensors that hold them."""
+def _layer_pointers(experts: nn.Module, math: ExpertMath = PLAIN
+                    ) -> tuple[list[int], list[int], list[int], str, list[torch.Tensor], dict]:
+    """Per-expert gate / up / down data pointers (row-major, CPU), the tensors that hold them,
+    and load_layer's bias arguments (fp32 pointers per expert; empty without biases)."""
+    if not math.plain:  # gpt-oss: [E, H, 2I] interleaved gate/up: copied into the kernels' layout
+        wg, wu, wd, bg, bu, bd = oai_weights(experts)
+        keep = [t.cpu().contiguous() for t in (wg, wu, wd)] + [t.cpu().float().contiguous() for t in (bg, bu, bd)]
+        es = [t.element_size() * t[0].numel() for t in keep]
+        ptrs = [[t.data_ptr() + e * s for e in range(t.shape[0])] for t, s in zip(keep, es)]
+        biases = dict(gate_bias=ptrs[3], up_bias=ptrs[4], down_bias=ptrs[5])
+        return ptrs[0], ptrs[1], ptrs[2], str(keep[0].dtype).removeprefix("torch."), keep, biases
     if isinstance(experts, nn.ModuleList):
         keep, gate, up, down = [], [], [], []
         for ex in experts:
@@ -220,7 +243,7 @@ def _layer_pointers(experts: nn.Module) -> tuple[list[int], list[int], list[int]
             gate.append(g.data_ptr())
             up.append(u.data_ptr())
             down.append(d.data_ptr())
-        return gate, up, down, str(keep[0].dtype).removeprefix("torch."), keep
+        return gate, up, down, str(keep[0].dtype).removeprefix("torch."), keep, {}
     gu = experts.gate_up_proj.detach().cpu().contiguous()
     dn = experts.down_proj.detach().cpu().contiguous()
     if gu.dtype != dn.dtype:
@@ -230,4 +253,4 @@ def _layer_pointers(experts: nn.Module) -> tuple[list[int], list[int], list[int]
     gate = [gu.data_ptr() + e * two_i * H * es for e in range(E)]
     up = [p + I * H * es for p in gate]
     down = [dn.data_ptr() + e * H * I * es for e in range(E)]
-    return gate, up, down, str(gu.dtype).removeprefix("torch."), [gu, dn]
+    return gate, up, down, str(gu.dtype).removeprefix("torch."), [gu, dn], {}

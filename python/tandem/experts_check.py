@@ -10,15 +10,17 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .discovery import expert_shape, v4_projections
+from .discovery import expert_shape, oai_math, oai_weights, v4_projections
 
 
 # ---- what an experts module computes ---------------------------------------------------
 # tandem's kernels (CPU packs, GPU hot experts, LoRA path) compute, per token t,
 #   out[t] = sum_k w[t, k] * down_e(silu(gate_e x_t) * up_e x_t),  e = ids[t, k]
-# with no biases, no clamp, no other activation. An experts module is accepted only when
-# its structure says so (class, act_fn, gating, tensors) and, once per distinct kind of
-# module, its own forward agrees with that formula on a small test input.
+# with no biases, no clamp, no other activation; the CPU inference engine also computes
+# gpt-oss's experts (discovery.ExpertMath: biases, clamped SwiGLU). An experts module is
+# accepted only when its structure says which of the two it is (class, act_fn, gating,
+# tensors) and, once per distinct kind of module, its own forward agrees with that
+# formula on a small test input.
 
 _PROBE_EXPERTS = 2        # experts of a fused module the numeric check copies (fp32, CPU)
 # token norms, in units of rms(gate pre-activation) = 1: a clamp or softcap at any limit
@@ -100,6 +102,11 @@ def check_experts_structure(experts: nn.Module, where: str) -> None:
                                      "bias-free silu(gate) * up experts")
         return
     name = type(experts).__name__
+    if oai_math(experts) is not None:  # gpt-oss's layout: its own _apply_gate, checked numerically
+        if "_apply_gate" in vars(experts):
+            raise ValueError(f"{name} ({where}): its _apply_gate is replaced on the instance; tandem computes "
+                             "gpt-oss's clamped SwiGLU as its class defines it")
+        return
     _check_gating(experts, name, where)
     if getattr(experts, "has_gate", True) is False:
         raise ValueError(f"{name} ({where}): experts without a gate projection are not supported (silu(gate) * up)")
@@ -146,7 +153,21 @@ def _reference(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Te
     return (y[torch.arange(x.shape[0])[:, None], ids] * w[..., None]).sum(1)
 
 
-def _compare(name: str, where: str, got: torch.Tensor, want: torch.Tensor) -> None:
+def _reference_oai(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor, bg: torch.Tensor,
+                   bu: torch.Tensor, bd: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, alpha: float,
+                   limit: float) -> torch.Tensor:
+    """gpt-oss's experts in fp64: sum_k w[t, k] * (wd_e h + bd_e), h = clamped SwiGLU of
+    (wg_e x + bg_e, wu_e x + bu_e); weights in the kernels' layout (oai_weights)."""
+    g = torch.einsum("th,eih->tei", x, wg.double()) + bg.double()
+    u = torch.einsum("th,eih->tei", x, wu.double()) + bu.double()
+    g = g.clamp(max=limit)
+    u = u.clamp(-limit, limit)
+    h = g * torch.sigmoid(alpha * g) * (u + 1)
+    y = torch.einsum("tei,ehi->teh", h, wd.double()) + bd.double()
+    return (y[torch.arange(x.shape[0])[:, None], ids] * w[..., None]).sum(1)
+
+
+def _compare(name: str, where: str, got: torch.Tensor, want: torch.Tensor, what: str = "silu(gate) * up") -> None:
     got = got.double()
     if got.shape != want.shape:
         raise ValueError(f"{name} ({where}): its forward returned shape {tuple(got.shape)} on a test input, "
@@ -155,7 +176,7 @@ def _compare(name: str, where: str, got: torch.Tensor, want: torch.Tensor) -> No
     rel = ((got - want).abs().amax(1) / scale)
     err = float(rel.max()) if torch.isfinite(rel).all() else float("inf")
     if not err <= _PROBE_TOLERANCE:
-        raise ValueError(f"{name} ({where}): its forward differs from silu(gate) * up experts (max rel diff "
+        raise ValueError(f"{name} ({where}): its forward differs from {what} experts (max rel diff "
                          f"{err:.2g} on a test input of {got.shape[0]} tokens): tandem's kernels compute "
                          "out = sum_k w_k * down(silu(gate x) * up x) only; clamped or softcapped SwiGLU, other "
                          "activations and biases are not supported")
@@ -215,6 +236,22 @@ def check_experts_numerics(experts: nn.Module, where: str) -> None:
                          f"({experts.__dict__.get('forward')!r}); tandem cannot check that it computes silu(gate) * up")
     E, H, I = expert_shape(experts)
     n = min(E, _PROBE_EXPERTS)
+    math = oai_math(experts)
+    if math is not None:
+        probe = copy.copy(experts)
+        probe._modules, probe._buffers = dict(experts._modules), dict(experts._buffers)
+        probe._parameters = {k: nn.Parameter(_probe_tensor(getattr(experts, k), n, gen), requires_grad=False)
+                             for k in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")}
+        cfg = getattr(experts, "config", None)
+        if cfg is not None and hasattr(cfg, "_experts_implementation"):
+            probe.config = copy.copy(cfg)
+            probe.config._experts_implementation = "eager"
+        wg, wu, wd, bg, bu, bd = oai_weights(probe)
+        x, ids, w = _probe_inputs(wg, n, n, gen)
+        out = _run_probe(fn, probe, name, where, x.float(), ids, w.float())
+        _compare(name, where, out, _reference_oai(x, wg, wu, wd, bg, bu, bd, ids, w, math.alpha, math.limit),
+                 math.describe())
+        return
     gu = _probe_tensor(experts.gate_up_proj, n, gen)
     dn = _probe_tensor(experts.down_proj, n, gen)
     probe = copy.copy(experts)

@@ -30,7 +30,7 @@ from .checkpoint_reader import TensorReader
 from .config import ConfigLike, config_json
 from .checkpoint_names import CheckpointNames
 from .dense import replace_dense, replace_norms
-from .discovery import find_moe_blocks
+from .discovery import expert_math, find_moe_blocks
 from .engine import make_engine, make_lora_layers, share_cpu_with_torch
 from .experts_check import check_experts
 from .modules import ExpertsSource, TandemExperts, TandemLoraExperts
@@ -105,6 +105,11 @@ def open_model_experts(path: str | os.PathLike, dtype: torch.dtype | None = None
     checked: set = set()
     for b in blocks:
         check_experts(b.experts, f"model layer {b.layer}", checked)  # its activation too (not config.hidden_act)
+    math = expert_math(blocks[0].experts)
+    if not math.plain:
+        raise ValueError(f"{path}: model_type {hf_config.model_type!r}: load_model does not read checkpoints of "
+                         f"{math.describe()} experts yet (gpt-oss's layouts); load the model with transformers "
+                         "(from_pretrained) and call tandem.offload(model, config), which runs them")
     E, H, I = (getattr(blocks[0].experts, a) for a in ("num_experts", "hidden_dim", "intermediate_dim"))
     layers = [b.layer for b in blocks]
     names = CheckpointNames(hf_config.model_type, ckpt, str(path))

@@ -112,11 +112,15 @@ class TandemExperts(_FusedPlaceholders):
 
     def __init__(self, engine: _C.Engine, index: int, layer: int, act: str = "silu", fused: bool = False,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 source: "ExpertsSource | None" = None):
+                 source: "ExpertsSource | None" = None, math: "ExpertMath | None" = None):
         super().__init__()
-        if act not in ("silu", "swish"):
+        if math is None:
+            from .discovery import PLAIN
+            math = PLAIN
+        if math.plain and act not in ("silu", "swish"):
             raise ValueError(f"model layer {layer}: expert activation {act!r} is not supported (silu only)")
         self.engine = engine
+        self.math = math            # what the experts compute (discovery.ExpertMath), as the engine does
         self.index = index          # MoE index in the engine
         self.layer = layer          # model layer
         self.num_experts = engine.experts
@@ -135,8 +139,9 @@ class TandemExperts(_FusedPlaceholders):
     def extra_repr(self) -> str:
         e = self.engine
         hot = len(e.hot(self.index))
+        math = "" if self.math.plain else f"math={self.math.describe()}, "
         return (f"layer={self.layer}, experts={self.num_experts}, hidden={self.hidden_dim}, "
-                f"intermediate={self.intermediate_dim}, format={e.format}, hot={hot} on {e.stream}, "
+                f"intermediate={self.intermediate_dim}, {math}format={e.format}, hot={hot} on {e.stream}, "
                 f"cpu={self.num_experts - hot}, isa={e.isa}")
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

@@ -1,0 +1,164 @@
+"""gpt-oss's experts in tandem: biases on gate, up and down, the clamped SwiGLU
+(``min(g, limit) * sigmoid(alpha g) * (clamp(u, -limit, limit) + 1)``) and the [E, H, 2I]
+interleaved gate/up layout, offloaded from a model transformers loaded.
+
+Reference: the unmodified transformers model loaded from the same checkpoint (random
+weights, fixed seed), and an fp64 copy of each experts module on the reference's own inputs.
+The bounds are those of test_hf_inference (the same roundings: bf16 weights, input and
+intermediate, fp32 sums; int8 / int4 quantization) and were measured here as stated.
+"""
+from __future__ import annotations
+
+
+import pytest
+import torch
+from hf_models import clean_tokens, expert_fp64, record_routing
+
+import tandem
+
+VOCAB = 128
+FORMATS = {"bf16": {"format": "bf16"}, "int8": {"format": "int8"}, "int4": {"format": "int4", "group_size": 32}}
+# One MoE layer on the reference's inputs vs fp64, relative to the largest |output|
+# (test_hf_inference's LAYER_BOUND; measured here: bf16 <= 4.6e-3, int8 <= 1.9e-2, int4 <= 0.15).
+LAYER_BOUND = {"bf16": 1.6e-2, "int8": 6e-2, "int4": 0.35}
+# Whole-model logits on tokens whose routing matched (test_hf_inference's LOGIT_BOUND;
+# measured here: fp32 <= 6.8e-3, bf16 <= 1.1e-2).
+LOGIT_BOUND = {torch.float32: 1.5e-2, torch.bfloat16: 4e-2}
+
+
+def cfg(fmt: str = "bf16", **gpu) -> dict:
+    return {"version": 1, "cpu": dict(FORMATS[fmt], virtual_subpools=2), "gpu": {"device": "none", **gpu}}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny random gpt-oss checkpoint per dtype: 2 layers (sliding and full attention), 8
+    experts of 64 x 64, top 2; expert weights and biases large enough that the clamps at 7
+    are reached (checked in the layer test)."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cache = {}
+
+    def get(dtype: torch.dtype):
+        if dtype not in cache:
+            torch.manual_seed(7)
+            config = GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
+                                  num_experts_per_tok=2, sliding_window=8, max_position_embeddings=256,
+                                  layer_types=["sliding_attention", "full_attention"],
+                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+            model = GptOssForCausalLM(config)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if ".experts." in name:
+                        p.normal_(0, 0.5 if "bias" in name else 0.25)
+            out = tmp_path_factory.mktemp(f"gpt-oss-{str(dtype).removeprefix('torch.')}")
+            model.to(dtype).save_pretrained(out)
+            cache[dtype] = out
+        return cache[dtype]
+
+    return get
+
+
+def load(path, dtype):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def tokens(seed: int, batch: int = 2, seq: int = 24) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def experts_of(model):
+    return [layer.mlp.experts for layer in model.model.layers]
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_each_gpt_oss_layer_matches_fp64(checkpoint, fmt):
+    """Every MoE layer, fed the reference's own (hidden, top_k_index, top_k_weights), against
+    an fp64 copy of the transformers experts module (its own eager code)."""
+    path = checkpoint(torch.float32)
+    ref, model = load(path, torch.float32), load(path, torch.float32)
+    refs = [expert_fp64(e) for e in experts_of(ref)]
+    inputs = []
+    for ex in experts_of(ref):
+        ex.register_forward_hook(lambda mod, args, out: inputs.append(tuple(a.detach().clone() for a in args)))
+    with torch.no_grad():
+        ref(tokens(1))
+    engine = tandem.offload(model, cfg(fmt), progress=False)
+    assert "gpt-oss" in engine.activation
+    clamped = 0
+    for i, (ex, fp64, (x, idx, w)) in enumerate(zip(experts_of(model), refs, inputs)):
+        with torch.no_grad():
+            want = fp64(x.double(), idx, w.double())
+            got = ex(x, idx, w)
+            g = torch.einsum("th,thi->ti", x.double(), fp64.gate_up_proj[idx[:, 0]]) + fp64.gate_up_proj_bias[idx[:, 0]]
+            clamped += int((g[:, 0::2] > fp64.limit).sum() + (g[:, 1::2].abs() > fp64.limit).sum())
+        err = ((got.double() - want).abs().max() / want.abs().max()).item()
+        print(f"layer {i} {fmt}: max rel err {err:.2e}")
+        assert err <= LAYER_BOUND[fmt]
+    assert clamped > 0, "the test input never reached the clamps"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpt_oss_logits_and_greedy_tokens_match_transformers(checkpoint, dtype):
+    path = checkpoint(dtype)
+    ref, model = load(path, dtype), load(path, dtype)
+    tandem.offload(model, cfg(), progress=False)
+    assert type(model.model.layers[0].mlp.experts).__name__ == "TandemExperts"
+    assert not any(".mlp.experts." in k for k in model.state_dict()), "expert weights must not be torch state"
+    ids = tokens(2)
+    ra, rb = record_routing(ref), record_routing(model)
+    with torch.no_grad():
+        a, b = ref(ids).logits, model(ids).logits
+    clean = clean_tokens(ra, rb, *ids.shape)
+    assert clean.float().mean() >= 0.25, f"routing differs for most tokens ({(~clean).sum().item()} of {clean.numel()})"
+    d = (b.double() - a.double()).abs().amax(-1)[clean]
+    err = (d.max() / a.double().abs().max()).item()
+    print(f"gpt-oss {dtype}: clean tokens {clean.sum().item()}/{clean.numel()}, max rel err {err:.2e}")
+    assert err <= LOGIT_BOUND[dtype]
+    if dtype == torch.float32:
+        prompt = tokens(3, batch=1, seq=6)
+        with torch.no_grad():
+            want = ref.generate(prompt, max_new_tokens=8, do_sample=False)
+            got = model.generate(prompt, max_new_tokens=8, do_sample=False)
+        assert torch.equal(got, want)
+
+
+def test_gpt_oss_refusals(checkpoint):
+    """What does not compute gpt-oss's experts says so: LoRA training, hot experts (auto places
+    none), load_model on its checkpoint; an experts module whose clamp differs from its
+    attributes fails the numeric check."""
+    path = checkpoint(torch.float32)
+    with pytest.raises(ValueError, match=r"gpt-oss's clamped SwiGLU \(alpha 1.702, limit 7\) with biases \(gpt-oss\); "
+                                         r"tandem's LoRA training path computes silu\(gate\) \* up experts without "
+                                         r"biases only"):
+        tandem.offload(load(path, torch.float32), cfg(), train=True, progress=False)
+    with pytest.raises(Exception, match=r"gpu.hot_experts: hot experts run silu\(gate\) \* up experts without biases "
+                                        r"only; this model's experts are gpt-oss's clamped SwiGLU"):
+        tandem.offload(load(path, torch.float32), {"version": 1, "gpu": {"device": "none", "hot_experts": {"count": 2}}},
+                       progress=False)
+    model = load(path, torch.float32)
+    engine = tandem.offload(model, {"version": 1, "gpu": {"device": "none", "hot_experts": {"count": "auto"}}},
+                            progress=False)
+    assert all(len(engine.hot(i)) == 0 for i in range(2))
+    with pytest.raises(ValueError, match=r"model_type 'gpt_oss': load_model does not read checkpoints of gpt-oss's "
+                                         r"clamped SwiGLU .* call tandem.offload\(model, config\)"):
+        tandem.load_model(path, cfg(), progress=False)
+    model = load(path, torch.float32)
+    model.model.layers[0].mlp.experts.limit = 3.0  # layer 0 now clamps at 3 (its class reads self.limit)
+    with pytest.raises(ValueError, match=r"MoE layers compute different expert math \(gpt-oss's clamped SwiGLU "
+                                         r"\(alpha 1.702, limit 3\) with biases, gpt-oss's clamped SwiGLU \(alpha "
+                                         r"1.702, limit 7\) with biases\)"):
+        tandem.offload(model, cfg(), progress=False)
+    model = load(path, torch.float32)
+    for ex in experts_of(model):
+        ex.limit = 3.0
+    tandem.offload(model, cfg(), progress=False)  # the numeric check runs the module's own clamp at 3
+    assert "limit 3" in model.model.layers[0].mlp.experts.math.describe()
+    model = load(path, torch.float32)
+    model.model.layers[1].mlp.experts._apply_gate = lambda gate_up: gate_up[..., ::2]
+    with pytest.raises(ValueError, match=r"GptOssExperts \(model layer 1\): its _apply_gate is replaced on the "
+                                         r"instance"):
+        tandem.offload(model, cfg(), progress=False)
