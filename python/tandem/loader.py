@@ -30,10 +30,11 @@ from .checkpoint_reader import TensorReader
 from .config import ConfigLike, config_json
 from .checkpoint_names import CheckpointNames
 from .dense import replace_dense, replace_norms
-from .discovery import expert_math, find_moe_blocks
+from .discovery import PLAIN, ExpertMath, expert_math, expert_shape, find_moe_blocks
 from .engine import make_engine, make_lora_layers, share_cpu_with_torch
 from .experts_check import check_experts
 from .modules import ExpertsSource, TandemExperts, TandemLoraExperts
+from .oai_checkpoint import OaiExpertsReader, load_oai_layer
 from .peft_glue import watch_block
 from .progress import progress_bar
 from .tracing import apply_config
@@ -70,7 +71,8 @@ class ModelExperts:
     shape: tuple[int, int, int]   # experts, hidden, intermediate
     layers: list[int]             # model layer of each MoE block
     names: CheckpointNames
-    naming: tuple[str, str, str]  # gate, up, down patterns ({L}, {E})
+    naming: tuple[str, str, str] | None  # gate, up, down patterns ({L}, {E}); None: gpt-oss (math)
+    math: ExpertMath = PLAIN             # what the experts compute
 
 
 def open_model_experts(path: str | os.PathLike, dtype: torch.dtype | None = None) -> ModelExperts:
@@ -106,15 +108,24 @@ def open_model_experts(path: str | os.PathLike, dtype: torch.dtype | None = None
     for b in blocks:
         check_experts(b.experts, f"model layer {b.layer}", checked)  # its activation too (not config.hidden_act)
     math = expert_math(blocks[0].experts)
-    if not math.plain:
-        raise ValueError(f"{path}: model_type {hf_config.model_type!r}: load_model does not read checkpoints of "
-                         f"{math.describe()} experts yet (gpt-oss's layouts); load the model with transformers "
-                         "(from_pretrained) and call tandem.offload(model, config), which runs them")
-    E, H, I = (getattr(blocks[0].experts, a) for a in ("num_experts", "hidden_dim", "intermediate_dim"))
+    if any(expert_math(b.experts) != math for b in blocks):
+        raise ValueError(f"{path}: the MoE layers' experts compute different math; tandem needs one")
+    _check_mxfp4(path, hf_config, math)
+    E, H, I = expert_shape(blocks[0].experts)
     layers = [b.layer for b in blocks]
     names = CheckpointNames(hf_config.model_type, ckpt, str(path))
-    naming = tuple(names.experts(blocks[0].path, layers[0]))
-    return ModelExperts(path, hf_config, ckpt, model, blocks, (E, H, I), layers, names, naming)
+    # gpt-oss's experts are read layer by layer in Python (oai_checkpoint), not by pattern.
+    naming = tuple(names.experts(blocks[0].path, layers[0])) if math.plain else None
+    return ModelExperts(path, hf_config, ckpt, model, blocks, (E, H, I), layers, names, naming, math)
+
+
+def _check_mxfp4(path: Path, hf_config: Any, math: ExpertMath) -> None:
+    """MXFP4 (quant_method mxfp4) is read for gpt-oss's routed experts only."""
+    q = getattr(hf_config, "quantization_config", None)
+    q = q if q is None or isinstance(q, dict) else q.to_dict()
+    if q and q.get("quant_method") == "mxfp4" and math.plain:
+        raise ValueError(f"{path / 'config.json'}: quantization_config: quant_method 'mxfp4' is read for gpt-oss's "
+                         "routed experts only, and this model's experts are not gpt-oss's")
 
 
 def _check_quantization(path: Path, hf_config: Any) -> None:
@@ -128,7 +139,7 @@ def _check_quantization(path: Path, hf_config: Any) -> None:
     q = q if isinstance(q, dict) else q.to_dict()
     method = q.get("quant_method")
     where = path / "config.json"
-    if method == "fp8":
+    if method in ("fp8", "mxfp4"):  # mxfp4: gpt-oss's experts only (_check_mxfp4)
         return
     if method == "gptq":
         if q.get("bits") != 4:
@@ -157,7 +168,8 @@ def _check_quantization(path: Path, hf_config: Any) -> None:
                                  "reads compressed-tensors pack-quantized 4-bit integer weights in groups (W4A16)")
         return
     raise ValueError(f"{where}: quantization_config: quant_method {method!r} is not supported (tandem reads bf16 / "
-                     "fp16 / fp32 checkpoints, FP8 with block scales, and 4-bit GPTQ, AWQ or compressed-tensors)")
+                     "fp16 / fp32 checkpoints, FP8 with block scales, 4-bit GPTQ, AWQ or compressed-tensors, and "
+                     "gpt-oss's MXFP4 experts)")
 
 
 def _config_dtype(hf_config: Any) -> torch.dtype:
@@ -244,6 +256,16 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
     path, hf_config, ckpt, model, blocks = me.path, me.hf_config, me.ckpt, me.model, me.blocks
     dtype = dtype if dtype is not None else _config_dtype(hf_config)
     (E, H, I), layers, names, naming = me.shape, me.layers, me.names, me.naming
+    if not me.math.plain:
+        what = f"{path}: this model's experts compute {me.math.describe()} (gpt-oss)"
+        if train:
+            raise ValueError(f"{what}; tandem's LoRA training path computes silu(gate) * up experts without biases "
+                             "only (load with train=False for inference)")
+        if store is not None:
+            raise ValueError(f"{what}; a packed expert store holds silu(gate) * up experts only (load without "
+                             "store=, or remove cpu.store from the config)")
+        if adapter is not None:
+            raise ValueError(f"{what}; adapters are merged into silu(gate) * up experts only")
     expert_store = open_store(store, me, cfg_json["cpu"], progress) if store is not None else None
 
     # Routed experts: the C++ loader, straight from the mapped files (or the store).
@@ -252,12 +274,24 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
         engine = make_lora_layers(config, (E, H, I), layers,
                                   backward_format or cfg_json.get("train", {}).get("backward_format", "bf16"))
     else:
-        engine = make_engine(config, (E, H, I), layers, device, _auto_hot_budget(cfg_json, model, blocks, dtype, device))
+        engine = make_engine(config, (E, H, I), layers, device, _auto_hot_budget(cfg_json, model, blocks, dtype, device),
+                             math=me.math)
     # Both engines check every expert tensor first, then pack layer by layer, giving each
     # layer's checkpoint pages back once it is packed. With an adapter, inference packs
     # wait for it (below): the layers it changes are packed merged, once.
     if expert_store is not None:
         engine.load_store(expert_store, ckpt, naming, progress=(lambda d, t: bar(d)) if bar else None)
+        if bar:
+            bar(None)
+    elif not me.math.plain:  # gpt-oss: each layer read (dequantized from MXFP4) and packed in turn
+        oai = OaiExpertsReader(TensorReader(ckpt), str(path), (E, H, I))
+        oai_keys = set()
+        for i, b in enumerate(blocks):
+            prefix = names.key(b.path + ".gate_up_proj_bias")
+            prefix = prefix.removesuffix(".gate_up_proj_bias") if prefix else b.path
+            oai_keys.update(oai.keys(prefix))
+            load_oai_layer(engine, i, oai.layer(prefix),
+                           progress=(lambda d, t, base=i * E: bar(base + d)) if bar else None)
         if bar:
             bar(None)
     elif train or adapter is None:
@@ -269,13 +303,16 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
             b.block.experts = TandemLoraExperts(layer, b.layer, True, dtype, device)
             watch_block(b.block, b.block.experts)
     else:
-        source = ExpertsSource(str(path), tuple(naming))
+        source = ExpertsSource(str(path), tuple(naming)) if naming else None
         for i, b in enumerate(blocks):
             b.block.experts = TandemExperts(engine, i, b.layer, "silu", fused=True, dtype=dtype,
-                                            device=device, source=source)
+                                            device=device, source=source, math=me.math)
             watch_block(b.block, b.block.experts)
-    expert_keys = {_C.expert_key(p, L, e) for L in layers for e in range(E) for p in naming}
-    expert_keys |= {t for k in list(expert_keys) for t in _C.expert_tensor_names(ckpt, k)}
+    if naming:
+        expert_keys = {_C.expert_key(p, L, e) for L in layers for e in range(E) for p in naming}
+        expert_keys |= {t for k in list(expert_keys) for t in _C.expert_tensor_names(ckpt, k)}
+    else:
+        expert_keys = oai_keys
 
     # Everything else: torch tensors on `device`.
     reader = TensorReader(ckpt)

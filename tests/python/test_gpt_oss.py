@@ -1,6 +1,8 @@
 """gpt-oss's experts in tandem: biases on gate, up and down, the clamped SwiGLU
 (``min(g, limit) * sigmoid(alpha g) * (clamp(u, -limit, limit) + 1)``) and the [E, H, 2I]
-interleaved gate/up layout, offloaded from a model transformers loaded.
+interleaved gate/up layout, offloaded from a model transformers loaded, and loaded by
+``tandem.load_model`` from a checkpoint in either layout gpt-oss ships: dense (what
+``save_pretrained`` writes) and MXFP4 (OpenAI's release: e2m1 blocks of 32 with E8M0 scales).
 
 Reference: the unmodified transformers model loaded from the same checkpoint (random
 weights, fixed seed), and an fp64 copy of each experts module on the reference's own inputs.
@@ -9,6 +11,8 @@ intermediate, fp32 sums; int8 / int4 quantization) and were measured here as sta
 """
 from __future__ import annotations
 
+
+import json
 
 import pytest
 import torch
@@ -22,7 +26,7 @@ FORMATS = {"bf16": {"format": "bf16"}, "int8": {"format": "int8"}, "int4": {"for
 # (test_hf_inference's LAYER_BOUND; measured here: bf16 <= 4.6e-3, int8 <= 1.9e-2, int4 <= 0.15).
 LAYER_BOUND = {"bf16": 1.6e-2, "int8": 6e-2, "int4": 0.35}
 # Whole-model logits on tokens whose routing matched (test_hf_inference's LOGIT_BOUND;
-# measured here: fp32 <= 6.8e-3, bf16 <= 1.1e-2).
+# measured here: fp32 <= 6.8e-3, bf16 <= 1.5e-2 (MXFP4 experts included)).
 LOGIT_BOUND = {torch.float32: 1.5e-2, torch.bfloat16: 4e-2}
 
 
@@ -127,9 +131,9 @@ def test_gpt_oss_logits_and_greedy_tokens_match_transformers(checkpoint, dtype):
 
 
 def test_gpt_oss_refusals(checkpoint):
-    """What does not compute gpt-oss's experts says so: LoRA training, hot experts (auto places
-    none), load_model on its checkpoint; an experts module whose clamp differs from its
-    attributes fails the numeric check."""
+    """What does not compute gpt-oss's experts says so: LoRA training (offload and load_model),
+    hot experts (auto places none), a packed store; layers with different limits; an
+    instance whose gating was replaced."""
     path = checkpoint(torch.float32)
     with pytest.raises(ValueError, match=r"gpt-oss's clamped SwiGLU \(alpha 1.702, limit 7\) with biases \(gpt-oss\); "
                                          r"tandem's LoRA training path computes silu\(gate\) \* up experts without "
@@ -143,9 +147,11 @@ def test_gpt_oss_refusals(checkpoint):
     engine = tandem.offload(model, {"version": 1, "gpu": {"device": "none", "hot_experts": {"count": "auto"}}},
                             progress=False)
     assert all(len(engine.hot(i)) == 0 for i in range(2))
-    with pytest.raises(ValueError, match=r"model_type 'gpt_oss': load_model does not read checkpoints of gpt-oss's "
-                                         r"clamped SwiGLU .* call tandem.offload\(model, config\)"):
-        tandem.load_model(path, cfg(), progress=False)
+    with pytest.raises(ValueError, match=r"this model's experts compute gpt-oss's clamped SwiGLU .*; tandem's LoRA "
+                                         r"training path computes silu\(gate\) \* up experts"):
+        tandem.load_model(path, cfg(), train=True, progress=False)
+    with pytest.raises(ValueError, match=r"a packed expert store holds silu\(gate\) \* up experts only"):
+        tandem.convert(path, cfg(), progress=False)
     model = load(path, torch.float32)
     model.model.layers[0].mlp.experts.limit = 3.0  # layer 0 now clamps at 3 (its class reads self.limit)
     with pytest.raises(ValueError, match=r"MoE layers compute different expert math \(gpt-oss's clamped SwiGLU "
@@ -162,3 +168,92 @@ def test_gpt_oss_refusals(checkpoint):
     with pytest.raises(ValueError, match=r"GptOssExperts \(model layer 1\): its _apply_gate is replaced on the "
                                          r"instance"):
         tandem.offload(model, cfg(), progress=False)
+
+
+def mxfp4_checkpoint(src, out, seed: int = 1):
+    """`src` rewritten as OpenAI ships gpt-oss: each expert projection as MXFP4 blocks and
+    scales (random codes, scales 2^-5..2^0) and quantization_config mxfp4."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    sd = load_file(src / "model.safetensors")
+    g = torch.Generator().manual_seed(seed)
+    for k in [k for k in sd if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        E, K, R = sd.pop(k).shape  # [experts, in, out]
+        sd[k + "_blocks"] = torch.randint(0, 256, (E, R, K // 32, 16), generator=g, dtype=torch.uint8)
+        sd[k + "_scales"] = torch.randint(122, 128, (E, R, K // 32), generator=g, dtype=torch.uint8)
+    save_file(sd, out / "model.safetensors", metadata={"format": "pt"})
+    c = json.loads((out / "config.json").read_text())
+    c["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(c))
+    return out
+
+
+@pytest.mark.parametrize("layout", ["dense-fp32", "dense-bf16", "mxfp4"])
+def test_load_model_reads_gpt_oss_checkpoints(checkpoint, tmp_path, layout):
+    """load_model on a gpt-oss checkpoint against from_pretrained on the same directory: the
+    logits on tokens whose routing matched, and for MXFP4 the dequantized experts equal to
+    transformers' own dequantization (it dequantizes to bf16 on a CPU)."""
+    from tandem.oai_checkpoint import mxfp4_dequantize
+
+    dtype = torch.float32 if layout == "dense-fp32" else torch.bfloat16
+    path = checkpoint(dtype)
+    if layout == "mxfp4":
+        path = mxfp4_checkpoint(path, tmp_path / "mxfp4")
+    ref = load(path, dtype)
+    if layout == "mxfp4":
+        from safetensors.torch import load_file
+
+        sd = load_file(path / "model.safetensors")
+        for i, ex in enumerate(experts_of(ref)):
+            for proj in ("gate_up_proj", "down_proj"):
+                key = f"model.layers.{i}.mlp.experts.{proj}"
+                mine = mxfp4_dequantize(sd[key + "_blocks"], sd[key + "_scales"]).transpose(1, 2)
+                assert torch.equal(mine, getattr(ex, proj).data), key
+    model = tandem.load_model(path, cfg(), progress=False)
+    assert model.model.layers[0].mlp.experts.math.activation == "swiglu_oai"
+    ids = tokens(4)
+    ra, rb = record_routing(ref), record_routing(model)
+    with torch.no_grad():
+        a, b = ref(ids).logits, model(ids).logits
+    clean = clean_tokens(ra, rb, *ids.shape)
+    assert clean.float().mean() >= 0.25
+    err = ((b.double() - a.double()).abs().amax(-1)[clean].max() / a.double().abs().max()).item()
+    print(f"load_model {layout}: clean tokens {clean.sum().item()}/{clean.numel()}, max rel err {err:.2e}")
+    assert err <= LOGIT_BOUND[dtype]
+
+
+def test_broken_gpt_oss_checkpoints_are_refused_naming_the_tensor(checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src = mxfp4_checkpoint(checkpoint(torch.bfloat16), tmp_path / "good")
+
+    def broken(name, edit):
+        out = tmp_path / name
+        out.mkdir()
+        for f in src.iterdir():
+            if f.name != "model.safetensors":
+                (out / f.name).write_bytes(f.read_bytes())
+        sd = load_file(src / "model.safetensors")
+        edit(sd)
+        save_file(sd, out / "model.safetensors", metadata={"format": "pt"})
+        return out
+
+    key = "model.layers.1.mlp.experts.down_proj"
+    cases = [
+        (lambda sd: sd.pop(key + "_bias"), rf"checkpoint has no tensor '{key}_bias' \(down bias"),
+        (lambda sd: sd.update({key + "_scales": sd[key + "_scales"][:, :, :1].contiguous()}),
+         rf"tensor '{key}_scales' has shape \[8, 64, 1\], gpt-oss's experts need \[8, 64, 2\]"),
+        (lambda sd: sd.update({key + "_blocks": sd[key + "_blocks"].to(torch.int16)}),
+         rf"tensor '{key}_blocks' is int16, MXFP4 stores uint8"),
+        (lambda sd: sd.pop(key + "_blocks"), rf"checkpoint has no tensor '{key}_blocks'"),
+        (lambda sd: sd.update({"model.layers.1.mlp.experts.extra": torch.zeros(3)}),
+         r"checkpoint has tensors the model does not use: 'model.layers.1.mlp.experts.extra'"),
+    ]
+    for i, (edit, message) in enumerate(cases):
+        with pytest.raises(ValueError, match=message):
+            tandem.load_model(broken(f"case{i}", edit), cfg(), progress=False)

@@ -193,6 +193,10 @@ def test_models_md_is_this_runs_table(request):
         "`experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I]) loaded by `tandem.load_model`",
         "(supported: the same logits bit for bit as the per-expert checkpoint).",
         "",
+        "`gpt_oss` keeps its own layout in both (`gate_up_proj` [E, H, 2I] with gate and up interleaved, biases);",
+        "its MXFP4 checkpoints (OpenAI's release format) are tested in `tests/python/test_gpt_oss.py`, on",
+        "random-weight models as well.",
+        "",
         "| model type | outcome | detail | v5 fused layout |",
         "|---|---|---|---|",
     ]
