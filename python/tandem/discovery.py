@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .expert_math import PLAIN, ExpertMath
 from .modules import FrozenLinear, TandemExperts
 
 @dataclass(frozen=True)
@@ -49,31 +50,6 @@ def find_moe_blocks(model: nn.Module) -> list[MoeBlock]:
     return found
 
 
-@dataclass(frozen=True)
-class ExpertMath:
-    """What a layer's experts compute: ``silu(gate) * up`` without biases (the default), or
-    gpt-oss's experts: biases on gate, up and down and the clamped SwiGLU
-    ``g = min(g, limit); u = clamp(u, -limit, limit); h = g * sigmoid(alpha g) * (u + 1)``."""
-    activation: str = "silu"   # "silu" or "swiglu_oai"
-    alpha: float = 1.702
-    limit: float = 7.0
-    bias: bool = False
-
-    @property
-    def plain(self) -> bool:
-        return self.activation == "silu" and not self.bias
-
-    def engine_args(self) -> dict:
-        """The keyword arguments of ``_C.Engine`` that select this math."""
-        return dict(activation=self.activation, swiglu_alpha=self.alpha, swiglu_limit=self.limit, bias=self.bias)
-
-    def describe(self) -> str:
-        if self.plain:
-            return "silu(gate) * up"
-        return f"gpt-oss's clamped SwiGLU (alpha {self.alpha:g}, limit {self.limit:g}) with biases"
-
-
-PLAIN = ExpertMath()
 _OAI_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 
 

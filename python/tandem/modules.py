@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from . import _C
+from .expert_math import PLAIN, ExpertMath
 from .lora import run_experts
 
 
@@ -112,10 +113,9 @@ class TandemExperts(_FusedPlaceholders):
 
     def __init__(self, engine: _C.Engine, index: int, layer: int, act: str = "silu", fused: bool = False,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 source: "ExpertsSource | None" = None, math: "ExpertMath | None" = None):
+                 source: "ExpertsSource | None" = None, math: ExpertMath | None = None):
         super().__init__()
         if math is None:
-            from .discovery import PLAIN
             math = PLAIN
         if math.plain and act not in ("silu", "swish"):
             raise ValueError(f"model layer {layer}: expert activation {act!r} is not supported (silu only)")
