@@ -47,12 +47,12 @@ inline float exp_approx(float x) {
 inline void silu_mul(const float* g, const float* u, float* out, int n) {
   for (int j = 0; j < n; ++j) out[j] = g[j] / (1.0f + exp_approx(-g[j])) * u[j];
 }
-// gpt-oss's clamped SwiGLU (GateAct::Kind::swiglu_oai), with silu_mul's exponential.
-// std::min / std::max return their first argument for NaN, so NaN in g or u propagates.
-inline void swiglu_oai(const float* g, const float* u, float* out, int n, float alpha, float limit) {
+// A clamped SwiGLU (GateAct::Kind::clamped), with silu_mul's exponential. std::min /
+// std::max return their first argument for NaN, so NaN in g or u propagates.
+inline void clamped_swiglu(const float* g, const float* u, float* out, int n, float alpha, float limit, float offset) {
   for (int j = 0; j < n; ++j) {
     const float gc = std::min(g[j], limit), uc = std::min(std::max(u[j], -limit), limit);
-    out[j] = gc / (1.0f + exp_approx(-alpha * gc)) * (uc + 1.0f);
+    out[j] = gc / (1.0f + exp_approx(-alpha * gc)) * (uc + offset);
   }
 }
 // 1 / (1 + exp(-x)) with silu_mul's exponential; NaN stays NaN (exp_approx's clamp
@@ -115,7 +115,7 @@ inline void store_silu_rows(const Args& g, float* tg, float* tu, int mr, int r0,
     if (g.act.plain())
       silu_mul(gr, ur, dst, nn);
     else
-      swiglu_oai(gr, ur, dst, nn, g.act.alpha, g.act.limit);
+      clamped_swiglu(gr, ur, dst, nn, g.act.alpha, g.act.limit, g.act.up_offset);
     if (!g.h)
       for (int j = 0; j < nn; ++j) g.h_bf16[row + j] = round_to_bf16(h[j]);
   }

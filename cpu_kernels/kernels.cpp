@@ -227,9 +227,10 @@ void quantize_activations(QuantizedActs& qa, const float* a, int lda, int r0, in
 void check_gate_act(const char* what, const GateUpArgs& g) {
   TANDEM_CHECK(!g.gate_bias == !g.up_bias, Errc::invalid_argument, what, ": give both biases (gate and up) or neither");
   if (!g.act.plain())
-    TANDEM_CHECK(std::isfinite(g.act.alpha) && std::isfinite(g.act.limit) && g.act.limit > 0, Errc::invalid_argument, what,
-                 ": swiglu_oai needs a finite alpha and a finite positive limit, not alpha = ", g.act.alpha, ", limit = ",
-                 g.act.limit);
+    TANDEM_CHECK(std::isfinite(g.act.alpha) && std::isfinite(g.act.limit) && std::isfinite(g.act.up_offset) &&
+                     g.act.limit > 0,
+                 Errc::invalid_argument, what, ": a clamped SwiGLU needs a finite alpha, up_offset and positive limit, "
+                 "not alpha = ", g.act.alpha, ", limit = ", g.act.limit, ", up_offset = ", g.act.up_offset);
 }
 
 void gemm(const PackedWeight& w, const GemmArgs& g) {

@@ -127,12 +127,13 @@ std::function<ExpertSource(int)> pointer_sources(const MoeShape& sh, const std::
   };
 }
 
-// The experts' math from the Python arguments: "silu" or "swiglu_oai" (gpt-oss), biases.
-MoeShape moe_shape(int experts, int hidden, int inter, const std::string& activation, float alpha, float limit, bool bias) {
+// The experts' math from the Python arguments: "silu" or "clamped_swiglu", biases.
+MoeShape moe_shape(int experts, int hidden, int inter, const std::string& activation, float alpha, float limit,
+                   float up_offset, bool bias) {
   MoeShape sh{experts, hidden, inter};
-  TANDEM_CHECK(activation == "silu" || activation == "swiglu_oai", Errc::invalid_argument, "engine: activation '",
-               activation, "' is not one of: silu, swiglu_oai");
-  if (activation == "swiglu_oai") sh.act = {GateAct::Kind::swiglu_oai, alpha, limit};
+  TANDEM_CHECK(activation == "silu" || activation == "clamped_swiglu", Errc::invalid_argument, "engine: activation '",
+               activation, "' is not one of: silu, clamped_swiglu");
+  if (activation == "clamped_swiglu") sh.act = {GateAct::Kind::clamped, alpha, limit, up_offset};
   sh.bias = bias;
   return sh;
 }
@@ -344,9 +345,10 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](const std::string& config_path, const std::string& config_text, int experts, int hidden,
                        int inter, std::vector<int> layers, const std::string& stream, int cuda_device,
                        uintptr_t cuda_stream, std::optional<uint64_t> hot_budget, const std::string& activation,
-                       float swiglu_alpha, float swiglu_limit, bool bias) {
+                       float swiglu_alpha, float swiglu_limit, float swiglu_up_offset, bool bias) {
              Config c = config_from(config_path, config_text);
-             const MoeShape shape = moe_shape(experts, hidden, inter, activation, swiglu_alpha, swiglu_limit, bias);
+             const MoeShape shape =
+                 moe_shape(experts, hidden, inter, activation, swiglu_alpha, swiglu_limit, swiglu_up_offset, bias);
              TANDEM_CHECK(stream == "config" || stream == "host" || stream == "cuda", Errc::invalid_argument,
                           "engine: stream '", stream, "' is not one of: config, host, cuda");
              py::gil_scoped_release nogil;
@@ -359,11 +361,13 @@ PYBIND11_MODULE(_C, m) {
            py::arg("config_path") = "", py::arg("config_text") = "", py::arg("experts"), py::arg("hidden"),
            py::arg("inter"), py::arg("layers"), py::arg("stream") = "config", py::arg("cuda_device") = 0,
            py::arg("cuda_stream") = 0, py::arg("hot_budget") = py::none(), py::arg("activation") = "silu",
-           py::arg("swiglu_alpha") = 1.702f, py::arg("swiglu_limit") = 7.0f, py::arg("bias") = false,
+           py::arg("swiglu_alpha") = 1.0f, py::arg("swiglu_limit") = 7.0f, py::arg("swiglu_up_offset") = 0.0f,
+           py::arg("bias") = false,
            "stream: 'config' (gpu.device decides), 'host', or 'cuda' (enqueue on the CUDA stream handle cuda_stream "
            "of device cuda_device, e.g. torch's current stream). hot_budget: device bytes gpu.hot_experts count: auto "
            "may fill (default: the device's free memory less a reserve; 0 on the host stream). activation: 'silu' "
-           "(silu(gate) * up) or 'swiglu_oai' (gpt-oss's clamped SwiGLU, swiglu_alpha / swiglu_limit); bias: the "
+           "(silu(gate) * up) or 'clamped_swiglu' (min(g, L) sigmoid(alpha min(g, L)) (clamp(u, -L, L) + offset): "
+           "swiglu_alpha, swiglu_limit, swiglu_up_offset; gpt-oss, DeepSeek-V4); bias: the "
            "experts have gate/up/down biases (load_layer's *_bias)")
       .def("load_checkpoint", [](Engine& e, const Checkpoint& c, const NamingTuple& n, const py::object& progress,
                                  const std::vector<int>& layers) {

@@ -151,8 +151,8 @@ void ExpertPacks::drop(int e) {
 }
 
 void ExpertPacks::load_store(Pool& pool, const ExpertStore& store, int index, const Progress& progress) {
-  TANDEM_CHECK(shape_.plain(), Errc::invalid_argument, "experts: a packed expert store holds silu(gate) * up experts "
-               "without biases; these are ", describe_experts(shape_), " (load them from the checkpoint)");
+  TANDEM_CHECK(!shape_.bias, Errc::invalid_argument, "experts: a packed expert store holds experts without biases; "
+               "these are ", describe_experts(shape_), " (load them from the checkpoint)");
   TANDEM_CHECK(layout_ == Layout::fused, Errc::internal, "experts: a store holds fused gate/up packs");
   TANDEM_CHECK(pool.subpools() == subpools(), Errc::internal, "experts: packs for ", subpools(), " subpools, pool of ",
                pool.subpools());

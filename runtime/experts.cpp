@@ -67,7 +67,8 @@ void check_expert_source(const ExpertSource& src, const MoeShape& sh, int e) {
 
 std::string describe_experts(const MoeShape& sh) {
   std::string s = sh.act.plain() ? "silu(gate) * up"
-                                 : str_cat("gpt-oss's clamped SwiGLU (alpha ", sh.act.alpha, ", limit ", sh.act.limit, ")");
+                                 : str_cat("a clamped SwiGLU (alpha ", sh.act.alpha, ", limit ", sh.act.limit, ", up + ",
+                                           sh.act.up_offset, ")");
   return sh.bias ? s + " with biases" : s;
 }
 

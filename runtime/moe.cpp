@@ -14,9 +14,11 @@ MoeLayer::MoeLayer(Pool& pool, MoeShape shape, PackOptions format, int layer_ind
   TANDEM_CHECK(shape.experts >= 1 && shape.hidden >= 1 && shape.inter >= 1, Errc::invalid_argument, "moe: shape (experts ",
                shape.experts, ", hidden ", shape.hidden, ", intermediate ", shape.inter, ") must be positive");
   if (!shape.act.plain())
-    TANDEM_CHECK(std::isfinite(shape.act.alpha) && std::isfinite(shape.act.limit) && shape.act.limit > 0,
-                 Errc::invalid_argument, "moe: layer ", layer_index, ": swiglu_oai needs a finite alpha and a finite "
-                 "positive limit, not alpha = ", shape.act.alpha, ", limit = ", shape.act.limit);
+    TANDEM_CHECK(std::isfinite(shape.act.alpha) && std::isfinite(shape.act.limit) && std::isfinite(shape.act.up_offset) &&
+                     shape.act.limit > 0,
+                 Errc::invalid_argument, "moe: layer ", layer_index, ": a clamped SwiGLU needs a finite alpha, up_offset "
+                 "and positive limit, not alpha = ", shape.act.alpha, ", limit = ", shape.act.limit, ", up_offset = ",
+                 shape.act.up_offset);
   if (format.format == WeightFormat::int4) {
     TANDEM_CHECK(shape.hidden % format.group == 0 && shape.inter % format.group == 0, Errc::invalid_argument,
                  "moe: int4 group ", format.group, " must divide hidden (", shape.hidden, ") and intermediate (",

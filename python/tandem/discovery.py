@@ -74,14 +74,24 @@ def oai_math(experts: nn.Module) -> ExpertMath | None:
     I = two_i // 2
     if (tuple(gb.shape), tuple(dn.shape), tuple(db.shape)) != ((E, two_i), (E, I, H), (E, H)):
         return None
-    return ExpertMath("swiglu_oai", float(alpha), float(limit), True)
+    return ExpertMath("clamped_swiglu", float(alpha), float(limit), 1.0, True)
 
 
-def expert_math(experts: nn.Module) -> ExpertMath:
-    """The math of an experts module (a TandemExperts: its engine's)."""
-    if isinstance(experts, TandemExperts):
-        return experts.math
-    return oai_math(experts) or PLAIN
+def clamped_candidates(experts: nn.Module) -> list[ExpertMath]:
+    """The maths a stock-layout experts module with its class's own ``_apply_gate`` may compute,
+    from its scalar settings (``limit`` / ``swiglu_limit``, ``swiglu_alpha`` / ``alpha``): a
+    clamped SwiGLU with up + 0 or up + 1, and plain silu(gate) * up (a gate that only changes
+    precision). Which one it is, if any, its own forward decides (experts_check)."""
+    out = []
+    limit = next((getattr(experts, a) for a in ("limit", "swiglu_limit") if _number(getattr(experts, a, None))), None)
+    if limit is not None:
+        alpha = next((getattr(experts, a) for a in ("swiglu_alpha", "alpha") if _number(getattr(experts, a, None))), 1.0)
+        out = [ExpertMath("clamped_swiglu", float(alpha), float(limit), o) for o in (0.0, 1.0)]
+    return out + [PLAIN]
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def oai_weights(experts: nn.Module, rows: int | None = None) -> tuple[torch.Tensor, ...]:

@@ -19,7 +19,7 @@ from torch import nn
 
 from . import _C
 from .config import ConfigLike, config_args, config_json
-from .discovery import (PLAIN, ExpertMath, check_v4_block, expert_math, expert_shape, find_moe_blocks, oai_weights,
+from .discovery import (PLAIN, ExpertMath, check_v4_block, expert_shape, find_moe_blocks, oai_math, oai_weights,
                         patch_v4_block, v4_projections)
 from .experts_check import check_experts
 from .modules import CUDA_BINDINGS, CudaBinding, TandemExperts, TandemLoraExperts
@@ -146,20 +146,18 @@ def offload(model: nn.Module, config: ConfigLike = None, *, train: bool | None =
     elif not train and peft_experts:
         raise ValueError("the experts carry PEFT LoRA adapters, which the inference engine cannot apply; "
                          "offload with train=True (the default for PEFT models)")
-    checked: set = set()  # what the experts compute: structure per layer, forward once per kind
-    for (e, _), b in zip(inner, blocks):
-        check_experts(e, f"model layer {b.layer}", checked)
+    checked: dict = {}  # what the experts compute: structure per layer, forward once per kind
+    maths = {check_experts(e, f"model layer {b.layer}", checked) for (e, _), b in zip(inner, blocks)}
     shapes = {expert_shape(e) for e, _ in inner}
     if len(shapes) != 1:
         raise ValueError(f"MoE layers have different expert shapes {sorted(shapes)}; tandem needs one")
     shape = shapes.pop()
-    maths = {expert_math(e) for e, _ in inner}
     if len(maths) != 1:
         raise ValueError(f"MoE layers compute different expert math ({', '.join(sorted(m.describe() for m in maths))}); "
                          "tandem needs one")
     math = maths.pop()
     if train and not math.plain:
-        raise ValueError(f"this model's experts compute {math.describe()} (gpt-oss); tandem's LoRA training path "
+        raise ValueError(f"this model's experts compute {math.describe()}; tandem's LoRA training path "
                          "computes silu(gate) * up experts without biases only: offload with train=False for inference")
     for (e, _), b in zip(inner, blocks):
         if isinstance(e, nn.ModuleList):
@@ -228,7 +226,7 @@ def _layer_pointers(experts: nn.Module, math: ExpertMath = PLAIN
                     ) -> tuple[list[int], list[int], list[int], str, list[torch.Tensor], dict]:
     """Per-expert gate / up / down data pointers (row-major, CPU), the tensors that hold them,
     and load_layer's bias arguments (fp32 pointers per expert; empty without biases)."""
-    if not math.plain:  # gpt-oss: [E, H, 2I] interleaved gate/up: copied into the kernels' layout
+    if oai_math(experts) is not None:  # gpt-oss: [E, H, 2I] interleaved gate/up: copied into the kernels' layout
         wg, wu, wd, bg, bu, bd = oai_weights(experts)
         keep = [t.cpu().contiguous() for t in (wg, wu, wd)] + [t.cpu().float().contiguous() for t in (bg, bu, bd)]
         es = [t.element_size() * t[0].numel() for t in keep]

@@ -8,12 +8,14 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ExpertMath:
-    """What a layer's experts compute: ``silu(gate) * up`` without biases (the default), or
-    gpt-oss's experts: biases on gate, up and down and the clamped SwiGLU
-    ``g = min(g, limit); u = clamp(u, -limit, limit); h = g * sigmoid(alpha g) * (u + 1)``."""
-    activation: str = "silu"   # "silu" or "swiglu_oai"
-    alpha: float = 1.702
+    """What a layer's experts compute: ``silu(gate) * up`` without biases (the default), or a
+    clamped SwiGLU ``g = min(g, limit); u = clamp(u, -limit, limit); h = g * sigmoid(alpha g) *
+    (u + up_offset)``, with or without biases on gate, up and down: gpt-oss (alpha 1.702, up + 1,
+    biases), MiniMax-M3 (its alpha, up + 1), DeepSeek-V4 and HY-V4 (alpha 1, up + 0)."""
+    activation: str = "silu"   # "silu" or "clamped_swiglu"
+    alpha: float = 1.0
     limit: float = 7.0
+    up_offset: float = 0.0
     bias: bool = False
 
     @property
@@ -22,12 +24,14 @@ class ExpertMath:
 
     def engine_args(self) -> dict:
         """The keyword arguments of ``_C.Engine`` that select this math."""
-        return dict(activation=self.activation, swiglu_alpha=self.alpha, swiglu_limit=self.limit, bias=self.bias)
+        return dict(activation=self.activation, swiglu_alpha=self.alpha, swiglu_limit=self.limit,
+                    swiglu_up_offset=self.up_offset, bias=self.bias)
 
     def describe(self) -> str:
-        if self.plain:
-            return "silu(gate) * up"
-        return f"gpt-oss's clamped SwiGLU (alpha {self.alpha:g}, limit {self.limit:g}) with biases"
+        """The engine's own wording (``_C.Engine.activation``)."""
+        s = "silu(gate) * up" if self.activation == "silu" else \
+            f"a clamped SwiGLU (alpha {self.alpha:g}, limit {self.limit:g}, up + {self.up_offset:g})"
+        return s + " with biases" if self.bias else s
 
 
 PLAIN = ExpertMath()

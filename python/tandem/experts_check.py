@@ -10,7 +10,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .discovery import expert_shape, oai_math, oai_weights, v4_projections
+from .discovery import clamped_candidates, expert_shape, oai_math, oai_weights, v4_projections
+from .expert_math import PLAIN, ExpertMath
 
 
 # ---- what an experts module computes ---------------------------------------------------
@@ -62,8 +63,10 @@ def _own_forward(module: nn.Module) -> Callable | None:
     return None
 
 
-def _check_gating(module: nn.Module, name: str, where: str) -> None:
-    """Class-level checks shared by fused and per-expert modules: activation and gating."""
+def _check_gating(module: nn.Module, name: str, where: str, own_gate_ok: bool = False) -> None:
+    """Class-level checks shared by fused and per-expert modules: activation and gating.
+    own_gate_ok: a class's own _apply_gate is left to the numeric check (fused modules,
+    whose candidates include clamped SwiGLUs)."""
     act = getattr(module, "act_fn", None)
     if act is not None and not _is_silu(act):
         raise ValueError(f"{name} ({where}): its activation act_fn is {_act_name(act)}; tandem's kernels compute "
@@ -72,7 +75,7 @@ def _check_gating(module: nn.Module, name: str, where: str) -> None:
         raise ValueError(f"{name} ({where}): its _apply_gate is replaced on the instance; tandem's kernels compute "
                          "silu(gate) * up (custom gating such as a clamped or softcapped SwiGLU is not supported)")
     gate_fn = getattr(type(module), "_apply_gate", None)
-    if gate_fn is not None:
+    if gate_fn is not None and not own_gate_ok:
         try:
             from transformers.integrations.moe import _default_apply_gate
         except ImportError:  # pragma: no cover
@@ -107,7 +110,7 @@ def check_experts_structure(experts: nn.Module, where: str) -> None:
             raise ValueError(f"{name} ({where}): its _apply_gate is replaced on the instance; tandem computes "
                              "gpt-oss's clamped SwiGLU as its class defines it")
         return
-    _check_gating(experts, name, where)
+    _check_gating(experts, name, where, own_gate_ok=True)
     if getattr(experts, "has_gate", True) is False:
         raise ValueError(f"{name} ({where}): experts without a gate projection are not supported (silu(gate) * up)")
     if getattr(experts, "has_post_expert_norm", False):
@@ -153,18 +156,38 @@ def _reference(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Te
     return (y[torch.arange(x.shape[0])[:, None], ids] * w[..., None]).sum(1)
 
 
-def _reference_oai(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor, bg: torch.Tensor,
-                   bu: torch.Tensor, bd: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, alpha: float,
-                   limit: float) -> torch.Tensor:
-    """gpt-oss's experts in fp64: sum_k w[t, k] * (wd_e h + bd_e), h = clamped SwiGLU of
-    (wg_e x + bg_e, wu_e x + bu_e); weights in the kernels' layout (oai_weights)."""
-    g = torch.einsum("th,eih->tei", x, wg.double()) + bg.double()
-    u = torch.einsum("th,eih->tei", x, wu.double()) + bu.double()
-    g = g.clamp(max=limit)
-    u = u.clamp(-limit, limit)
-    h = g * torch.sigmoid(alpha * g) * (u + 1)
-    y = torch.einsum("tei,ehi->teh", h, wd.double()) + bd.double()
+def _reference_math(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor, ids: torch.Tensor,
+                    w: torch.Tensor, math: ExpertMath, bg: torch.Tensor | None = None, bu: torch.Tensor | None = None,
+                    bd: torch.Tensor | None = None) -> torch.Tensor:
+    """sum_k w[t, k] * (wd_e h + bd_e) in fp64, h = math's activation of (wg_e x + bg_e,
+    wu_e x + bu_e) (no biases: 0); weights in the kernels' layout ([n, I, H], [n, H, I])."""
+    g = torch.einsum("th,eih->tei", x, wg.double())
+    u = torch.einsum("th,eih->tei", x, wu.double())
+    if bg is not None:
+        g, u = g + bg.double(), u + bu.double()
+    h = _activation(math, g, u)
+    y = torch.einsum("tei,ehi->teh", h, wd.double())
+    if bd is not None:
+        y = y + bd.double()
     return (y[torch.arange(x.shape[0])[:, None], ids] * w[..., None]).sum(1)
+
+
+def _activation(math: ExpertMath, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """math's activation of pre-activations g, u (fp64)."""
+    g, u = g.double(), u.double()
+    if math.activation == "silu":
+        return nn.functional.silu(g) * u
+    g = g.clamp(max=math.limit)
+    u = u.clamp(-math.limit, math.limit)
+    return g * torch.sigmoid(math.alpha * g) * (u + math.up_offset)
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got = got.double()
+    if got.shape != want.shape:
+        return float("inf")
+    rel = (got - want).abs().amax(1) / want.abs().amax(1).clamp_min(1e-30)
+    return float(rel.max()) if torch.isfinite(rel).all() else float("inf")
 
 
 def _compare(name: str, where: str, got: torch.Tensor, want: torch.Tensor, what: str = "silu(gate) * up") -> None:
@@ -196,7 +219,15 @@ def _run_probe(fn: Callable, module: nn.Module, name: str, where: str, *args) ->
     return out
 
 
-def check_experts_numerics(experts: nn.Module, where: str) -> None:
+def _default_gate(cls: type) -> bool:
+    try:
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:  # pragma: no cover
+        return False
+    return getattr(cls, "_apply_gate", None) is _default_apply_gate
+
+
+def check_experts_numerics(experts: nn.Module, where: str) -> ExpertMath:
     """Runs the experts module's own forward once, in fp32 on a copy of the first
     _PROBE_EXPERTS experts' weights (random weights for a meta module), on a few tokens of
     very different norms, and refuses it when it differs from the kernels' formula.
@@ -228,7 +259,7 @@ def check_experts_numerics(experts: nn.Module, where: str) -> None:
         x, ids, w = _probe_inputs(mats[0], 1, 1, gen)
         out = _run_probe(fn, probe, name, where, x.float())
         _compare(name, where, out, _reference(x, *mats, torch.zeros_like(ids), torch.ones_like(w)))
-        return
+        return PLAIN
     name = type(experts).__name__
     fn = _own_forward(experts)
     if fn is None:
@@ -249,9 +280,8 @@ def check_experts_numerics(experts: nn.Module, where: str) -> None:
         wg, wu, wd, bg, bu, bd = oai_weights(probe)
         x, ids, w = _probe_inputs(wg, n, n, gen)
         out = _run_probe(fn, probe, name, where, x.float(), ids, w.float())
-        _compare(name, where, out, _reference_oai(x, wg, wu, wd, bg, bu, bd, ids, w, math.alpha, math.limit),
-                 math.describe())
-        return
+        _compare(name, where, out, _reference_math(x, wg, wu, wd, ids, w, math, bg, bu, bd), math.describe())
+        return math
     gu = _probe_tensor(experts.gate_up_proj, n, gen)
     dn = _probe_tensor(experts.down_proj, n, gen)
     probe = copy.copy(experts)
@@ -264,7 +294,31 @@ def check_experts_numerics(experts: nn.Module, where: str) -> None:
         probe.config._experts_implementation = "eager"
     x, ids, w = _probe_inputs(gu[:, :I], n, n, gen)
     out = _run_probe(fn, probe, name, where, x.float(), ids, w.float())
-    _compare(name, where, out, _reference(x, gu[:, :I], gu[:, I:], dn, ids, w))
+    if getattr(type(experts), "_apply_gate", None) is None or _default_gate(type(experts)):
+        _compare(name, where, out, _reference(x, gu[:, :I], gu[:, I:], dn, ids, w))
+        return PLAIN
+    # Its class's own gate: the first candidate (clamped SwiGLUs from its settings, then
+    # plain) that both its forward (eager) and its _apply_gate itself (what transformers'
+    # grouped / batched backends call on the pre-activations) match.
+    pre = torch.einsum("th,eoh->teo", x, gu.double())  # [T, n, 2I]: gate then up
+    try:
+        with torch.no_grad():
+            gated = type(experts)._apply_gate(probe, pre.float())
+    except Exception as e:  # noqa: BLE001 (any failure means: cannot verify)
+        raise ValueError(f"{name} ({where}): tandem could not run its _apply_gate on a test input ({type(e).__name__}: "
+                         f"{e})") from e
+    tried = []
+    for cand in clamped_candidates(experts):
+        err = _rel_err(out, _reference_math(x, gu[:, :I], gu[:, I:], dn, ids, w, cand))
+        err_gate = _rel_err(gated.reshape(-1, I), _activation(cand, pre[..., :I], pre[..., I:]).reshape(-1, I)) \
+            if isinstance(gated, torch.Tensor) else float("inf")
+        if max(err, err_gate) <= _PROBE_TOLERANCE:
+            return cand
+        tried.append(f"{cand.describe()}: forward {err:.2g}, _apply_gate {err_gate:.2g}")
+    owner = next(c for c in type(experts).__mro__ if "_apply_gate" in vars(c))
+    raise ValueError(f"{name} ({where}): it gates with its own {owner.__name__}._apply_gate, and its forward and gate "
+                     f"match none of the experts tandem computes on a test input (max rel diff: {'; '.join(tried)}); "
+                     "tandem's kernels compute silu(gate) * up and clamped SwiGLUs")
 
 
 def _experts_kind(experts: nn.Module) -> tuple:
@@ -278,13 +332,15 @@ def _experts_kind(experts: nn.Module) -> tuple:
     return (type(experts), type(mod), _own_forward(mod), type(act), mod.__dict__.get("_apply_gate"), scalars)
 
 
-def check_experts(experts: nn.Module, where: str, checked: set | None = None) -> None:
+def check_experts(experts: nn.Module, where: str, checked: dict | None = None) -> ExpertMath:
     """check_experts_structure, then check_experts_numerics once per kind of module
-    (``checked`` collects the kinds already verified, across the layers of one model)."""
+    (``checked`` maps the kinds already verified, across the layers of one model, to their
+    math); returns what the module computes."""
     check_experts_structure(experts, where)
     kind = _experts_kind(experts)
     if checked is not None and kind in checked:
-        return
-    check_experts_numerics(experts, where)
+        return checked[kind]
+    math = check_experts_numerics(experts, where)
     if checked is not None:
-        checked.add(kind)
+        checked[kind] = math
+    return math

@@ -30,7 +30,7 @@ from .checkpoint_reader import TensorReader
 from .config import ConfigLike, config_json
 from .checkpoint_names import CheckpointNames
 from .dense import replace_dense, replace_norms
-from .discovery import PLAIN, ExpertMath, expert_math, expert_shape, find_moe_blocks
+from .discovery import PLAIN, ExpertMath, expert_shape, find_moe_blocks, oai_math
 from .engine import make_engine, make_lora_layers, share_cpu_with_torch
 from .experts_check import check_experts
 from .modules import ExpertsSource, TandemExperts, TandemLoraExperts
@@ -104,18 +104,19 @@ def open_model_experts(path: str | os.PathLike, dtype: torch.dtype | None = None
         raise ValueError(f"{path}: model_type {hf_config.model_type!r} is not supported: {e}") from None
     # What the experts classes compute: their structure, and their own forward run on
     # random weights (the meta model has none; the checkpoint's go straight to C++).
-    checked: set = set()
-    for b in blocks:
-        check_experts(b.experts, f"model layer {b.layer}", checked)  # its activation too (not config.hidden_act)
-    math = expert_math(blocks[0].experts)
-    if any(expert_math(b.experts) != math for b in blocks):
-        raise ValueError(f"{path}: the MoE layers' experts compute different math; tandem needs one")
+    checked: dict = {}
+    maths = {check_experts(b.experts, f"model layer {b.layer}", checked) for b in blocks}  # (not config.hidden_act)
+    if len(maths) != 1:
+        raise ValueError(f"{path}: the MoE layers' experts compute different math "
+                         f"({', '.join(sorted(m.describe() for m in maths))}); tandem needs one")
+    math = maths.pop()
     _check_mxfp4(path, hf_config, math)
     E, H, I = expert_shape(blocks[0].experts)
     layers = [b.layer for b in blocks]
     names = CheckpointNames(hf_config.model_type, ckpt, str(path))
     # gpt-oss's experts are read layer by layer in Python (oai_checkpoint), not by pattern.
-    naming = tuple(names.experts(blocks[0].path, layers[0])) if math.plain else None
+    oai = oai_math(blocks[0].experts) is not None
+    naming = None if oai else tuple(names.experts(blocks[0].path, layers[0]))
     return ModelExperts(path, hf_config, ckpt, model, blocks, (E, H, I), layers, names, naming, math)
 
 
@@ -123,7 +124,7 @@ def _check_mxfp4(path: Path, hf_config: Any, math: ExpertMath) -> None:
     """MXFP4 (quant_method mxfp4) is read for gpt-oss's routed experts only."""
     q = getattr(hf_config, "quantization_config", None)
     q = q if q is None or isinstance(q, dict) else q.to_dict()
-    if q and q.get("quant_method") == "mxfp4" and math.plain:
+    if q and q.get("quant_method") == "mxfp4" and not math.bias:
         raise ValueError(f"{path / 'config.json'}: quantization_config: quant_method 'mxfp4' is read for gpt-oss's "
                          "routed experts only, and this model's experts are not gpt-oss's")
 
@@ -256,16 +257,15 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
     path, hf_config, ckpt, model, blocks = me.path, me.hf_config, me.ckpt, me.model, me.blocks
     dtype = dtype if dtype is not None else _config_dtype(hf_config)
     (E, H, I), layers, names, naming = me.shape, me.layers, me.names, me.naming
-    if not me.math.plain:
-        what = f"{path}: this model's experts compute {me.math.describe()} (gpt-oss)"
-        if train:
-            raise ValueError(f"{what}; tandem's LoRA training path computes silu(gate) * up experts without biases "
-                             "only (load with train=False for inference)")
-        if store is not None:
-            raise ValueError(f"{what}; a packed expert store holds silu(gate) * up experts only (load without "
-                             "store=, or remove cpu.store from the config)")
-        if adapter is not None:
-            raise ValueError(f"{what}; adapters are merged into silu(gate) * up experts only")
+    what = f"{path}: this model's experts compute {me.math.describe()}"
+    if train and not me.math.plain:
+        raise ValueError(f"{what}; tandem's LoRA training path computes silu(gate) * up experts without biases "
+                         "only (load with train=False for inference)")
+    if store is not None and me.math.bias:
+        raise ValueError(f"{what}; a packed expert store holds experts without biases only (load without store=, or "
+                         "remove cpu.store from the config)")
+    if adapter is not None and naming is None:
+        raise ValueError(f"{what}; adapters are merged into experts in transformers' standard layouts only")
     expert_store = open_store(store, me, cfg_json["cpu"], progress) if store is not None else None
 
     # Routed experts: the C++ loader, straight from the mapped files (or the store).
@@ -283,7 +283,7 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
         engine.load_store(expert_store, ckpt, naming, progress=(lambda d, t: bar(d)) if bar else None)
         if bar:
             bar(None)
-    elif not me.math.plain:  # gpt-oss: each layer read (dequantized from MXFP4) and packed in turn
+    elif naming is None:  # gpt-oss: each layer read (dequantized from MXFP4) and packed in turn
         oai = OaiExpertsReader(TensorReader(ckpt), str(path), (E, H, I))
         oai_keys = set()
         for i, b in enumerate(blocks):

@@ -61,9 +61,9 @@ def convert(model: str | os.PathLike, config: ConfigLike = None, *, format: str 
     cfg = config_json(config)
     fmt = _format_of(cfg, format, group_size, zero_point)
     me = open_model_experts(model)
-    if not me.math.plain:
-        raise ValueError(f"{me.path}: this model's experts compute {me.math.describe()} (gpt-oss); a packed expert "
-                         "store holds silu(gate) * up experts only (load the checkpoint directly)")
+    if me.math.bias:
+        raise ValueError(f"{me.path}: this model's experts compute {me.math.describe()}; a packed expert store holds "
+                         "experts without biases only (load the checkpoint directly)")
     out = Path(out) if out is not None else default_store(me.path, fmt)
     E, H, I = me.shape
     # The packs, each 4 KiB aligned, and a 4 KiB header per layer file (an upper bound).

@@ -824,11 +824,11 @@ TEST(Engine, BatchShapesAreBoundedAndStayCorrect) {
 // refuse them, and a source without the biases is refused naming the missing one.
 TEST(Engine, GptOssExpertsStayOnTheCpuAndTheRestIsRefused) {
   EngineSpec oai = spec();
-  oai.shape.act = {GateAct::Kind::swiglu_oai, 1.702f, 7.0f};
+  oai.shape.act = {GateAct::Kind::clamped, 1.702f, 7.0f, 1.0f};
   oai.shape.bias = true;
   EXPECT_TRUE(throws_error([&] { Engine e(config(", hot_experts: {count: 2}"), oai); },
                            "gpu.hot_experts: hot experts run silu(gate) * up experts without biases only; this model's "
-                           "experts are gpt-oss's clamped SwiGLU (alpha 1.702, limit 7) with biases",
+                           "experts are a clamped SwiGLU (alpha 1.702, limit 7, up + 1) with biases",
                            Errc::unsupported));
   {
     Engine e(config(", hot_experts: {count: auto}"), oai, nullptr, uint64_t{1} << 30);

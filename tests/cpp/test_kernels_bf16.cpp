@@ -189,14 +189,15 @@ TEST_P(KernelsBf16, GateUpMatchesReference) {
   }
 }
 
-// gpt-oss's expert activation (GateAct::Kind::swiglu_oai) with biases on g and u: the
+// The clamped SwiGLU (GateAct::Kind::clamped) with biases on g and u: the
 // pre-activations of N(0, 1) data at k = 128 have a spread of ~11, so both clamps (limit
 // 7) and the unclamped range are hit. The bound is the silu one's: d/dg [g sigmoid(a g)]
 // lies within [-0.1, 1.1] as silu's does, the clamps are 1-Lipschitz, and the bias add
 // is one more fp32 rounding of each pre-activation.
-TEST_P(KernelsBf16, GateUpSwigluOaiWithBiases) {
-  const GateAct act{GateAct::Kind::swiglu_oai, 1.702f, 7.0f};
+TEST_P(KernelsBf16, GateUpClampedSwigluWithBiases) {
   std::normal_distribution<float> d(0.f, 3.f);
+  // gpt-oss's (alpha 1.702, up + 1) and DeepSeek-V4's (silu of the clamped gate, up + 0).
+  for (const GateAct act : {GateAct{GateAct::Kind::clamped, 1.702f, 7.0f, 1.0f}, GateAct{GateAct::Kind::clamped, 1.0f, 7.0f, 0.0f}})
   for (const auto& [m, n, k] : std::vector<std::array<int, 3>>{{1, 70, 128}, {7, 64, 130}, {40, 100, 128}, {600, 160, 64}}) {
     Problem pg = make(m, n, k, rng), pu = make(m, n, k, rng);
     pu.a = pg.a;
@@ -229,11 +230,11 @@ TEST_P(KernelsBf16, GateUpSwigluOaiWithBiases) {
       const int j = static_cast<int>(i % n);
       const double gv = rg[i] + bg[j], uv = ru[i] + bu[j];
       const double gc = std::min(gv, 7.0), uc = std::clamp(uv, -7.0, 7.0);
-      const double glu = gc / (1 + std::exp(-1.702 * gc)), want = glu * (uc + 1);
+      const double glu = gc / (1 + std::exp(-double(act.alpha) * gc)), want = glu * (uc + act.up_offset);
       clamped += gv > 7 || std::abs(uv) > 7;
       const double eg = (k + 4) * kU * mg[i] + 2 * kU * (std::abs(rg[i]) + std::abs(bg[j]));
       const double eu = (k + 4) * kU * mu[i] + 2 * kU * (std::abs(ru[i]) + std::abs(bu[j]));
-      const double tol = 1.1 * eg * std::abs(uc + 1) + std::abs(glu) * eu + 8 * kU * std::abs(want) + 1e-30;
+      const double tol = 1.1 * eg * std::abs(uc + act.up_offset) + std::abs(glu) * eu + 8 * kU * std::abs(want) + 1e-30;
       ASSERT_LE(std::abs(h[i] - want), tol) << "m=" << m << " n=" << n << " i=" << i << " seed=" << seed;
       ASSERT_LE(std::abs(bf16_to_fp32(hb[i]) - want), tol + std::abs(want) / 256) << "bf16 out, i=" << i;
     }

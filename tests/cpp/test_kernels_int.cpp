@@ -281,11 +281,11 @@ TEST_P(KernelsInt, GateUpMatchesReference) {
     }
 }
 
-// gpt-oss's expert activation with biases (see the BF16 test of the same name for the
+// The clamped SwiGLU with biases (see the BF16 test of the same name for the
 // bound): the silu bound of the test above, plus one fp32 rounding for each bias add.
-TEST_P(KernelsInt, GateUpSwigluOaiWithBiases) {
-  const GateAct act{GateAct::Kind::swiglu_oai, 1.702f, 7.0f};
+TEST_P(KernelsInt, GateUpClampedSwigluWithBiases) {
   std::normal_distribution<float> d(0.f, 3.f);
+  for (const GateAct act : {GateAct{GateAct::Kind::clamped, 1.702f, 7.0f, 1.0f}, GateAct{GateAct::Kind::clamped, 1.0f, 7.0f, 0.0f}})
   for (const KernelVariant* v : variants)
     for (const auto& [m, n] : std::vector<std::pair<int, int>>{{1, 70}, {6, 100}, {40, 100}, {600, 160}}) {
       const int k = ks()[1];
@@ -321,10 +321,10 @@ TEST_P(KernelsInt, GateUpSwigluOaiWithBiases) {
         const int j = static_cast<int>(i % n);
         const double gv = rg[i] + bg[j], uv = ru[i] + bu[j];
         const double gc = std::min(gv, 7.0), uc = std::clamp(uv, -7.0, 7.0);
-        const double glu = gc / (1 + std::exp(-1.702 * gc)), want = glu * (uc + 1);
+        const double glu = gc / (1 + std::exp(-double(act.alpha) * gc)), want = glu * (uc + act.up_offset);
         const double eg = bound(pw, mg[i]) + 2 * kU * (std::abs(rg[i]) + std::abs(bg[j]));
         const double eu = bound(pw, mu[i]) + 2 * kU * (std::abs(ru[i]) + std::abs(bu[j]));
-        const double tol = 1.1 * eg * std::abs(uc + 1) + std::abs(glu) * eu + 8 * kU * std::abs(want);
+        const double tol = 1.1 * eg * std::abs(uc + act.up_offset) + std::abs(glu) * eu + 8 * kU * std::abs(want);
         ASSERT_LE(std::abs(h[i] - want), tol) << v->name << " m=" << m << " n=" << n << " i=" << i << " seed=" << seed;
         ASSERT_LE(std::abs(bf16_to_fp32(hb[i]) - want), tol + std::abs(want) / 256) << "bf16 out, i=" << i;
       }

@@ -78,7 +78,7 @@ void check_case(const Case& c, uint64_t seed) {
   auto pool = make_pool(c.subpools);
   MoeShape shape{c.experts, c.hidden, c.inter};
   if (c.oai) {
-    shape.act = {GateAct::Kind::swiglu_oai, 1.702f, 1.5f};
+    shape.act = {GateAct::Kind::clamped, 1.702f, 1.5f, 1.0f};
     shape.bias = true;
   }
   MoeLayer layer(*pool, shape, c.fmt, 7);

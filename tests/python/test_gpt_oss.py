@@ -91,7 +91,7 @@ def test_each_gpt_oss_layer_matches_fp64(checkpoint, fmt):
     with torch.no_grad():
         ref(tokens(1))
     engine = tandem.offload(model, cfg(fmt), progress=False)
-    assert "gpt-oss" in engine.activation
+    assert engine.activation == "a clamped SwiGLU (alpha 1.702, limit 7, up + 1) with biases"
     clamped = 0
     for i, (ex, fp64, (x, idx, w)) in enumerate(zip(experts_of(model), refs, inputs)):
         with torch.no_grad():
@@ -135,28 +135,28 @@ def test_gpt_oss_refusals(checkpoint):
     hot experts (auto places none), a packed store; layers with different limits; an
     instance whose gating was replaced."""
     path = checkpoint(torch.float32)
-    with pytest.raises(ValueError, match=r"gpt-oss's clamped SwiGLU \(alpha 1.702, limit 7\) with biases \(gpt-oss\); "
+    with pytest.raises(ValueError, match=r"a clamped SwiGLU \(alpha 1.702, limit 7, up \+ 1\) with biases; "
                                          r"tandem's LoRA training path computes silu\(gate\) \* up experts without "
                                          r"biases only"):
         tandem.offload(load(path, torch.float32), cfg(), train=True, progress=False)
     with pytest.raises(Exception, match=r"gpu.hot_experts: hot experts run silu\(gate\) \* up experts without biases "
-                                        r"only; this model's experts are gpt-oss's clamped SwiGLU"):
+                                        r"only; this model's experts are a clamped SwiGLU"):
         tandem.offload(load(path, torch.float32), {"version": 1, "gpu": {"device": "none", "hot_experts": {"count": 2}}},
                        progress=False)
     model = load(path, torch.float32)
     engine = tandem.offload(model, {"version": 1, "gpu": {"device": "none", "hot_experts": {"count": "auto"}}},
                             progress=False)
     assert all(len(engine.hot(i)) == 0 for i in range(2))
-    with pytest.raises(ValueError, match=r"this model's experts compute gpt-oss's clamped SwiGLU .*; tandem's LoRA "
+    with pytest.raises(ValueError, match=r"this model's experts compute a clamped SwiGLU .*; tandem's LoRA "
                                          r"training path computes silu\(gate\) \* up experts"):
         tandem.load_model(path, cfg(), train=True, progress=False)
-    with pytest.raises(ValueError, match=r"a packed expert store holds silu\(gate\) \* up experts only"):
+    with pytest.raises(ValueError, match=r"a packed expert store holds experts without biases only"):
         tandem.convert(path, cfg(), progress=False)
     model = load(path, torch.float32)
     model.model.layers[0].mlp.experts.limit = 3.0  # layer 0 now clamps at 3 (its class reads self.limit)
-    with pytest.raises(ValueError, match=r"MoE layers compute different expert math \(gpt-oss's clamped SwiGLU "
-                                         r"\(alpha 1.702, limit 3\) with biases, gpt-oss's clamped SwiGLU \(alpha "
-                                         r"1.702, limit 7\) with biases\)"):
+    with pytest.raises(ValueError, match=r"MoE layers compute different expert math \(a clamped SwiGLU \(alpha "
+                                         r"1.702, limit 3, up \+ 1\) with biases, a clamped SwiGLU \(alpha 1.702, "
+                                         r"limit 7, up \+ 1\) with biases\)"):
         tandem.offload(model, cfg(), progress=False)
     model = load(path, torch.float32)
     for ex in experts_of(model):
@@ -215,7 +215,7 @@ def test_load_model_reads_gpt_oss_checkpoints(checkpoint, tmp_path, layout):
                 mine = mxfp4_dequantize(sd[key + "_blocks"], sd[key + "_scales"]).transpose(1, 2)
                 assert torch.equal(mine, getattr(ex, proj).data), key
     model = tandem.load_model(path, cfg(), progress=False)
-    assert model.model.layers[0].mlp.experts.math.activation == "swiglu_oai"
+    assert model.model.layers[0].mlp.experts.math.activation == "clamped_swiglu"
     ids = tokens(4)
     ra, rb = record_routing(ref), record_routing(model)
     with torch.no_grad():

@@ -197,8 +197,10 @@ def test_own_gating_is_refused():
     sub = type("SoftcapExperts", (base,), {"_apply_gate": _apply_gate})
     for ex in moe_experts(model):
         ex.__class__ = sub
+    # Its eager forward (the stock one) ignores the gate that transformers' grouped backends
+    # call: neither plain silu nor a clamped SwiGLU describes both.
     with pytest.raises(ValueError, match=r"SoftcapExperts \(model layer 1\): it gates with its own "
-                                         r"SoftcapExperts._apply_gate"):
+                                         r"SoftcapExperts._apply_gate, and its forward and gate match none"):
         tandem.offload(model, cfg(), progress=False)
 
 
@@ -211,20 +213,29 @@ def test_extra_tensors_are_refused():
         tandem.offload(model, cfg(), progress=False)
 
 
-def test_deepseek_v4_clamped_swiglu_is_refused_and_the_numeric_check_sees_the_clamp():
-    """DeepSeek-V4's experts have the stock layout and act_fn silu but clamp at swiglu_limit
-    (10): the class check refuses them, and the numeric check alone would too."""
+def test_clamped_swiglu_experts_are_recognized_by_their_own_forward_and_gate():
+    """DeepSeek-V4's experts (stock layout, act_fn silu, clamped at swiglu_limit) compute a
+    clamped SwiGLU with alpha 1 and up + 0; MiniMax-M3's the gpt-oss form without biases
+    (its swiglu_alpha, up + 1): the numeric check picks each from the candidates its settings
+    give, and a limit the module does not apply is not what it reports."""
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Config, DeepseekV4Experts
+    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import (MiniMaxM3VLExperts,
+                                                                          MiniMaxM3VLTextConfig)
 
     torch.manual_seed(0)
     ex = DeepseekV4Experts(DeepseekV4Config(hidden_size=64, intermediate_size=32, n_routed_experts=4))
     with torch.no_grad():
         ex.gate_up_proj.normal_(0, 0.1)
         ex.down_proj.normal_(0, 0.1)
-    with pytest.raises(ValueError, match=r"DeepseekV4Experts \(layer 0\): it gates with its own"):
-        tcheck.check_experts(ex, "layer 0")
-    with pytest.raises(ValueError, match=r"DeepseekV4Experts \(layer 0\): its forward differs"):
-        tcheck.check_experts_numerics(ex, "layer 0")
+    math = tcheck.check_experts(ex, "layer 0")
+    assert (math.activation, math.alpha, math.limit, math.up_offset, math.bias) == \
+        ("clamped_swiglu", 1.0, float(ex.limit), 0.0, False)
+    mm = MiniMaxM3VLExperts(MiniMaxM3VLTextConfig(hidden_size=64, intermediate_size=32, num_local_experts=4))
+    with torch.no_grad():
+        mm.gate_up_proj.normal_(0, 0.1)
+        mm.down_proj.normal_(0, 0.1)
+    math = tcheck.check_experts(mm, "layer 0")
+    assert (math.activation, math.alpha, math.up_offset) == ("clamped_swiglu", float(mm.swiglu_alpha), 1.0)
 
 
 class GeluV4Expert(V4Expert):
@@ -289,7 +300,7 @@ def test_the_numeric_check_is_cheap(monkeypatch):
     runs, copied = [], []
     real_numerics, real_probe = tcheck.check_experts_numerics, tcheck._probe_tensor
     monkeypatch.setattr(tcheck, "check_experts_numerics", lambda ex, where: (runs.append(where),
-                                                                             real_numerics(ex, where)))
+                                                                             real_numerics(ex, where))[1])
     monkeypatch.setattr(tcheck, "_probe_tensor", lambda t, rows, gen: copied.append(real_probe(t, rows, gen)) or
                         copied[-1])
     tandem.offload(model, cfg(), progress=False)

@@ -7,7 +7,7 @@
 //
 // plus two fused forms used by the MoE layer:
 //   gate_up:  H[m x n] = silu(A . Wg^T) * (A . Wu^T)       (fp32 or bf16 out)
-//             (or, per GateAct, gpt-oss's clamped SwiGLU; optional biases on g and u)
+//             (or, per GateAct, a clamped SwiGLU; optional biases on g and u)
 //   down:     C[m x n] += w[m] * (A . Wd^T)               (per-token routing weight)
 //
 // Weights are packed once into the layout the kernels read (PackedWeight, formats
@@ -302,14 +302,16 @@ struct GemmArgs {
 };
 
 // The gate_up epilogue's activation of g = A . Wg^T (+ gate_bias) and u = A . Wu^T (+ up_bias):
-//   silu         h = silu(g) * u
-//   swiglu_oai   gpt-oss's clamped SwiGLU: g' = min(g, limit), u' = clamp(u, -limit, limit),
-//                h = g' * sigmoid(alpha * g') * (u' + 1)
+//   silu      h = silu(g) * u
+//   clamped   a clamped SwiGLU: g' = min(g, limit), u' = clamp(u, -limit, limit),
+//             h = g' * sigmoid(alpha * g') * (u' + up_offset)
+//             gpt-oss (and MiniMax-M3): alpha 1.702, limit 7, up_offset 1; DeepSeek-V4 and
+//             HY-V4: alpha 1 (silu of the clamped gate), up_offset 0.
 // NaN in g or u gives NaN in h in both.
 struct GateAct {
-  enum class Kind : uint8_t { silu, swiglu_oai };
+  enum class Kind : uint8_t { silu, clamped };
   Kind kind = Kind::silu;
-  float alpha = 1.702f, limit = 7.0f;  // swiglu_oai only
+  float alpha = 1.0f, limit = 7.0f, up_offset = 0.0f;  // clamped only
   bool plain() const { return kind == Kind::silu; }
   bool operator==(const GateAct&) const = default;
 };
@@ -415,8 +417,8 @@ KernelTable with_kernel(KernelTable table, const KernelListEntry& e);
 // Validated entry points through kernels() (TANDEM_CHECK on every argument).
 void gemm(const PackedWeight& w, const GemmArgs& args);
 void gate_up(const PackedWeight& w, const GateUpArgs& args);
-// Refuses (naming `what`) one bias without the other, or a swiglu_oai with a non-finite
-// alpha / limit or a limit <= 0.
+// Refuses (naming `what`) one bias without the other, or a clamped SwiGLU with a non-finite
+// alpha / limit / up_offset or a limit <= 0.
 void check_gate_act(const char* what, const GateUpArgs& args);
 
 }  // namespace tandem

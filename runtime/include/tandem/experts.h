@@ -18,12 +18,13 @@ struct MoeShape {
   int experts = 0, hidden = 0, inter = 0;
   // The experts' activation (kernels.h: GateAct) and whether each expert has biases on
   // gate, up ([inter], before the activation) and down ([hidden], added to the expert's
-  // output before its routing weight scales it): gpt-oss's experts. Plain: silu, none.
+  // output before its routing weight scales it): gpt-oss's experts; DeepSeek-V4's clamp
+  // without biases. Plain: silu, none.
   GateAct act;
   bool bias = false;
   bool plain() const { return act.plain() && !bias; }
 };
-// "silu(gate) * up" or "gpt-oss's clamped SwiGLU (alpha .., limit ..)", "with biases".
+// "silu(gate) * up" or "a clamped SwiGLU (alpha .., limit .., up + ..)", "with biases".
 std::string describe_experts(const MoeShape& shape);
 
 // One expert's three projections as they sit in memory (nn.Linear layout):
