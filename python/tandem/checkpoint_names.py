@@ -65,6 +65,7 @@ class CheckpointNames:
     def __init__(self, model_type: str, ckpt: _C.Checkpoint, where: str = "the checkpoint"):
         self.model_type, self.ckpt, self.where = model_type, ckpt, where
         self.renames: list[tuple[str, str]] = []   # (model text, checkpoint text)
+        self._renamed: dict[str, str] | None = None  # model name -> checkpoint key (_forward)
         self.expert_suffixes: list[tuple[str, str, str]] = []
         gate_up = down = None
         for rule in _mapping(model_type):
@@ -103,11 +104,32 @@ class CheckpointNames:
         return out
 
     def key(self, name: str) -> str | None:
-        """The checkpoint's name of model tensor `name` (None when it holds none)."""
+        """The checkpoint's name of model tensor `name` (None when it holds none): its own
+        name or a literal renaming undone, else the checkpoint key that transformers' own
+        renaming rules (applied in order, regexes and anchors included) turn into `name`."""
         for alt in self.candidates(name):
             if alt in self.ckpt:
                 return alt
-        return None
+        return self._forward().get(name)
+
+    def _forward(self) -> dict[str, str]:
+        """{model name: checkpoint key} for every checkpoint key transformers' renamings change
+        (``core_model_loading.apply_renamings``), built once, when first needed."""
+        if self._renamed is None:
+            self._renamed = {}
+            rules = [r for r in _mapping(self.model_type) if type(r).__name__ == "WeightRenaming"]
+            try:
+                from transformers.core_model_loading import apply_renamings
+            except ImportError:  # pragma: no cover (older transformers: the literal renamings only)
+                rules = []
+            for k in self.ckpt.names() if rules else ():
+                try:
+                    m = apply_renamings(k, rules)
+                except Exception:  # noqa: BLE001 (a rule that cannot take this key: it keeps its name)
+                    continue
+                if m != k:
+                    self._renamed.setdefault(m, k)
+        return self._renamed
 
     def experts(self, module_path: str, layer: int) -> tuple[str, str, str]:
         """(gate, up, down) name patterns of the routed experts at `module_path` (the experts
