@@ -160,18 +160,9 @@ TEST_P(KernelsBf16, GateUpMatchesReference) {
       Problem pg = make(m, n, k, rng), pu = make(m, n, k, rng);
       pu.a = pg.a;  // same activations for both projections
       PackedWeight w = pack_gate_up_bf16(pg.w.data(), pu.w.data(), n, k, k);
-      std::vector<float> h(static_cast<size_t>(m) * n);
-      std::vector<bf16_t> hb(h.size());
-      GateUpArgs g;
-      g.a = pg.a.data();
-      g.m = m;
-      g.lda = k;
-      g.h = h.data();
-      g.ldh = n;
-      kernel->gate_up(w, g);
-      g.h = nullptr;
-      g.h_bf16 = hb.data();
-      kernel->gate_up(w, g);
+      std::vector<float> h;
+      std::vector<bf16_t> hb;
+      test::gate_up_both(*kernel, w, {}, pg.a.data(), m, k, h, hb, n);
       std::vector<double> rg, mg, ru, mu;
       reference(pg, pg.a.data(), rg, mg);
       reference(pu, pu.a.data(), ru, mu);
@@ -207,21 +198,13 @@ TEST_P(KernelsBf16, GateUpClampedSwigluWithBiases) {
       bu[j] = d(rng);
     }
     PackedWeight w = pack_gate_up_bf16(pg.w.data(), pu.w.data(), n, k, k);
-    std::vector<float> h(static_cast<size_t>(m) * n);
-    std::vector<bf16_t> hb(h.size());
     GateUpArgs g;
-    g.a = pg.a.data();
-    g.m = m;
-    g.lda = k;
-    g.h = h.data();
-    g.ldh = n;
     g.act = act;
     g.gate_bias = bg.data();
     g.up_bias = bu.data();
-    kernel->gate_up(w, g);
-    g.h = nullptr;
-    g.h_bf16 = hb.data();
-    kernel->gate_up(w, g);
+    std::vector<float> h;
+    std::vector<bf16_t> hb;
+    test::gate_up_both(*kernel, w, g, pg.a.data(), m, k, h, hb, n);
     std::vector<double> rg, mg, ru, mu;
     reference(pg, pg.a.data(), rg, mg);
     reference(pu, pu.a.data(), ru, mu);

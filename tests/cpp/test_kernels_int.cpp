@@ -252,18 +252,9 @@ TEST_P(KernelsInt, GateUpMatchesReference) {
         auto wg = random_weights(static_cast<size_t>(n) * k, rng), wu = random_weights(static_cast<size_t>(n) * k, rng);
         auto a = random_acts(static_cast<size_t>(m) * k, rng);
         PackedWeight pw = pack_gate_up({wg.data(), SourceType::f32, n, k}, {wu.data(), SourceType::f32, n, k}, opt);
-        std::vector<float> h(static_cast<size_t>(m) * n);
-        std::vector<bf16_t> hb(h.size());
-        GateUpArgs g;
-        g.a = a.data();
-        g.m = m;
-        g.lda = k;
-        g.h = h.data();
-        g.ldh = n;
-        v->gate_up(pw, g);
-        g.h = nullptr;
-        g.h_bf16 = hb.data();
-        v->gate_up(pw, g);
+        std::vector<float> h;
+        std::vector<bf16_t> hb;
+        test::gate_up_both(*v, pw, {}, a.data(), m, k, h, hb, n);
         const auto wdq = unpack(pw);  // gate rows, then up rows
         const auto aq = dequantized_acts(pw, a.data(), m, k);
         std::vector<double> rg, mg, ru, mu;
@@ -297,21 +288,13 @@ TEST_P(KernelsInt, GateUpClampedSwigluWithBiases) {
         bu[j] = d(rng);
       }
       PackedWeight pw = pack_gate_up({wg.data(), SourceType::f32, n, k}, {wu.data(), SourceType::f32, n, k}, opt);
-      std::vector<float> h(static_cast<size_t>(m) * n);
-      std::vector<bf16_t> hb(h.size());
       GateUpArgs g;
-      g.a = a.data();
-      g.m = m;
-      g.lda = k;
-      g.h = h.data();
-      g.ldh = n;
       g.act = act;
       g.gate_bias = bg.data();
       g.up_bias = bu.data();
-      v->gate_up(pw, g);
-      g.h = nullptr;
-      g.h_bf16 = hb.data();
-      v->gate_up(pw, g);
+      std::vector<float> h;
+      std::vector<bf16_t> hb;
+      test::gate_up_both(*v, pw, g, a.data(), m, k, h, hb, n);
       const auto wdq = unpack(pw);
       const auto aq = dequantized_acts(pw, a.data(), m, k);
       std::vector<double> rg, mg, ru, mu;

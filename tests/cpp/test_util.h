@@ -166,4 +166,22 @@ inline GemmArgs gemm_args(const float* a, int m, int lda, float* c, int ldc) {
   return g;
 }
 
+// Runs gate_up of variant v on w twice, into h (fp32) and hb (bf16), from bf16 rows a
+// (m x lda), outputs n wide: args carries the activation and biases (its a / m / lda / h
+// are set here).
+inline void gate_up_both(const KernelVariant& v, const PackedWeight& w, GateUpArgs args, const bf16_t* a, int m, int lda,
+                         std::vector<float>& h, std::vector<bf16_t>& hb, int n) {
+  h.assign(static_cast<size_t>(m) * n, 0.0f);
+  hb.assign(h.size(), 0);
+  args.a = a;
+  args.m = m;
+  args.lda = lda;
+  args.h = h.data();
+  args.ldh = n;
+  v.gate_up(w, args);
+  args.h = nullptr;
+  args.h_bf16 = hb.data();
+  v.gate_up(w, args);
+}
+
 }  // namespace tandem::test
