@@ -42,5 +42,8 @@ void gemm_bf16_avx2(const PackedWeight& w, const GemmArgs& g) { gemm_driver<Micr
 void gate_up_bf16_avx2(const PackedWeight& w, const GateUpArgs& g) { gate_up_driver<Micro>(w, g); }
 void silu_mul_avx2(const float* g, const float* u, float* h, int n) { silu_mul(g, u, h, n); }
 void sigmoid_avx2(const float* x, float* out, int n) { sigmoid(x, out, n); }
+void clamped_swiglu_avx2(const float* g, const float* u, float* h, int n, float alpha, float limit, float offset) {
+  clamped_swiglu(g, u, h, n, alpha, limit, offset);
+}
 
 }  // namespace tandem

@@ -26,5 +26,8 @@ void gemm_bf16_ref(const PackedWeight& w, const GemmArgs& g) { gemm_driver<Micro
 void gate_up_bf16_ref(const PackedWeight& w, const GateUpArgs& g) { gate_up_driver<MicroRef>(w, g); }
 void silu_mul_ref(const float* g, const float* u, float* h, int n) { silu_mul(g, u, h, n); }
 void sigmoid_ref(const float* x, float* out, int n) { sigmoid(x, out, n); }
+void clamped_swiglu_ref(const float* g, const float* u, float* h, int n, float alpha, float limit, float offset) {
+  clamped_swiglu(g, u, h, n, alpha, limit, offset);
+}
 
 }  // namespace tandem

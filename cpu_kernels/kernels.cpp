@@ -24,7 +24,8 @@ namespace tandem {
   void quantize_##isa(const bf16_t*, const float*, int, int, int, int, int, int8_t*, float*, int32_t*);
 #define TANDEM_DECLARE_silu_mul(isa) \
   void silu_mul_##isa(const float*, const float*, float*, int); \
-  void sigmoid_##isa(const float*, float*, int);
+  void sigmoid_##isa(const float*, float*, int);                  \
+  void clamped_swiglu_##isa(const float*, const float*, float*, int, float, float, float);
 #define TANDEM_ISA(suffix, ...)
 #define TANDEM_KERNEL(family, isa, from_m, name) TANDEM_DECLARE_##family(isa)
 #include "kernel_list.inc"
@@ -48,7 +49,8 @@ using enum Feature;
 #define TANDEM_ENTRY_int8(isa, name) TANDEM_ENTRY_GEMM(int8, isa, name)
 #define TANDEM_ENTRY_int4(isa, name) TANDEM_ENTRY_GEMM(int4, isa, name)
 #define TANDEM_ENTRY_quantize(isa, name) KernelVariant{name, nullptr, nullptr}, quantize_##isa, nullptr, nullptr
-#define TANDEM_ENTRY_silu_mul(isa, name) KernelVariant{name, nullptr, nullptr}, nullptr, silu_mul_##isa, sigmoid_##isa
+#define TANDEM_ENTRY_silu_mul(isa, name) \
+  KernelVariant{name, nullptr, nullptr}, nullptr, silu_mul_##isa, sigmoid_##isa, clamped_swiglu_##isa
 constexpr KernelListEntry kList[] = {
 #define TANDEM_ISA(suffix, ...)
 #define TANDEM_KERNEL(family, isa, from_m, name) \
@@ -128,7 +130,8 @@ KernelTable select_kernels(IsaLevel cap, const CpuFeatures& f) {
           format_kernels(KernelFamily::int4, usable),
           choose(KernelFamily::quantize, usable).small->quantize,
           choose(KernelFamily::silu_mul, usable).small->silu_mul,
-          choose(KernelFamily::silu_mul, usable).small->sigmoid};
+          choose(KernelFamily::silu_mul, usable).small->sigmoid,
+          choose(KernelFamily::silu_mul, usable).small->clamped_swiglu};
 }
 
 KernelTable with_kernel(KernelTable table, const KernelListEntry& e) {
@@ -143,6 +146,7 @@ KernelTable with_kernel(KernelTable table, const KernelListEntry& e) {
     case KernelFamily::silu_mul:
       table.silu_mul = e.silu_mul;
       table.sigmoid = e.sigmoid;
+      table.clamped_swiglu = e.clamped_swiglu;
       break;
   }
   return table;

@@ -594,6 +594,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("packed_bytes", [](PyLoraLayer& l) { return l.layer->packed_bytes(); })
       .def_property_readonly("backward_bytes", [](PyLoraLayer& l) { return l.layer->backward_bytes(); })
       .def_property_readonly("lora_shapes", [](PyLoraLayer& l) { return l.layer->lora_shapes(); })
+      .def_property_readonly("activation", [](PyLoraLayer& l) { return describe_experts(l.layer->shape()); })
       .def_property_readonly("scaling", [](PyLoraLayer& l) { return l.layer->options().lora.scaling(); });
 
   py::class_<PyLoraEngine, std::shared_ptr<PyLoraEngine>>(
@@ -602,15 +603,18 @@ PYBIND11_MODULE(_C, m) {
       "LoraLayer per MoE layer on it, in the config's cpu.format at cpu.isa.")
       .def(py::init([](const std::string& config_path, const std::string& config_text, int experts, int hidden,
                        int inter, std::vector<int> layers, const std::string& backward_format, int rank, float alpha,
-                       bool rslora) {
+                       bool rslora, const std::string& activation, float swiglu_alpha, float swiglu_limit,
+                       float swiglu_up_offset) {
              Config c = config_from(config_path, config_text);
+             const MoeShape shape =
+                 moe_shape(experts, hidden, inter, activation, swiglu_alpha, swiglu_limit, swiglu_up_offset, false);
              LoraEngineOptions o;
              o.backward_format = parse_format(backward_format);
              o.lora = {rank, alpha, rslora};
              auto r = std::make_shared<PyLoraEngine>();
              {
                py::gil_scoped_release nogil;
-               r->engine = std::make_shared<LoraEngine>(c, EngineSpec{{experts, hidden, inter}, std::move(layers)}, o);
+               r->engine = std::make_shared<LoraEngine>(c, EngineSpec{shape, std::move(layers)}, o);
              }
              for (int i = 0; i < r->engine->moe_layers(); ++i)
                r->layers.append(py::cast(PyLoraLayer{std::shared_ptr<LoraMoe>(r->engine, &r->engine->layer(i))}));
@@ -618,9 +622,11 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("config_path") = "", py::arg("config_text") = "", py::arg("experts"), py::arg("hidden"),
            py::arg("inter"), py::arg("layers"), py::arg("backward_format") = "bf16", py::arg("rank") = 8,
-           py::arg("alpha") = 16.0f, py::arg("rslora") = false,
+           py::arg("alpha") = 16.0f, py::arg("rslora") = false, py::arg("activation") = "silu",
+           py::arg("swiglu_alpha") = 1.0f, py::arg("swiglu_limit") = 7.0f, py::arg("swiglu_up_offset") = 0.0f,
            "layers: the model layer of each MoE layer (distinct, ascending); rank / alpha / rslora: every layer's "
-           "initial LoRA config (LoraLayer.set_lora changes one layer's)")
+           "initial LoRA config (LoraLayer.set_lora changes one layer's); activation / swiglu_*: the experts' math "
+           "(as Engine's; no biases)")
       .def("load_checkpoint", [](PyLoraEngine& e, const Checkpoint& c, const NamingTuple& n, const py::object& progress) {
              load_from_checkpoint(*e.engine, c, n, progress);
            }, py::arg("checkpoint"), py::arg("naming"), py::arg("progress") = py::none(),

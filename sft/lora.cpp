@@ -154,8 +154,8 @@ LoraMoe::LoraMoe(Pool& pool, MoeShape shape, SftOptions options, int layer_index
       scratch_(std::make_unique<Scratch>()) {
   TANDEM_CHECK(shape.experts >= 1 && shape.hidden >= 1 && shape.inter >= 1, Errc::invalid_argument, "lora: shape (experts ",
                shape.experts, ", hidden ", shape.hidden, ", intermediate ", shape.inter, ") must be positive");
-  TANDEM_CHECK(shape.plain(), Errc::unsupported, "lora: layer ", layer_index, ": LoRA training runs silu(gate) * up "
-               "experts without biases only; this layer's experts are ", describe_experts(shape));
+  TANDEM_CHECK(!shape.bias, Errc::unsupported, "lora: layer ", layer_index, ": LoRA training runs experts without "
+               "biases only; this layer's experts are ", describe_experts(shape));
   set_lora(options.lora);
   TANDEM_CHECK(options.backward_format != WeightFormat::int4, Errc::unsupported,
                "lora: backward_format int4 is not supported (use bf16, or int8 to halve the backward packs)");
@@ -437,7 +437,14 @@ class SftForwardTask : public SftTask {
     thread_local std::vector<float> h;
     h.resize(size_t(m) * l);
     bf16_t* hb = sc.h[s].data() + row0 * l;
-    for (int q = 0; q < m; ++q) L.kt_->silu_mul(gu + size_t(q) * 2 * l, gu + size_t(q) * 2 * l + l, h.data() + size_t(q) * l, l);
+    const GateAct& act = L.shape_.act;
+    for (int q = 0; q < m; ++q) {
+      const float* gq = gu + size_t(q) * 2 * l;
+      if (act.plain())
+        L.kt_->silu_mul(gq, gq + l, h.data() + size_t(q) * l, l);
+      else
+        L.kt_->clamped_swiglu(gq, gq + l, h.data() + size_t(q) * l, l, act.alpha, act.limit, act.up_offset);
+    }
     fp32_to_bf16(h.data(), hb, h.size());
     if (quant) quantize_activations(sc.qmid[s][i], sc.h[s].data() + size_t(g.offset[i]) * l, l, b.begin, b.end, L.kt_);
     if (st_.lora) mm(m, r, l, 1.0f, {h.data(), l}, wt[AD].of(e).at(0, i0).T(), 0.0f, sc.pdp[s].data() + row0 * r, r);
@@ -654,6 +661,7 @@ class SftBackwardTask : public SftTask {
     thread_local std::vector<float> hrow, sgrow;
     hrow.resize(l);
     sgrow.resize(l);
+    const GateAct& act = L.shape_.act;
     for (int q = 0; q < m; ++q) {
       const float w = st_.wrow[row0 + q];
       const float* gq = gu + size_t(q) * 2 * l;
@@ -662,22 +670,41 @@ class SftBackwardTask : public SftTask {
       // h as the forward computed it (the kernels' SiLU); the derivative from sigmoid(g),
       // with the same exponential (the kernel table's, vectorized under its level's flags).
       // In passes, so that the rest vectorizes too (the dw sum keeps its order).
-      L.kt_->silu_mul(gq, uq, hrow.data(), l);
       float* sg = sgrow.data();
-      L.kt_->sigmoid(gq, sg, l);
-      double dw = 0;
-      for (int j = 0; j < l; ++j) dw += double(hrow[j]) * dhq[j];
       float* dgq = dguf + size_t(q) * 2 * l;
       bf16_t* dgbq = dgub + size_t(q) * 2 * l;
-      for (int j = 0; j < l; ++j) {
-        const float gv = gq[j], uv = uq[j], sj = sg[j];
-        const float d = w * dhq[j];
-        const float dg = d * uv * sj * (1.0f + gv * (1.0f - sj)), du = d * (gv * sj);
-        dgq[j] = dg;
-        dgq[l + j] = du;
-        dgbq[j] = round_to_bf16(dg);  // fp32_to_bf16's rule, inline
-        dgbq[l + j] = round_to_bf16(du);
+      if (act.plain()) {
+        L.kt_->silu_mul(gq, uq, hrow.data(), l);
+        L.kt_->sigmoid(gq, sg, l);
+      } else {
+        L.kt_->clamped_swiglu(gq, uq, hrow.data(), l, act.alpha, act.limit, act.up_offset);
+        for (int j = 0; j < l; ++j) dgq[j] = act.alpha * std::min(gq[j], act.limit);  // scratch: alpha g'
+        L.kt_->sigmoid(dgq, sg, l);
       }
+      double dw = 0;
+      for (int j = 0; j < l; ++j) dw += double(hrow[j]) * dhq[j];
+      if (act.plain()) {
+        for (int j = 0; j < l; ++j) {
+          const float gv = gq[j], uv = uq[j], sj = sg[j];
+          const float d = w * dhq[j];
+          const float dg = d * uv * sj * (1.0f + gv * (1.0f - sj)), du = d * (gv * sj);
+          dgq[j] = dg;
+          dgq[l + j] = du;
+        }
+      } else {
+        // h = g' sigmoid(alpha g') (u' + c), g' = min(g, L), u' = clamp(u, -L, L): the clamps
+        // pass the gradient where they do not bind (torch's rule: g <= L, -L <= u <= L).
+        const float a = act.alpha, lim = act.limit, c = act.up_offset;
+        for (int j = 0; j < l; ++j) {
+          const float gv = std::min(gq[j], lim), uv = std::min(std::max(uq[j], -lim), lim), sj = sg[j];
+          const float d = w * dhq[j];
+          const float dg = gq[j] <= lim ? d * (uv + c) * sj * (1.0f + a * gv * (1.0f - sj)) : 0.0f;
+          const float du = uq[j] >= -lim && uq[j] <= lim ? d * (gv * sj) : 0.0f;
+          dgq[j] = dg;
+          dgq[l + j] = du;
+        }
+      }
+      for (int j = 0; j < 2 * l; ++j) dgbq[j] = round_to_bf16(dgq[j]);  // fp32_to_bf16's rule, inline
       std::memcpy(dhq, hrow.data(), sizeof(float) * l);  // h replaces the row of dh after its last read
       sc.dwp[s][row0 + q] = static_cast<float>(dw);
     }

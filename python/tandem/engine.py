@@ -76,7 +76,7 @@ LoraEngine = _C.LoraEngine
 
 
 def make_lora_layers(config: ConfigLike, shape: tuple[int, int, int], layers: list[int],
-                     backward_format: str = "bf16") -> LoraEngine:
+                     backward_format: str = "bf16", math: ExpertMath = PLAIN) -> LoraEngine:
     """The training engine for MoE layers `layers` of shape (experts, hidden, intermediate):
     a pool from ``config``'s cpu section and one ``_C.LoraLayer`` per MoE layer on it, in the
     config's weight format at its cpu.isa; rank / scaling follow the adapters at each call.
@@ -88,8 +88,12 @@ def make_lora_layers(config: ConfigLike, shape: tuple[int, int, int], layers: li
         warnings.warn("tandem training runs every routed expert on the CPU pools; the config's gpu.hot_experts and "
                       "gpu.deferred_experts apply to inference only", stacklevel=3)
     E, H, I = shape
+    if math.bias:
+        raise ValueError(f"this model's experts compute {math.describe()}; tandem's LoRA training path computes "
+                         "experts without biases only (load or offload for inference)")
+    args = {k: v for k, v in math.engine_args().items() if k != "bias"}
     return _C.LoraEngine(experts=E, hidden=H, inter=I, layers=list(layers), backward_format=backward_format,
-                         **config_args(config))
+                         **args, **config_args(config))
 
 
 def share_cpu_with_torch(engine: _C.Engine | LoraEngine, device: torch.device) -> int:
@@ -156,9 +160,9 @@ def offload(model: nn.Module, config: ConfigLike = None, *, train: bool | None =
         raise ValueError(f"MoE layers compute different expert math ({', '.join(sorted(m.describe() for m in maths))}); "
                          "tandem needs one")
     math = maths.pop()
-    if train and not math.plain:
+    if train and math.bias:
         raise ValueError(f"this model's experts compute {math.describe()}; tandem's LoRA training path "
-                         "computes silu(gate) * up experts without biases only: offload with train=False for inference")
+                         "computes experts without biases only: offload with train=False for inference")
     for (e, _), b in zip(inner, blocks):
         if isinstance(e, nn.ModuleList):
             check_v4_block(b.block)
@@ -168,7 +172,8 @@ def offload(model: nn.Module, config: ConfigLike = None, *, train: bool | None =
     device = _model_device(hf)
     if train:
         engine = make_lora_layers(config, shape, [b.layer for b in blocks],
-                                  backward_format or config_json(config).get("train", {}).get("backward_format", "bf16"))
+                                  backward_format or config_json(config).get("train", {}).get("backward_format", "bf16"),
+                                  math)
     else:
         engine = make_engine(config, shape, [b.layer for b in blocks], device, math=math)
     bar = progress_bar(progress, shape[0] * len(blocks), "packing experts")

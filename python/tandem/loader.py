@@ -258,9 +258,9 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
     dtype = dtype if dtype is not None else _config_dtype(hf_config)
     (E, H, I), layers, names, naming = me.shape, me.layers, me.names, me.naming
     what = f"{path}: this model's experts compute {me.math.describe()}"
-    if train and not me.math.plain:
-        raise ValueError(f"{what}; tandem's LoRA training path computes silu(gate) * up experts without biases "
-                         "only (load with train=False for inference)")
+    if train and me.math.bias:
+        raise ValueError(f"{what}; tandem's LoRA training path computes experts without biases only (load with "
+                         "train=False for inference)")
     if store is not None and me.math.bias:
         raise ValueError(f"{what}; a packed expert store holds experts without biases only (load without store=, or "
                          "remove cpu.store from the config)")
@@ -272,7 +272,7 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
     bar = progress_bar(progress, E * len(layers), "loading experts" + (" from the store" if expert_store else ""))
     if train:
         engine = make_lora_layers(config, (E, H, I), layers,
-                                  backward_format or cfg_json.get("train", {}).get("backward_format", "bf16"))
+                                  backward_format or cfg_json.get("train", {}).get("backward_format", "bf16"), me.math)
     else:
         engine = make_engine(config, (E, H, I), layers, device, _auto_hot_budget(cfg_json, model, blocks, dtype, device),
                              math=me.math)

@@ -172,6 +172,7 @@ struct Case {
   bool zero_down = false;    // base down = 0 (finite differences without bf16 h)
   int isa = -1;              // the layer's kernel level (-1: its default, effective_isa())
   bool bf16_exact_x = false;  // fp32 x already on the bf16 grid
+  GateAct act;               // the experts' activation
 };
 
 std::string describe(const Case& c) {
@@ -182,7 +183,7 @@ std::string describe(const Case& c) {
      << " alpha " << c.alpha << (c.rslora ? " rslora" : "") << (c.fp32_x ? " x fp32" : " x bf16")
      << (c.bf16_dout ? " d_out bf16" : " d_out fp32") << (c.i64 ? " ids i64" : "") << (c.accumulate ? " accumulate" : "")
      << (c.accumulate_x ? " accumulate_x" : "") << (c.one_expert ? " one_expert" : "") << (c.want_dx ? "" : " no d_x")
-     << (c.want_dw ? "" : " no d_weights") << (c.null_lora ? " null_lora" : "")
+     << (c.want_dw ? "" : " no d_weights") << (c.null_lora ? " null_lora" : "") << (c.act.plain() ? "" : " clamped")
      << (c.skip_grad >= 0 ? std::string(" no d") + mat_name(c.skip_grad) : "") << (c.mixed_layouts ? " mixed layouts" : "");
   return os.str();
 }
@@ -279,7 +280,9 @@ struct TestLayer {
     o.lora.rank = c.rank;
     o.lora.alpha = c.alpha;
     o.lora.rslora = c.rslora;
-    moe = std::make_unique<LoraMoe>(*pool, MoeShape{c.experts, c.hidden, c.inter}, o, layer_index);
+    MoeShape shape{c.experts, c.hidden, c.inter};
+    shape.act = c.act;
+    moe = std::make_unique<LoraMoe>(*pool, shape, o, layer_index);
     if (c.isa >= 0) moe->use_isa(static_cast<IsaLevel>(c.isa));
     moe->load([&](int e) {
       return ExpertSource{{p.g[e].data(), SourceType::f32, c.inter, c.hidden},
@@ -433,7 +436,7 @@ Ref reference(const Problem& p, const Base& b, bool bf16_terms = true) {
 
   // Work arrays as raw pointers, and std::fabs (a builtin) rather than std::abs: the
   // sanitizer builds are unoptimized, where every vector index or abs is a call.
-  std::vector<double> work(size_t(12) * R + size_t(31) * I + size_t(7) * H);
+  std::vector<double> work(size_t(12) * R + size_t(35) * I + size_t(7) * H);
   double* next = work.data();
   auto take = [&](int n) {
     double* q = next;
@@ -447,6 +450,12 @@ Ref reference(const Problem& p, const Base& b, bool bf16_terms = true) {
   double *dhb = take(I), *mdhb = take(I), *lq = take(I), *mlq = take(I), *elq = take(I), *dhu = take(I), *Edhu = take(I),
          *dg = take(I), *du = take(I), *Edg = take(I), *Edu = take(I);
   double *bdg = take(I), *bdu = take(I), *vdg = take(I), *vdu = take(I);
+  // The clamped SwiGLU (c.act): u' + c, the clamps' derivatives (1 where they pass), the
+  // activation's g-derivative from below the limit (for bounds), and whether the layer's
+  // pre-activation may sit on the other side of a clamp (within twice its error bound).
+  double *upc = take(I), *du1 = take(I), *d1l = take(I), *flip = take(I);
+  const bool clamped = !c.act.plain();
+  const double A = c.act.alpha, Lim = c.act.limit, C = c.act.up_offset;
   double *dxb = take(H), *mdxb = take(H), *edxb = take(H), *vx = take(H), *lx = take(H), *mlx = take(H), *elx = take(H);
   double *out_layer = r.out_layer.data(), *out_tol = r.out_tol.data(), *dx_layer = r.dx_layer.data(),
          *dx_tol = r.dx_tol.data();
@@ -491,11 +500,23 @@ Ref reference(const Problem& p, const Base& b, bool bf16_terms = true) {
         }
         g[i] = bg + s * lg, Eg[i] = gam(H + R) * (mbg + s * mlg) + s * elg;
         up[i] = bu + s * lu, Eu[i] = gam(H + R) * (mbu + s * mlu) + s * elu;
-        sig[i] = 1 / (1 + std::exp(-g[i]));
-        sil[i] = g[i] * sig[i];
-        d1[i] = sig[i] * (1 + g[i] * (1 - sig[i]));  // silu'
-        h[i] = sil[i] * up[i];
-        Eh[i] = std::fabs(up[i] * d1[i]) * Eg[i] + std::fabs(sil[i]) * Eu[i] + kEvalRel * std::fabs(h[i]);
+        if (!clamped) {
+          sig[i] = 1 / (1 + std::exp(-g[i]));
+          sil[i] = g[i] * sig[i];
+          d1[i] = sig[i] * (1 + g[i] * (1 - sig[i]));  // silu'
+          d1l[i] = d1[i], upc[i] = up[i], du1[i] = 1, flip[i] = 0;
+        } else {  // h = g' sigmoid(A g') (u' + C), g' = min(g, Lim), u' = clamp(u, -Lim, Lim)
+          const double gc = std::min(g[i], Lim);
+          sig[i] = 1 / (1 + std::exp(-A * gc));
+          sil[i] = gc * sig[i];
+          d1l[i] = sig[i] * (1 + A * gc * (1 - sig[i]));
+          d1[i] = g[i] <= Lim ? d1l[i] : 0;
+          du1[i] = std::fabs(up[i]) <= Lim ? 1 : 0;
+          upc[i] = std::min(std::max(up[i], -Lim), Lim) + C;
+          flip[i] = (std::fabs(g[i] - Lim) <= 2 * Eg[i] ? 1 : 0) + (std::fabs(std::fabs(up[i]) - Lim) <= 2 * Eu[i] ? 2 : 0);
+        }
+        h[i] = sil[i] * upc[i];
+        Eh[i] = std::fabs(upc[i] * d1l[i]) * Eg[i] + std::fabs(sil[i]) * Eu[i] + kEvalRel * std::fabs(h[i]);
       }
       // h for the base down product: bf16, and for integer bases quantized per slice.
       std::vector<double> hmax(S, 0);
@@ -570,11 +591,15 @@ Ref reference(const Problem& p, const Base& b, bool bf16_terms = true) {
       r.dw_tol[size_t(t) * K + k] = edw + gam(I) * mdw;
       for (int i = 0; i < I; ++i) {
         const double dh = w * dhu[i], Edh = std::fabs(w) * Edhu[i] + kU32 * std::fabs(dh);
-        dg[i] = dh * up[i] * d1[i];
-        du[i] = dh * sil[i];
-        Edg[i] = std::fabs(up[i] * d1[i]) * Edh + std::fabs(dh * d1[i]) * Eu[i] + 0.5 * std::fabs(dh * up[i]) * Eg[i] +
-                 kEvalRel * std::fabs(dh * up[i]) * sig[i] * (1 + std::fabs(g[i]) * (1 - sig[i]));
-        Edu[i] = std::fabs(sil[i]) * Edh + std::fabs(dh * d1[i]) * Eg[i] + kEvalRel * std::fabs(dh * sil[i]);
+        dg[i] = dh * upc[i] * d1[i];
+        du[i] = dh * sil[i] * du1[i];
+        // (A / 2 bounds the activation's second derivative in g, as 1/2 does silu's.)
+        Edg[i] = std::fabs(upc[i] * d1l[i]) * Edh + std::fabs(dh * d1l[i]) * Eu[i] +
+                 0.5 * (clamped ? A : 1.0) * std::fabs(dh * upc[i]) * Eg[i] +
+                 kEvalRel * std::fabs(dh * upc[i]) * sig[i] * (1 + (clamped ? A : 1.0) * std::fabs(g[i]) * (1 - sig[i]));
+        Edu[i] = std::fabs(sil[i]) * Edh + std::fabs(dh * d1l[i]) * Eg[i] + kEvalRel * std::fabs(dh * sil[i]);
+        if (int(flip[i]) & 1) Edg[i] += std::fabs(dh * upc[i] * d1l[i]);  // the other branch of the gate's clamp
+        if (int(flip[i]) & 2) Edu[i] += std::fabs(dh * sil[i]);            // of the up clamp
         bdg[i] = Edg[i] + ub * std::fabs(dg[i]);
         bdu[i] = Edu[i] + ub * std::fabs(du[i]);
         const double ug = bf16_ulp(dg[i]), uu = bf16_ulp(du[i]);
@@ -839,6 +864,19 @@ TEST(LoraReference, ForwardAndEveryGradientOverRandomConfigs) {
     const Case c = random_case(rng, i);
     check_case(c, seed + 100 + i);
     if (HasFailure()) break;  // one case's report is enough to start with
+  }
+}
+
+// A clamped SwiGLU (DeepSeek-V4's form: alpha 1, u + 0; gpt-oss's without biases: alpha
+// 1.702, u + 1) with a limit that binds for a sizable share of the pre-activations.
+TEST(LoraReference, ClampedSwigluForwardAndEveryGradient) {
+  const uint64_t seed = test::test_seed();
+  std::mt19937_64 rng(seed);
+  for (int i = 0; i < 6; ++i) {
+    Case c = random_case(rng, i);
+    c.act = i % 2 ? GateAct{GateAct::Kind::clamped, 1.702f, 0.5f, 1.0f} : GateAct{GateAct::Kind::clamped, 1.0f, 0.5f, 0.0f};
+    check_case(c, seed + 300 + i);
+    if (HasFailure()) break;
   }
 }
 
@@ -1393,8 +1431,10 @@ TEST(LoraApi, ShapesScalingAndContextState) {
 // the expert core: for the same weights and input, without an adapter or with a fresh one
 // (B = 0, as PEFT initializes it), their outputs are the same bits, in every format, for
 // bf16 and fp32 input, one or two subpools, at every kernel level this CPU has.
+// Plain experts and a clamped SwiGLU (limit 0.5: about half the pre-activations clamp here).
 TEST(LoraMoe, ForwardIsTheInferenceForwardBitForBit) {
   const uint64_t seed = test::test_seed();
+  for (const GateAct act : {GateAct{}, GateAct{GateAct::Kind::clamped, 1.702f, 0.5f, 1.0f}})
   for (IsaLevel level : all_isa_levels()) {
     if (level > hardware_isa()) continue;
     for (const PackOptions fmt : {PackOptions{WeightFormat::bf16}, PackOptions{WeightFormat::int8},
@@ -1403,11 +1443,13 @@ TEST(LoraMoe, ForwardIsTheInferenceForwardBitForBit) {
         for (const int subpools : {1, 2}) {
           Case c;
           c.experts = 6, c.hidden = 128, c.inter = 160, c.top_k = 3, c.tokens = 40, c.rank = 4;
-          c.fmt = fmt, c.fp32_x = fp32_x, c.subpools = subpools, c.isa = static_cast<int>(level);
-          SCOPED_TRACE(std::string(isa_name(level)) + " " + describe(c));
+          c.fmt = fmt, c.fp32_x = fp32_x, c.subpools = subpools, c.isa = static_cast<int>(level), c.act = act;
+          SCOPED_TRACE(std::string(isa_name(level)) + " " + describe(c) + (act.plain() ? "" : " clamped"));
           Problem p = make_problem(c, seed + 11);
           TestLayer train(p, subpools);
-          MoeLayer infer(*train.pool, MoeShape{c.experts, c.hidden, c.inter}, fmt, 3);
+          MoeShape shape{c.experts, c.hidden, c.inter};
+          shape.act = act;
+          MoeLayer infer(*train.pool, shape, fmt, 3);
           infer.use_isa(level);
           infer.load([&](int e) {
             return ExpertSource{{p.g[e].data(), SourceType::f32, c.inter, c.hidden},
@@ -1427,6 +1469,20 @@ TEST(LoraMoe, ForwardIsTheInferenceForwardBitForBit) {
           }
           EXPECT_EQ(differ_base, 0u) << "without an adapter: " << differ_base << " of " << n << " outputs differ";
           EXPECT_EQ(differ_fresh, 0u) << "with B = 0: " << differ_fresh << " of " << n << " outputs differ";
+          if (!act.plain()) {  // the clamp must bind: plain experts give other outputs
+            MoeLayer silu(*train.pool, MoeShape{c.experts, c.hidden, c.inter}, fmt, 3);
+            silu.use_isa(level);
+            silu.load([&](int e) {
+              return ExpertSource{{p.g[e].data(), SourceType::f32, c.inter, c.hidden},
+                                  {p.u[e].data(), SourceType::f32, c.inter, c.hidden},
+                                  {p.d[e].data(), SourceType::f32, c.hidden, c.inter}};
+            });
+            std::vector<float> other(n);
+            silu.forward(input_of(p, other.data()));
+            double d2 = 0, w2 = 0;
+            for (size_t i = 0; i < n; ++i) d2 += double(other[i] - want[i]) * (other[i] - want[i]), w2 += double(want[i]) * want[i];
+            EXPECT_GT(d2, 0.01 * w2) << "the clamp hardly changed the outputs: it did not bind";
+          }
         }
   }
 }

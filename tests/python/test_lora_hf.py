@@ -647,3 +647,95 @@ def test_disabled_adapter_gives_the_base_model(checkpoint):
     moved = rel_errors(logits_of(ours, ids), want)
     print(f"the adapter moves the logits by {moved}")
     assert moved[0] > 10 * LOGIT_BOUND[0], "the adapter should matter (else this test cannot fail)"
+
+
+# ---- clamped SwiGLU experts (DeepSeek-V4, HY-V4, MiniMax-M3's kind) ---------------------
+
+def clamp_experts(model: nn.Module, limit: float, alpha: float = 1.0, offset: float = 0.0) -> float:
+    """Gives every experts module of `model` a clamped SwiGLU, as DeepSeek-V4's class does (its
+    own _apply_gate, used by its own forward); returns the fraction of pre-activations of a
+    test batch that the clamp binds (measured on the first layer)."""
+    import torch.nn.functional as F
+
+    def _apply_gate(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return gate * torch.sigmoid(self.swiglu_alpha * gate) * (up + self.up_offset)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        if getattr(self, "round_x", False):  # the reference: x on the bf16 grid, as tandem's experts see it
+            hidden_states = hidden_states.to(torch.bfloat16).to(hidden_states.dtype)
+        out = torch.zeros_like(hidden_states)
+        for k in range(top_k_index.shape[1]):
+            for e in top_k_index[:, k].unique().tolist():
+                rows = (top_k_index[:, k] == e).nonzero().squeeze(1)
+                h = self._apply_gate(F.linear(hidden_states[rows], self.gate_up_proj[e]))
+                y = F.linear(h, self.down_proj[e]) * top_k_weights[rows, k, None]
+                out = out.index_add(0, rows, y.to(out.dtype))
+        return out
+
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+    bound = 0.0
+    for i, layer in enumerate(hf.model.layers):
+        ex = getattr(layer.mlp, "experts", None)
+        if ex is None:
+            continue
+        base = type(ex)
+        ex.__class__ = type("ClampedExperts", (base,), {"_apply_gate": _apply_gate, "forward": forward})
+        ex.limit, ex.swiglu_alpha, ex.up_offset = limit, alpha, offset
+        if i == 1:
+            with torch.no_grad():
+                x = torch.randn(64, ex.gate_up_proj.shape[-1], generator=torch.Generator().manual_seed(0))
+                gu = torch.einsum("th,eoh->teo", x, ex.gate_up_proj.float())
+                g, u = gu.chunk(2, dim=-1)
+                bound = ((g > limit).float().mean() + (u.abs() > limit).float().mean()).item() / 2
+    return bound
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_clamped_swiglu_gradients_match_stock_peft(checkpoint, offset):
+    """A qwen3_moe model whose experts clamp as DeepSeek-V4's (alpha 1, up + 0) or gpt-oss's
+    without biases (alpha 1.702, up + 1) do, with PEFT LoRA on its experts: one MoE layer's
+    gradients (every LoRA tensor, the input, the routing weights) in tandem against the stock
+    PEFT module on the same input. The limit makes the clamps bind for a sizable share of
+    the pre-activations (asserted). The input is on the bf16 grid (what tandem's experts
+    see), so the two sides' pre-activations differ by fp32 rounding only and no clamp decides
+    differently (across a whole model the layers' inputs differ by tandem's bf16 rounding,
+    and a pre-activation that close to the limit would take the other branch); the rest is
+    the module doc's rounding, with its fp32 bounds. The math itself is checked against fp64
+    in tests/cpp/test_lora.cpp (LoraReference.ClampedSwigluForwardAndEveryGradient)."""
+    from peft import get_peft_model
+
+    base = stock_model(checkpoint("qwen3_moe", "fp32"), "fp32")
+    alpha = 1.702 if offset else 1.0
+    gu_scale = base.model.layers[1].mlp.experts.gate_up_proj.detach().float()
+    limit = float(gu_scale.std() * gu_scale.shape[-1] ** 0.5 * 0.8)  # about the pre-activations' spread
+    share = clamp_experts(base, limit, alpha, offset)
+    assert share > 0.1, f"the clamp binds for only {share:.1%} of the pre-activations"
+    ref = get_peft_model(base, lora_config("qwen3_moe"))
+    random_lora(ref, 3)
+    ours = copy.deepcopy(ref)
+    tandem.offload(ours, CFG, progress=False)
+    te = tandem_experts(ours)
+    assert te and te[0].lora_layer.activation.startswith("a clamped SwiGLU")
+    H = gu_scale.shape[-1]
+    E = gu_scale.shape[0]
+    gen = torch.Generator().manual_seed(11)
+    x0 = torch.randn(48, H, generator=gen).bfloat16().float()
+    idx = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(48)])
+    w0 = torch.rand(48, 2, generator=gen) + 0.1
+    r = torch.randn(48, H, generator=gen)
+
+    def run(model):
+        layer = model.get_base_model().model.layers[1].mlp.experts
+        x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        model.zero_grad(set_to_none=True)
+        (layer(x, idx, w) * r).sum().backward()
+        grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.requires_grad}
+        assert grads and all(v is not None for v in grads.values())
+        grads.update(x=x.grad.clone(), weights=w.grad.clone())
+        return grads
+
+    want, got = run(ref), run(ours)
+    assert len(want) == 6  # lora_A / lora_B of gate_up and down, x, routing weights
+    check(grad_errors(got, want), GRAD_BOUND["fp32"], f"clamped (up + {offset:g}) fp32")

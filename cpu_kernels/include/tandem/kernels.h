@@ -344,6 +344,10 @@ using SiluMulFn = void (*)(const float* g, const float* u, float* h, int n);
 // out[j] = 1 / (1 + exp(-x[j])) with the same exponential as silu_mul (the LoRA backward's
 // SiLU derivative); a companion of silu_mul in that family, from the same ISA file.
 using SigmoidFn = void (*)(const float* x, float* out, int n);
+// h[j] = the clamped SwiGLU of GateAct (alpha, limit, up_offset) for j < n: the gate_up
+// epilogue's arithmetic for GateAct::Kind::clamped, from the silu_mul family's line.
+using ClampedSwigluFn = void (*)(const float* g, const float* u, float* h, int n, float alpha, float limit,
+                                 float up_offset);
 
 struct KernelVariant {
   const char* name = nullptr;  // "avx512_bf16", "avx512_vnni", "amx_bf16", ...
@@ -366,6 +370,7 @@ struct KernelTable {
   QuantizeFn quantize;
   SiluMulFn silu_mul;
   SigmoidFn sigmoid;  // from the silu_mul family's line
+  ClampedSwigluFn clamped_swiglu;  // from the silu_mul family's line
   const FormatKernels& of(WeightFormat f) const {
     return f == WeightFormat::int8 ? int8 : f == WeightFormat::int4 ? int4 : bf16;
   }
@@ -398,6 +403,7 @@ struct KernelListEntry {
   QuantizeFn quantize;   // family quantize
   SiluMulFn silu_mul;    // family silu_mul
   SigmoidFn sigmoid;     // family silu_mul
+  ClampedSwigluFn clamped_swiglu = nullptr;  // family silu_mul
   const char* name() const { return kernel.name; }
 };
 // Every line, in list order (within a family, later lines are preferred).
