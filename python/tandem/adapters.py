@@ -138,6 +138,9 @@ def pack_layer(engine: _C.Engine, index: int, tensors, progress: Callable[[int, 
 def repack(te: nn.Module, lora: LoraTensors | None) -> None:
     """Packs `te`'s layer again from its checkpoint, with `lora` merged (None: the base)."""
     where = f"tandem experts (model layer {te.layer})"
+    if te.math.bias:
+        raise ValueError(f"{where}: these experts compute {te.math.describe()}; adapters are merged into experts "
+                         "without biases only")
     if te.source is None:
         raise ValueError(f"{where}: merging an adapter into tandem's packs re-reads the base weights from their "
                          "checkpoint, and this model's experts were offloaded from memory (tandem.offload), which "

@@ -9,6 +9,7 @@ the experts module with (hidden, top_k_index, top_k_weights) (``check_v4_block``
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -84,7 +85,7 @@ def clamped_candidates(experts: nn.Module) -> list[ExpertMath]:
     precision). Which one it is, if any, its own forward decides (experts_check)."""
     out = []
     limit = next((getattr(experts, a) for a in ("limit", "swiglu_limit") if _number(getattr(experts, a, None))), None)
-    if limit is not None:
+    if limit is not None and math.isfinite(limit) and limit > 0:
         alpha = next((getattr(experts, a) for a in ("swiglu_alpha", "alpha") if _number(getattr(experts, a, None))), 1.0)
         out = [ExpertMath("clamped_swiglu", float(alpha), float(limit), o) for o in (0.0, 1.0)]
     return out + [PLAIN]

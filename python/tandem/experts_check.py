@@ -199,10 +199,13 @@ def _compare(name: str, where: str, got: torch.Tensor, want: torch.Tensor, what:
     rel = ((got - want).abs().amax(1) / scale)
     err = float(rel.max()) if torch.isfinite(rel).all() else float("inf")
     if not err <= _PROBE_TOLERANCE:
-        raise ValueError(f"{name} ({where}): its forward differs from {what} experts (max rel diff "
-                         f"{err:.2g} on a test input of {got.shape[0]} tokens): tandem's kernels compute "
-                         "out = sum_k w_k * down(silu(gate x) * up x) only; clamped or softcapped SwiGLU, other "
-                         "activations and biases are not supported")
+        if what == "silu(gate) * up":
+            raise ValueError(f"{name} ({where}): its forward differs from {what} experts (max rel diff "
+                             f"{err:.2g} on a test input of {got.shape[0]} tokens): tandem's kernels compute "
+                             "out = sum_k w_k * down(silu(gate x) * up x) for this layout; other activations and "
+                             "biases are not supported")
+        raise ValueError(f"{name} ({where}): its structure says {what}, but its forward differs from that (max rel "
+                         f"diff {err:.2g} on a test input of {got.shape[0]} tokens)")
 
 
 def _run_probe(fn: Callable, module: nn.Module, name: str, where: str, *args) -> torch.Tensor:

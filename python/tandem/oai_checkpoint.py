@@ -23,14 +23,24 @@ _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -
 _PROJ = ("gate_up_proj", "down_proj")
 
 
-def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """[..., rows, g, 16] uint8 blocks and [..., rows, g] uint8 E8M0 scales -> [..., rows, 32 g]."""
-    lut = torch.tensor(_E2M1, dtype=torch.float32)
+def _dequantize_rows(blocks: torch.Tensor, scales: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
     b = blocks.to(torch.uint8)
-    vals = torch.stack((lut[(b & 0x0F).long()], lut[(b >> 4).long()]), dim=-1)  # [..., g, 16, 2]
-    vals = vals.flatten(-2)  # [..., rows, g, 32]: element 2j the low nibble of byte j
-    out = torch.ldexp(vals, scales.to(torch.int32)[..., None] - 127)
-    return out.flatten(-2).to(dtype)
+    vals = torch.stack((lut[(b & 0x0F).int()], lut[(b >> 4).int()]), dim=-1)  # [rows, g, 16, 2]
+    vals = vals.flatten(-2)  # [rows, g, 32]: element 2j the low nibble of byte j
+    return torch.ldexp(vals, scales.to(torch.int32)[..., None] - 127).flatten(-2)
+
+
+def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """[..., rows, g, 16] uint8 blocks and [..., rows, g] uint8 E8M0 scales -> [..., rows, 32 g],
+    in chunks of rows (the fp32 temporaries stay a few tens of MB whatever the tensor's size)."""
+    lut = torch.tensor(_E2M1, dtype=torch.float32)
+    *lead, rows, g, _ = blocks.shape
+    b, s = blocks.reshape(-1, g, 16), scales.reshape(-1, g)
+    out = torch.empty(b.shape[0], 32 * g, dtype=dtype)
+    step = max(1, (1 << 22) // (32 * g))  # about 16 MB of fp32 per chunk
+    for r0 in range(0, b.shape[0], step):
+        out[r0:r0 + step] = _dequantize_rows(b[r0:r0 + step], s[r0:r0 + step], lut).to(dtype)
+    return out.reshape(*lead, rows, 32 * g)
 
 
 class OaiExpertsReader:

@@ -28,6 +28,8 @@
 #include "tandem/error.h"
 #include "tandem/routing.h"
 #include "tandem/safetensors.h"
+#include <limits>
+
 #include "tandem/lora.h"
 #include "test_util.h"
 
@@ -839,6 +841,14 @@ TEST(Engine, GptOssExpertsStayOnTheCpuAndTheRestIsRefused) {
   Pool pool(pool_options(cpu));
   EXPECT_TRUE(throws_error([&] { LoraMoe l(pool, oai.shape, SftOptions{}, 5); },
                            "lora: layer 5: LoRA training runs experts without biases only", Errc::unsupported));
+  MoeShape bad{kE, kH, kI};
+  bad.act = {GateAct::Kind::clamped, 1.0f, std::numeric_limits<float>::quiet_NaN(), 0.0f};
+  EXPECT_TRUE(throws_error([&] { LoraMoe l(pool, bad, SftOptions{}, 6); },
+                           "lora: layer 6: a clamped SwiGLU needs a finite alpha, up_offset and positive limit",
+                           Errc::invalid_argument));
+  EXPECT_TRUE(throws_error([&] { MoeLayer l(pool, bad, PackOptions{WeightFormat::bf16}, 6); },
+                           "moe: layer 6: a clamped SwiGLU needs a finite alpha, up_offset and positive limit",
+                           Errc::invalid_argument));
   MoeLayer layer(pool, oai.shape, PackOptions{WeightFormat::bf16}, 4);
   std::vector<float> g(size_t(kI) * kH, 0.01f), d(size_t(kH) * kI, 0.01f), b(kI, 0.5f);
   EXPECT_TRUE(throws_error(
