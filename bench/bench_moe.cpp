@@ -11,8 +11,11 @@
 // compares the time with the roofline max(weight bytes / bandwidth, ops / that peak).
 // TANDEM_BENCH_TRACE=PREFIX writes one traced forward per token count to PREFIX.T.json.
 //
-//   build/bench/bench_moe [--shape qwen3-235b|deepseek-v3|all] [--format bf16|int8|int4]
-//                         [--tokens 1,4,16,64,256,1024] [--reps R] [--budget-gb G]
+// --math gpt-oss runs the layer as gpt-oss's experts (clamped SwiGLU, alpha 1.702, limit 7,
+// up + 1, biases on gate, up and down): what that costs over plain SiLU at the same shape.
+//
+//   build/bench/bench_moe [--shape qwen3-235b|deepseek-v3|gpt-oss-120b|all] [--format bf16|int8|int4]
+//                         [--tokens 1,4,16,64,256,1024] [--reps R] [--budget-gb G] [--math plain|gpt-oss]
 
 #include <algorithm>
 #include <chrono>
@@ -68,6 +71,7 @@ int main(int argc, char** argv) {
   int reps = 5;
   double budget_gb = 6;
   PackOptions opt;
+  bool oai = false;  // --math gpt-oss
   for (int i = 1; i < argc; ++i) {
     auto next = [&] { return i + 1 < argc ? argv[++i] : ""; };
     if (!std::strcmp(argv[i], "--shape")) which = next();
@@ -76,6 +80,11 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--tokens")) token_counts = parse_int_list(next());
     else if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(next());
     else if (!std::strcmp(argv[i], "--budget-gb")) budget_gb = std::atof(next());
+    else if (!std::strcmp(argv[i], "--math")) {
+      const std::string m = next();
+      if (m != "plain" && m != "gpt-oss") { std::fprintf(stderr, "--math: plain or gpt-oss, not '%s'\n", m.c_str()); return 2; }
+      oai = m == "gpt-oss";
+    }
     else { std::fprintf(stderr, "unknown option %s\n", argv[i]); return 2; }
   }
   Pool pool(pool_options(Config::Cpu{}));
@@ -97,7 +106,7 @@ int main(int argc, char** argv) {
   ReadBandwidth bw(size_t(1) << 30, threads);
   std::printf("%-12s %6s %5s | %10s %8s %8s | %6s %6s %6s | %s\n", "shape", "tokens", "exp", "us/layer", "GB/s",
               "GFLOP/s", "%bw", "%peak", "%roof", "vs bare kernels (decode)");
-  for (const char* name : {"qwen3-235b", "deepseek-v3"}) {
+  for (const char* name : {"qwen3-235b", "deepseek-v3", "gpt-oss-120b"}) {
     if (which != "all" && which != name) continue;
     const ModelShape& s = *find_model_shape(name);
     std::mt19937_64 rng(42);
@@ -105,20 +114,36 @@ int main(int argc, char** argv) {
     std::vector<bf16_t> g(size_t(s.inter) * s.hidden), d(size_t(s.hidden) * s.inter);
     for (auto& x : g) x = fp32_to_bf16(nd(rng));
     for (auto& x : d) x = fp32_to_bf16(nd(rng));
+    std::vector<float> bias(std::max(s.inter, s.hidden));
+    for (auto& x : bias) x = nd(rng);
+    MoeShape math{1, s.hidden, s.inter};
+    if (oai) {
+      math.act = {GateAct::Kind::clamped, 1.702f, 7.0f, 1.0f};
+      math.bias = true;
+    }
     auto source = [&](int) {
-      return ExpertSource{{g.data(), SourceType::bf16, s.inter, s.hidden}, {g.data(), SourceType::bf16, s.inter, s.hidden},
-                          {d.data(), SourceType::bf16, s.hidden, s.inter}};
+      ExpertSource src{{g.data(), SourceType::bf16, s.inter, s.hidden}, {g.data(), SourceType::bf16, s.inter, s.hidden},
+                       {d.data(), SourceType::bf16, s.hidden, s.inter}};
+      if (oai) {
+        src.gate_bias = {bias.data(), SourceType::f32, 1, s.inter};
+        src.up_bias = {bias.data(), SourceType::f32, 1, s.inter};
+        src.down_bias = {bias.data(), SourceType::f32, 1, s.hidden};
+      }
+      return src;
     };
     // Experts to allocate: the real count if it fits the memory budget, else fewer (still
     // gigabytes, far beyond the LLC, so every forward streams from DRAM).
     double per_expert;
     {
-      MoeLayer probe(pool, {1, s.hidden, s.inter}, opt);
+      MoeLayer probe(pool, math, opt);
       probe.load(source);
       per_expert = double(probe.packed_bytes());
     }
     const int E = std::max(s.top_k, std::min(s.experts, int(budget_gb * 1e9 / per_expert)));
-    MoeLayer layer(pool, {E, s.hidden, s.inter}, opt);
+    MoeShape shape = math;
+    shape.experts = E;
+    MoeLayer layer(pool, shape, opt);
+    if (oai) std::printf("# experts: %s\n", describe_experts(shape).c_str());
     const FormatKernels& fk = layer.kernel_set().of(opt.format);
     std::printf("# kernels: %s (m < %d), %s; compute ceiling: %s / %s\n", fk.small.name, fk.large_from_m, fk.large.name,
                 peak_for_variant(fk.small.name, opt.format).name.c_str(),

@@ -21,6 +21,7 @@ struct ModelShape {
 inline constexpr ModelShape kModelShapes[] = {{"qwen3-30b", 128, 2048, 768, 8},
                                               {"qwen3-235b", 128, 4096, 1536, 8},
                                               {"deepseek-v3", 256, 7168, 2048, 8},
+                                              {"gpt-oss-120b", 128, 2880, 2880, 4},
                                               {"tiny", 16, 256, 128, 4}};
 // The shape called `name`, or nullptr.
 inline const ModelShape* find_model_shape(std::string_view name) {

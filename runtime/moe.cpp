@@ -19,10 +19,14 @@ MoeLayer::MoeLayer(Pool& pool, MoeShape shape, PackOptions format, int layer_ind
                  Errc::invalid_argument, "moe: layer ", layer_index, ": a clamped SwiGLU needs a finite alpha, up_offset "
                  "and positive limit, not alpha = ", shape.act.alpha, ", limit = ", shape.act.limit, ", up_offset = ",
                  shape.act.up_offset);
-  if (format.format == WeightFormat::int4) {
-    TANDEM_CHECK(shape.hidden % format.group == 0 && shape.inter % format.group == 0, Errc::invalid_argument,
-                 "moe: int4 group ", format.group, " must divide hidden (", shape.hidden, ") and intermediate (",
-                 shape.inter, ")");
+  if (format.format == WeightFormat::int4 && (shape.hidden % format.group || shape.inter % format.group)) {
+    std::string fits;  // the groups that would (gpt-oss's 2880 takes 32 and 64, not 128)
+    for (const int g : {32, 64, 128})
+      if (shape.hidden % g == 0 && shape.inter % g == 0) fits += (fits.empty() ? "" : " or ") + std::to_string(g);
+    TANDEM_FAIL(Errc::invalid_argument, "moe: int4 group ", format.group, " must divide hidden (", shape.hidden,
+                ") and intermediate (", shape.inter, ")",
+                fits.empty() ? std::string("; no int4 group does: use int8 or bf16")
+                             : "; set cpu.group_size to " + fits);
   }
   packs_ = std::make_unique<core::ExpertPacks>(shape, format, pool.subpools(), core::ExpertPacks::Layout::fused, layer_index);
 }
