@@ -333,7 +333,9 @@ TEST(MoeEngineApi, BadInputIsRefusedAndOutputUntouched) {
             }),
             "moe: expert 0 up is [32 x 64], the layer needs [64 x 64]");
   EXPECT_EQ(test::error_of([&] { MoeLayer l(*pool, {4, 64, 48}, {WeightFormat::int4, 32}); }),
-            "moe: int4 group 32 must divide hidden (64) and intermediate (48)");
+            "moe: int4 group 32 must divide hidden (64) and intermediate (48); no int4 group does: use int8 or bf16");
+  EXPECT_EQ(test::error_of([&] { MoeLayer l(*pool, {4, 2880, 2880}, {WeightFormat::int4, 128}); }),
+            "moe: int4 group 128 must divide hidden (2880) and intermediate (2880); set cpu.group_size to 32 or 64");
   // Non-finite weights from memory (offload's torch tensors) are refused in every format,
   // naming the layer, expert, projection and element of the full matrix (subpool slices
   // are views into it).
