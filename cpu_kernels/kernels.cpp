@@ -228,13 +228,16 @@ void quantize_activations(QuantizedActs& qa, const float* a, int lda, int r0, in
   quantize_range(qa, a, lda, r0, r1, kt);
 }
 
+void check_gate_act(const std::string& what, const GateAct& act) {
+  if (!act.plain())
+    TANDEM_CHECK(std::isfinite(act.alpha) && std::isfinite(act.limit) && std::isfinite(act.up_offset) && act.limit > 0,
+                 Errc::invalid_argument, what, ": a clamped SwiGLU needs a finite alpha, up_offset and positive limit, "
+                 "not alpha = ", act.alpha, ", limit = ", act.limit, ", up_offset = ", act.up_offset);
+}
+
 void check_gate_act(const char* what, const GateUpArgs& g) {
   TANDEM_CHECK(!g.gate_bias == !g.up_bias, Errc::invalid_argument, what, ": give both biases (gate and up) or neither");
-  if (!g.act.plain())
-    TANDEM_CHECK(std::isfinite(g.act.alpha) && std::isfinite(g.act.limit) && std::isfinite(g.act.up_offset) &&
-                     g.act.limit > 0,
-                 Errc::invalid_argument, what, ": a clamped SwiGLU needs a finite alpha, up_offset and positive limit, "
-                 "not alpha = ", g.act.alpha, ", limit = ", g.act.limit, ", up_offset = ", g.act.up_offset);
+  check_gate_act(std::string(what), g.act);
 }
 
 void gemm(const PackedWeight& w, const GemmArgs& g) {

@@ -13,12 +13,7 @@ MoeLayer::MoeLayer(Pool& pool, MoeShape shape, PackOptions format, int layer_ind
       scratch_(std::make_unique<core::ForwardScratch>()) {
   TANDEM_CHECK(shape.experts >= 1 && shape.hidden >= 1 && shape.inter >= 1, Errc::invalid_argument, "moe: shape (experts ",
                shape.experts, ", hidden ", shape.hidden, ", intermediate ", shape.inter, ") must be positive");
-  if (!shape.act.plain())
-    TANDEM_CHECK(std::isfinite(shape.act.alpha) && std::isfinite(shape.act.limit) && std::isfinite(shape.act.up_offset) &&
-                     shape.act.limit > 0,
-                 Errc::invalid_argument, "moe: layer ", layer_index, ": a clamped SwiGLU needs a finite alpha, up_offset "
-                 "and positive limit, not alpha = ", shape.act.alpha, ", limit = ", shape.act.limit, ", up_offset = ",
-                 shape.act.up_offset);
+  check_gate_act(str_cat("moe: layer ", layer_index), shape.act);
   if (format.format == WeightFormat::int4 && (shape.hidden % format.group || shape.inter % format.group)) {
     std::string fits;  // the groups that would (gpt-oss's 2880 takes 32 and 64, not 128)
     for (const int g : {32, 64, 128})

@@ -156,12 +156,7 @@ LoraMoe::LoraMoe(Pool& pool, MoeShape shape, SftOptions options, int layer_index
                shape.experts, ", hidden ", shape.hidden, ", intermediate ", shape.inter, ") must be positive");
   TANDEM_CHECK(!shape.bias, Errc::unsupported, "lora: layer ", layer_index, ": LoRA training runs experts without "
                "biases only; this layer's experts are ", describe_experts(shape));
-  if (!shape.act.plain())
-    TANDEM_CHECK(std::isfinite(shape.act.alpha) && std::isfinite(shape.act.limit) && std::isfinite(shape.act.up_offset) &&
-                     shape.act.limit > 0,
-                 Errc::invalid_argument, "lora: layer ", layer_index, ": a clamped SwiGLU needs a finite alpha, "
-                 "up_offset and positive limit, not alpha = ", shape.act.alpha, ", limit = ", shape.act.limit,
-                 ", up_offset = ", shape.act.up_offset);
+  check_gate_act(str_cat("lora: layer ", layer_index), shape.act);
   set_lora(options.lora);
   TANDEM_CHECK(options.backward_format != WeightFormat::int4, Errc::unsupported,
                "lora: backward_format int4 is not supported (use bf16, or int8 to halve the backward packs)");

@@ -23,6 +23,7 @@ from .discovery import (PLAIN, ExpertMath, check_v4_block, expert_shape, find_mo
                         patch_v4_block, v4_projections)
 from .experts_check import check_experts
 from .modules import CUDA_BINDINGS, CudaBinding, TandemExperts, TandemLoraExperts
+from .oai_checkpoint import expert_pointers
 from .peft_glue import attach_v4_lora, claim_wrappers, has_v4_lora, hf_model, innermost, watch_block
 from .progress import progress_bar
 from .tracing import apply_config
@@ -178,7 +179,7 @@ def offload(model: nn.Module, config: ConfigLike = None, *, train: bool | None =
         engine = make_engine(config, shape, [b.layer for b in blocks], device, math=math)
     bar = progress_bar(progress, shape[0] * len(blocks), "packing experts")
     for i, (b, (experts, wrapper)) in enumerate(zip(blocks, inner)):
-        gate, up, down, dtype, keep, biases = _layer_pointers(experts, math)
+        gate, up, down, dtype, keep, biases = _layer_pointers(experts)
         base = i * shape[0]
         step = (lambda d, t, base=base: bar(base + d)) if bar else None
         if not train:
@@ -227,17 +228,11 @@ def _activation(model: nn.Module) -> str:
     return getattr(cfg, "hidden_act", "silu") if cfg is not None else "silu"
 
 
-def _layer_pointers(experts: nn.Module, math: ExpertMath = PLAIN
-                    ) -> tuple[list[int], list[int], list[int], str, list[torch.Tensor], dict]:
+def _layer_pointers(experts: nn.Module) -> tuple[list[int], list[int], list[int], str, list[torch.Tensor], dict]:
     """Per-expert gate / up / down data pointers (row-major, CPU), the tensors that hold them,
     and load_layer's bias arguments (fp32 pointers per expert; empty without biases)."""
     if oai_math(experts) is not None:  # gpt-oss: [E, H, 2I] interleaved gate/up: copied into the kernels' layout
-        wg, wu, wd, bg, bu, bd = oai_weights(experts)
-        keep = [t.cpu().contiguous() for t in (wg, wu, wd)] + [t.cpu().float().contiguous() for t in (bg, bu, bd)]
-        es = [t.element_size() * t[0].numel() for t in keep]
-        ptrs = [[t.data_ptr() + e * s for e in range(t.shape[0])] for t, s in zip(keep, es)]
-        biases = dict(gate_bias=ptrs[3], up_bias=ptrs[4], down_bias=ptrs[5])
-        return ptrs[0], ptrs[1], ptrs[2], str(keep[0].dtype).removeprefix("torch."), keep, biases
+        return expert_pointers(oai_weights(experts))
     if isinstance(experts, nn.ModuleList):
         keep, gate, up, down = [], [], [], []
         for ex in experts:

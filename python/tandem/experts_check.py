@@ -74,16 +74,22 @@ def _check_gating(module: nn.Module, name: str, where: str, own_gate_ok: bool = 
     if "_apply_gate" in vars(module):
         raise ValueError(f"{name} ({where}): its _apply_gate is replaced on the instance; tandem's kernels compute "
                          "silu(gate) * up (custom gating such as a clamped or softcapped SwiGLU is not supported)")
-    gate_fn = getattr(type(module), "_apply_gate", None)
-    if gate_fn is not None and not own_gate_ok:
-        try:
-            from transformers.integrations.moe import _default_apply_gate
-        except ImportError:  # pragma: no cover
-            _default_apply_gate = None
-        if gate_fn is not _default_apply_gate:
-            owner = next(c for c in type(module).__mro__ if "_apply_gate" in vars(c))
-            raise ValueError(f"{name} ({where}): it gates with its own {owner.__name__}._apply_gate (e.g. a clamped or "
-                             "softcapped SwiGLU), not silu(gate) * up; tandem's kernels compute silu(gate) * up only")
+    if _own_gate(type(module)) and not own_gate_ok:
+        owner = next(c for c in type(module).__mro__ if "_apply_gate" in vars(c))
+        raise ValueError(f"{name} ({where}): it gates with its own {owner.__name__}._apply_gate (e.g. a clamped or "
+                         "softcapped SwiGLU), not silu(gate) * up; tandem's kernels compute silu(gate) * up only")
+
+
+def _own_gate(cls: type) -> bool:
+    """Whether `cls` has an _apply_gate other than transformers' default one."""
+    gate_fn = getattr(cls, "_apply_gate", None)
+    if gate_fn is None:
+        return False
+    try:
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:  # pragma: no cover
+        return True
+    return gate_fn is not _default_apply_gate
 
 
 def check_experts_structure(experts: nn.Module, where: str) -> None:
@@ -147,15 +153,6 @@ def _probe_inputs(wg: torch.Tensor, n: int, k: int, gen: torch.Generator):
     return x, ids, w
 
 
-def _reference(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor, ids: torch.Tensor,
-               w: torch.Tensor) -> torch.Tensor:
-    """sum_k w[t, k] * wd_e (silu(wg_e x_t) * wu_e x_t) in fp64; wg/wu [n, I, H], wd [n, H, I]."""
-    g = torch.einsum("th,eih->tei", x, wg.double())
-    u = torch.einsum("th,eih->tei", x, wu.double())
-    y = torch.einsum("tei,ehi->teh", nn.functional.silu(g) * u, wd.double())  # [T, n, H]
-    return (y[torch.arange(x.shape[0])[:, None], ids] * w[..., None]).sum(1)
-
-
 def _reference_math(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor, ids: torch.Tensor,
                     w: torch.Tensor, math: ExpertMath, bg: torch.Tensor | None = None, bu: torch.Tensor | None = None,
                     bd: torch.Tensor | None = None) -> torch.Tensor:
@@ -195,9 +192,7 @@ def _compare(name: str, where: str, got: torch.Tensor, want: torch.Tensor, what:
     if got.shape != want.shape:
         raise ValueError(f"{name} ({where}): its forward returned shape {tuple(got.shape)} on a test input, "
                          f"expected {tuple(want.shape)}")
-    scale = want.abs().amax(1).clamp_min(1e-30)
-    rel = ((got - want).abs().amax(1) / scale)
-    err = float(rel.max()) if torch.isfinite(rel).all() else float("inf")
+    err = _rel_err(got, want)
     if not err <= _PROBE_TOLERANCE:
         if what == "silu(gate) * up":
             raise ValueError(f"{name} ({where}): its forward differs from {what} experts (max rel diff "
@@ -222,12 +217,19 @@ def _run_probe(fn: Callable, module: nn.Module, name: str, where: str, *args) ->
     return out
 
 
-def _default_gate(cls: type) -> bool:
-    try:
-        from transformers.integrations.moe import _default_apply_gate
-    except ImportError:  # pragma: no cover
-        return False
-    return getattr(cls, "_apply_gate", None) is _default_apply_gate
+def _fused_probe(experts: nn.Module, params: dict[str, torch.Tensor]) -> nn.Module:
+    """A shallow copy of a fused experts module holding `params` (its parameters' probe
+    copies), running transformers' eager path (the class's own code)."""
+    import copy
+
+    probe = copy.copy(experts)
+    probe._modules, probe._buffers = dict(experts._modules), dict(experts._buffers)
+    probe._parameters = {k: nn.Parameter(v, requires_grad=False) for k, v in params.items()}
+    cfg = getattr(experts, "config", None)
+    if cfg is not None and hasattr(cfg, "_experts_implementation"):
+        probe.config = copy.copy(cfg)
+        probe.config._experts_implementation = "eager"
+    return probe
 
 
 def check_experts_numerics(experts: nn.Module, where: str) -> ExpertMath:
@@ -261,7 +263,7 @@ def check_experts_numerics(experts: nn.Module, where: str) -> ExpertMath:
             mats.append(m.weight[None])
         x, ids, w = _probe_inputs(mats[0], 1, 1, gen)
         out = _run_probe(fn, probe, name, where, x.float())
-        _compare(name, where, out, _reference(x, *mats, torch.zeros_like(ids), torch.ones_like(w)))
+        _compare(name, where, out, _reference_math(x, *mats, torch.zeros_like(ids), torch.ones_like(w), PLAIN))
         return PLAIN
     name = type(experts).__name__
     fn = _own_forward(experts)
@@ -272,14 +274,8 @@ def check_experts_numerics(experts: nn.Module, where: str) -> ExpertMath:
     n = min(E, _PROBE_EXPERTS)
     math = oai_math(experts)
     if math is not None:
-        probe = copy.copy(experts)
-        probe._modules, probe._buffers = dict(experts._modules), dict(experts._buffers)
-        probe._parameters = {k: nn.Parameter(_probe_tensor(getattr(experts, k), n, gen), requires_grad=False)
-                             for k in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")}
-        cfg = getattr(experts, "config", None)
-        if cfg is not None and hasattr(cfg, "_experts_implementation"):
-            probe.config = copy.copy(cfg)
-            probe.config._experts_implementation = "eager"
+        probe = _fused_probe(experts, {k: _probe_tensor(getattr(experts, k), n, gen)
+                                       for k in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")})
         wg, wu, wd, bg, bu, bd = oai_weights(probe)
         x, ids, w = _probe_inputs(wg, n, n, gen)
         out = _run_probe(fn, probe, name, where, x.float(), ids, w.float())
@@ -287,18 +283,11 @@ def check_experts_numerics(experts: nn.Module, where: str) -> ExpertMath:
         return math
     gu = _probe_tensor(experts.gate_up_proj, n, gen)
     dn = _probe_tensor(experts.down_proj, n, gen)
-    probe = copy.copy(experts)
-    probe._modules, probe._buffers = dict(experts._modules), dict(experts._buffers)
-    probe._parameters = {"gate_up_proj": nn.Parameter(gu, requires_grad=False),
-                         "down_proj": nn.Parameter(dn, requires_grad=False)}
-    cfg = getattr(experts, "config", None)
-    if cfg is not None and hasattr(cfg, "_experts_implementation"):
-        probe.config = copy.copy(cfg)
-        probe.config._experts_implementation = "eager"
+    probe = _fused_probe(experts, {"gate_up_proj": gu, "down_proj": dn})
     x, ids, w = _probe_inputs(gu[:, :I], n, n, gen)
     out = _run_probe(fn, probe, name, where, x.float(), ids, w.float())
-    if getattr(type(experts), "_apply_gate", None) is None or _default_gate(type(experts)):
-        _compare(name, where, out, _reference(x, gu[:, :I], gu[:, I:], dn, ids, w))
+    if not _own_gate(type(experts)):
+        _compare(name, where, out, _reference_math(x, gu[:, :I], gu[:, I:], dn, ids, w, PLAIN))
         return PLAIN
     # Its class's own gate: the first candidate (clamped SwiGLUs from its settings, then
     # plain) that both its forward (eager) and its _apply_gate itself (what transformers'

@@ -110,12 +110,23 @@ class OaiExpertsReader:
                 gb[:, 0::2].contiguous(), gb[:, 1::2].contiguous(), db.contiguous())
 
 
-def load_oai_layer(engine, index: int, tensors: tuple[torch.Tensor, ...], progress=None) -> None:
-    """Packs MoE layer `index` from ``OaiExpertsReader.layer``'s tensors."""
+def expert_pointers(tensors: tuple[torch.Tensor, ...]) -> tuple[list[int], list[int], list[int], str,
+                                                                  list[torch.Tensor], dict]:
+    """``Engine.load_layer``'s arguments from gate, up [E, I, H], down [E, H, I] and the gate,
+    up, down biases: per-expert pointers of CPU-contiguous copies (weights in their dtype,
+    biases fp32; views that already are stay as they are), the dtype's name, the tensors that
+    hold them, and the bias keyword arguments."""
+    keep = [t.cpu().contiguous() for t in tensors[:3]] + [t.cpu().float().contiguous() for t in tensors[3:]]
+
     def ptrs(t: torch.Tensor) -> list[int]:
         step = t[0].numel() * t.element_size()
         return [t.data_ptr() + e * step for e in range(t.shape[0])]
 
-    g, u, d, gb, ub, db = tensors
-    engine.load_layer(index, ptrs(g), ptrs(u), ptrs(d), str(g.dtype).removeprefix("torch."), progress=progress,
-                      gate_bias=ptrs(gb), up_bias=ptrs(ub), down_bias=ptrs(db))
+    g, u, d, gb, ub, db = (ptrs(t) for t in keep)
+    return g, u, d, str(keep[0].dtype).removeprefix("torch."), keep, dict(gate_bias=gb, up_bias=ub, down_bias=db)
+
+
+def load_oai_layer(engine, index: int, tensors: tuple[torch.Tensor, ...], progress=None) -> None:
+    """Packs MoE layer `index` from ``OaiExpertsReader.layer``'s tensors."""
+    g, u, d, dtype, keep, biases = expert_pointers(tensors)
+    engine.load_layer(index, g, u, d, dtype, progress=progress, **biases)

@@ -186,17 +186,12 @@ TEST_P(KernelsBf16, GateUpMatchesReference) {
 // lies within [-0.1, 1.1] as silu's does, the clamps are 1-Lipschitz, and the bias add
 // is one more fp32 rounding of each pre-activation.
 TEST_P(KernelsBf16, GateUpClampedSwigluWithBiases) {
-  std::normal_distribution<float> d(0.f, 3.f);
   // gpt-oss's (alpha 1.702, up + 1) and DeepSeek-V4's (silu of the clamped gate, up + 0).
   for (const GateAct act : {GateAct{GateAct::Kind::clamped, 1.702f, 7.0f, 1.0f}, GateAct{GateAct::Kind::clamped, 1.0f, 7.0f, 0.0f}})
   for (const auto& [m, n, k] : std::vector<std::array<int, 3>>{{1, 70, 128}, {7, 64, 130}, {40, 100, 128}, {600, 160, 64}}) {
     Problem pg = make(m, n, k, rng), pu = make(m, n, k, rng);
     pu.a = pg.a;
-    std::vector<float> bg(n), bu(n);
-    for (int j = 0; j < n; ++j) {
-      bg[j] = d(rng);
-      bu[j] = d(rng);
-    }
+    const auto [bg, bu] = test::random_biases(n, rng);
     PackedWeight w = pack_gate_up_bf16(pg.w.data(), pu.w.data(), n, k, k);
     GateUpArgs g;
     g.act = act;

@@ -275,18 +275,13 @@ TEST_P(KernelsInt, GateUpMatchesReference) {
 // The clamped SwiGLU with biases (see the BF16 test of the same name for the
 // bound): the silu bound of the test above, plus one fp32 rounding for each bias add.
 TEST_P(KernelsInt, GateUpClampedSwigluWithBiases) {
-  std::normal_distribution<float> d(0.f, 3.f);
   for (const GateAct act : {GateAct{GateAct::Kind::clamped, 1.702f, 7.0f, 1.0f}, GateAct{GateAct::Kind::clamped, 1.0f, 7.0f, 0.0f}})
   for (const KernelVariant* v : variants)
     for (const auto& [m, n] : std::vector<std::pair<int, int>>{{1, 70}, {6, 100}, {40, 100}, {600, 160}}) {
       const int k = ks()[1];
       auto wg = random_weights(static_cast<size_t>(n) * k, rng), wu = random_weights(static_cast<size_t>(n) * k, rng);
       auto a = random_acts(static_cast<size_t>(m) * k, rng);
-      std::vector<float> bg(n), bu(n);
-      for (int j = 0; j < n; ++j) {
-        bg[j] = d(rng);
-        bu[j] = d(rng);
-      }
+      const auto [bg, bu] = test::random_biases(n, rng);
       PackedWeight pw = pack_gate_up({wg.data(), SourceType::f32, n, k}, {wu.data(), SourceType::f32, n, k}, opt);
       GateUpArgs g;
       g.act = act;

@@ -15,6 +15,7 @@
 
 #include <map>
 #include <nlohmann/json.hpp>
+#include <utility>
 #include <vector>
 
 #include "tandem/error.h"
@@ -164,6 +165,17 @@ inline GemmArgs gemm_args(const float* a, int m, int lda, float* c, int ldc) {
   GemmArgs g = gemm_args(static_cast<const bf16_t*>(nullptr), m, lda, c, ldc);
   g.a_f32 = a;
   return g;
+}
+
+// n gate and n up biases, N(0, 3) (drawn in pairs, gate then up).
+inline std::pair<std::vector<float>, std::vector<float>> random_biases(int n, std::mt19937_64& rng) {
+  std::normal_distribution<float> d(0.f, 3.f);
+  std::vector<float> bg(n), bu(n);
+  for (int j = 0; j < n; ++j) {
+    bg[j] = d(rng);
+    bu[j] = d(rng);
+  }
+  return {std::move(bg), std::move(bu)};
 }
 
 // Runs gate_up of variant v on w twice, into h (fp32) and hb (bf16), from bf16 rows a

@@ -29,6 +29,7 @@
 #include <cstring>
 #include <memory>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -424,7 +425,9 @@ KernelTable with_kernel(KernelTable table, const KernelListEntry& e);
 void gemm(const PackedWeight& w, const GemmArgs& args);
 void gate_up(const PackedWeight& w, const GateUpArgs& args);
 // Refuses (naming `what`) one bias without the other, or a clamped SwiGLU with a non-finite
-// alpha / limit / up_offset or a limit <= 0.
+// alpha / limit / up_offset or a limit <= 0 (the second overload: that part alone, which
+// the layers check when they are built).
 void check_gate_act(const char* what, const GateUpArgs& args);
+void check_gate_act(const std::string& what, const GateAct& act);
 
 }  // namespace tandem
