@@ -162,7 +162,7 @@ TEST_P(KernelsBf16, GateUpMatchesReference) {
       PackedWeight w = pack_gate_up_bf16(pg.w.data(), pu.w.data(), n, k, k);
       std::vector<float> h;
       std::vector<bf16_t> hb;
-      test::gate_up_both(*kernel, w, {}, pg.a.data(), m, k, h, hb, n);
+      test::gate_up_both(*kernel, w, pg.a.data(), m, k, h, hb, n);
       std::vector<double> rg, mg, ru, mu;
       reference(pg, pg.a.data(), rg, mg);
       reference(pu, pu.a.data(), ru, mu);
@@ -193,13 +193,9 @@ TEST_P(KernelsBf16, GateUpClampedSwigluWithBiases) {
     pu.a = pg.a;
     const auto [bg, bu] = test::random_biases(n, rng);
     PackedWeight w = pack_gate_up_bf16(pg.w.data(), pu.w.data(), n, k, k);
-    GateUpArgs g;
-    g.act = act;
-    g.gate_bias = bg.data();
-    g.up_bias = bu.data();
     std::vector<float> h;
     std::vector<bf16_t> hb;
-    test::gate_up_both(*kernel, w, g, pg.a.data(), m, k, h, hb, n);
+    test::gate_up_both(*kernel, w, pg.a.data(), m, k, h, hb, n, act, bg.data(), bu.data());
     std::vector<double> rg, mg, ru, mu;
     reference(pg, pg.a.data(), rg, mg);
     reference(pu, pu.a.data(), ru, mu);

@@ -254,7 +254,7 @@ TEST_P(KernelsInt, GateUpMatchesReference) {
         PackedWeight pw = pack_gate_up({wg.data(), SourceType::f32, n, k}, {wu.data(), SourceType::f32, n, k}, opt);
         std::vector<float> h;
         std::vector<bf16_t> hb;
-        test::gate_up_both(*v, pw, {}, a.data(), m, k, h, hb, n);
+        test::gate_up_both(*v, pw, a.data(), m, k, h, hb, n);
         const auto wdq = unpack(pw);  // gate rows, then up rows
         const auto aq = dequantized_acts(pw, a.data(), m, k);
         std::vector<double> rg, mg, ru, mu;
@@ -283,13 +283,9 @@ TEST_P(KernelsInt, GateUpClampedSwigluWithBiases) {
       auto a = random_acts(static_cast<size_t>(m) * k, rng);
       const auto [bg, bu] = test::random_biases(n, rng);
       PackedWeight pw = pack_gate_up({wg.data(), SourceType::f32, n, k}, {wu.data(), SourceType::f32, n, k}, opt);
-      GateUpArgs g;
-      g.act = act;
-      g.gate_bias = bg.data();
-      g.up_bias = bu.data();
       std::vector<float> h;
       std::vector<bf16_t> hb;
-      test::gate_up_both(*v, pw, g, a.data(), m, k, h, hb, n);
+      test::gate_up_both(*v, pw, a.data(), m, k, h, hb, n, act, bg.data(), bu.data());
       const auto wdq = unpack(pw);
       const auto aq = dequantized_acts(pw, a.data(), m, k);
       std::vector<double> rg, mg, ru, mu;

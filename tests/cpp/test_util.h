@@ -179,12 +179,16 @@ inline std::pair<std::vector<float>, std::vector<float>> random_biases(int n, st
 }
 
 // Runs gate_up of variant v on w twice, into h (fp32) and hb (bf16), from bf16 rows a
-// (m x lda), outputs n wide: args carries the activation and biases (its a / m / lda / h
-// are set here).
-inline void gate_up_both(const KernelVariant& v, const PackedWeight& w, GateUpArgs args, const bf16_t* a, int m, int lda,
-                         std::vector<float>& h, std::vector<bf16_t>& hb, int n) {
+// (m x lda), outputs n wide, with activation act and the biases (null: none).
+inline void gate_up_both(const KernelVariant& v, const PackedWeight& w, const bf16_t* a, int m, int lda,
+                         std::vector<float>& h, std::vector<bf16_t>& hb, int n, const GateAct& act = {},
+                         const float* gate_bias = nullptr, const float* up_bias = nullptr) {
   h.assign(static_cast<size_t>(m) * n, 0.0f);
   hb.assign(h.size(), 0);
+  GateUpArgs args;
+  args.act = act;
+  args.gate_bias = gate_bias;
+  args.up_bias = up_bias;
   args.a = a;
   args.m = m;
   args.lda = lda;
