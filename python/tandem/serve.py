@@ -376,10 +376,14 @@ class Generator:
             if not self._thread.is_alive():
                 raise APIError(500, "the generation thread has stopped; restart the server", code="generator_stopped",
                                kind="server_error")
-            if len(self._waiting) >= self.max_queue and (self.running is not None or self._waiting):
+            # One runs and max_queue wait. A job the generation thread has not yet taken off the
+            # queue is the one that runs next, so count jobs, not the running slot: with
+            # --max-queue 1, two requests arriving together both get in.
+            held = int(self.running is not None) + len(self._waiting)
+            if held >= 1 + self.max_queue:
                 self.counts["rejected"] += 1
-                raise APIError(503, f"the server is busy: 1 request running and {len(self._waiting)} waiting "
-                               f"(--max-queue {self.max_queue}); retry later", code="queue_full", kind="server_error")
+                raise APIError(503, f"the server is busy: {held} requests running or waiting (1 runs at a time, "
+                               f"--max-queue {self.max_queue}); retry later", code="queue_full", kind="server_error")
             self._waiting.append(job)
             self._cv.notify()
 

@@ -367,6 +367,45 @@ def test_two_concurrent_clients_each_get_their_own_answer(server, client, refere
     assert [got.get(0), got.get(1)] == want
 
 
+def test_a_queued_job_not_yet_taken_counts_as_the_next_to_run(reference):
+    """--max-queue 1 means one runs and one waits. Two requests that arrive before the
+    generation thread has taken the first off the queue both get in; a third is refused.
+    (The count once read the queue alone, and CI saw the second of two clients refused.)"""
+    import asyncio
+
+    from tandem.serve import APIError, Generator, Job, Params
+
+    model, tok = reference
+    release = threading.Event()
+
+    class Held(Generator):  # its thread takes nothing off the queue until released
+        def _loop(self):
+            release.wait()
+            super()._loop()
+
+    gen = Held(model, tok, max_queue=1, log=lambda s: None)
+    loop = asyncio.new_event_loop()
+    params = Params(max_tokens=1, min_tokens=0, temperature=0.0, top_p=1.0, seed=None, stop=[], stream=False,
+                    include_usage=False)
+
+    def job(i):
+        return Job(id=f"j{i}", prompt_ids=torch.tensor([1, 2, 3]), params=params, max_tokens=1, loop=loop,
+                   out=asyncio.Queue())
+
+    try:
+        gen.submit(job(0))
+        gen.submit(job(1))
+        assert gen.state()["waiting"] == 2 and gen.state()["running"] == 0
+        with pytest.raises(APIError) as e:
+            gen.submit(job(2))
+        assert e.value.status == 503 and "2 requests running or waiting" in str(e.value)
+    finally:
+        gen.shutdown()
+        release.set()
+        gen._thread.join(timeout=30)
+        loop.close()
+
+
 def test_full_queue_503_and_disconnects_free_their_slot(server, client, reference):
     """--max-queue 1: one runs, one waits, a third gets 503 at once. A client that gives up
     while waiting leaves the queue; one that disconnects mid-stream stops its generation."""
