@@ -604,10 +604,10 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](const std::string& config_path, const std::string& config_text, int experts, int hidden,
                        int inter, std::vector<int> layers, const std::string& backward_format, int rank, float alpha,
                        bool rslora, const std::string& activation, float swiglu_alpha, float swiglu_limit,
-                       float swiglu_up_offset) {
+                       float swiglu_up_offset, bool bias) {
              Config c = config_from(config_path, config_text);
              const MoeShape shape =
-                 moe_shape(experts, hidden, inter, activation, swiglu_alpha, swiglu_limit, swiglu_up_offset, false);
+                 moe_shape(experts, hidden, inter, activation, swiglu_alpha, swiglu_limit, swiglu_up_offset, bias);
              LoraEngineOptions o;
              o.backward_format = parse_format(backward_format);
              o.lora = {rank, alpha, rslora};
@@ -624,23 +624,29 @@ PYBIND11_MODULE(_C, m) {
            py::arg("inter"), py::arg("layers"), py::arg("backward_format") = "bf16", py::arg("rank") = 8,
            py::arg("alpha") = 16.0f, py::arg("rslora") = false, py::arg("activation") = "silu",
            py::arg("swiglu_alpha") = 1.0f, py::arg("swiglu_limit") = 7.0f, py::arg("swiglu_up_offset") = 0.0f,
+           py::arg("bias") = false,
            "layers: the model layer of each MoE layer (distinct, ascending); rank / alpha / rslora: every layer's "
-           "initial LoRA config (LoraLayer.set_lora changes one layer's); activation / swiglu_*: the experts' math "
-           "(as Engine's; no biases)")
+           "initial LoRA config (LoraLayer.set_lora changes one layer's); activation / swiglu_* / bias: the experts' "
+           "math (as Engine's; the biases are frozen like the weights)")
       .def("load_checkpoint", [](PyLoraEngine& e, const Checkpoint& c, const NamingTuple& n, const py::object& progress) {
              load_from_checkpoint(*e.engine, c, n, progress);
            }, py::arg("checkpoint"), py::arg("naming"), py::arg("progress") = py::none(),
            "Packs every MoE layer from a checkpoint, read in place, giving the source pages back after each layer; "
            "errors name the tensor before any layer is half loaded. progress(done, total) counts experts.")
       .def("load_layer", [](PyLoraEngine& e, int i, const std::vector<uintptr_t>& gate, const std::vector<uintptr_t>& up,
-                            const std::vector<uintptr_t>& down, const std::string& dtype, const py::object& progress) {
-             const auto source = pointer_sources(e.engine->spec().shape, gate, up, down, dtype, "lora engine: load_layer");
+                            const std::vector<uintptr_t>& down, const std::string& dtype, const py::object& progress,
+                            const std::vector<uintptr_t>& gate_bias, const std::vector<uintptr_t>& up_bias,
+                            const std::vector<uintptr_t>& down_bias) {
+             const auto source = pointer_sources(e.engine->spec().shape, gate, up, down, dtype, "lora engine: load_layer",
+                                                 gate_bias, up_bias, down_bias);
              Progress p = py_progress(progress);
              py::gil_scoped_release nogil;
              e.engine->load_layer(i, source, p);
            }, py::arg("index"), py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("dtype"),
-           py::arg("progress") = py::none(),
-           "Packs MoE layer `index` from row-major [inter x hidden] gate/up and [hidden x inter] down per expert.")
+           py::arg("progress") = py::none(), py::arg("gate_bias") = std::vector<uintptr_t>{},
+           py::arg("up_bias") = std::vector<uintptr_t>{}, py::arg("down_bias") = std::vector<uintptr_t>{},
+           "Packs MoE layer `index` from row-major [inter x hidden] gate/up and [hidden x inter] down per expert "
+           "(with biases: fp32 [inter] gate/up and [hidden] down per expert).")
       .def("prepare_backward", [](PyLoraEngine& e, const py::object& progress) {
              Progress p = py_progress(progress);
              py::gil_scoped_release nogil;

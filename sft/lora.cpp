@@ -140,9 +140,11 @@ struct LoraMoe::Scratch {
   std::vector<Grow<bf16_t>> h;                    // per subpool [R x len] bf16 h
   std::vector<std::vector<QuantizedActs>> qmid;   // per subpool, per active expert
   std::vector<Grow<float>> y, pdp;                // per subpool [R x H] (y, then backward's dx), [R x r]
+  std::vector<int> row_expert;                    // grouped row -> expert (experts with down biases only)
   // backward
   Grow<bf16_t> dog;                               // [R x H] dOut rows, bf16
   Grow<float> dogf, qd, wqd, wpd, qgu;            // [R x H], [R x r] x 3, [R x 2r]
+  Grow<double> dwb;                               // [R] down bias . dOut row (experts with biases only)
   std::vector<QuantizedActs> qbin;                // per active expert (integer backward packs)
   std::vector<std::vector<QuantizedActs>> qbmid;  // per subpool, per active expert
   std::vector<Grow<float>> dh, dguf, qgup, dwp;  // per subpool (dh then holds h: act overwrites it in place)
@@ -154,8 +156,6 @@ LoraMoe::LoraMoe(Pool& pool, MoeShape shape, SftOptions options, int layer_index
       scratch_(std::make_unique<Scratch>()) {
   TANDEM_CHECK(shape.experts >= 1 && shape.hidden >= 1 && shape.inter >= 1, Errc::invalid_argument, "lora: shape (experts ",
                shape.experts, ", hidden ", shape.hidden, ", intermediate ", shape.inter, ") must be positive");
-  TANDEM_CHECK(!shape.bias, Errc::unsupported, "lora: layer ", layer_index, ": LoRA training runs experts without "
-               "biases only; this layer's experts are ", describe_experts(shape));
   check_gate_act(str_cat("lora: layer ", layer_index), shape.act);
   set_lora(options.lora);
   TANDEM_CHECK(options.backward_format != WeightFormat::int4, Errc::unsupported,
@@ -391,6 +391,10 @@ class SftForwardTask : public SftTask {
       sc.qin.resize(n);
       for (int i = 0; i < n; ++i) sc.qin[i].prepare(L.packs_->gate(s0, g.active[i]), g.count[i]);
     }
+    if (L.packs_->down_bias()) {
+      sc.row_expert.resize(R);
+      for (int i = 0; i < n; ++i) std::fill_n(sc.row_expert.begin() + g.offset[i], g.count[i], g.active[i]);
+    }
     for (int s = 0; s < S; ++s) {
       if (!len(s)) continue;
       st_.gu[s] = raw<float>(R * 2 * len(s));
@@ -435,6 +439,19 @@ class SftForwardTask : public SftTask {
       mm(m, l, r, s_, {p, 2 * r}, wt[BG].of(e).at(i0, 0).T(), 1.0f, gu, 2 * l);
       mm(m, l, r, s_, {p + r, 2 * r}, wt[BU].of(e).at(i0, 0).T(), 1.0f, gu + l, 2 * l);
     }
+    // The biases, added to base + LoRA as the inference epilogue adds them to the base
+    // (the same fp32 additions: with B = 0 the two forwards are the same bits). The saved
+    // pre-activations include them, so the backward's derivatives see what the forward did.
+    if (const float* gb = L.packs_->gate_bias(s, e)) {
+      const float* ub = L.packs_->up_bias(s, e);
+      for (int q = 0; q < m; ++q) {
+        float* gq = gu + size_t(q) * 2 * l;
+        for (int j = 0; j < l; ++j) {
+          gq[j] += gb[j];
+          gq[l + j] += ub[j];
+        }
+      }
+    }
     thread_local std::vector<float> h;
     h.resize(size_t(m) * l);
     bf16_t* hb = sc.h[s].data() + row0 * l;
@@ -473,7 +490,7 @@ class SftForwardTask : public SftTask {
   void merge(int idx) {
     const int t = idx / merge_blocks(), j0 = (idx % merge_blocks()) * kMergeCols;
     core::merge_block(in_.out, in_.accumulate, t, in_.top_k, g.slot_row.data(), in_.weights, ys.data(), S, H, j0,
-                      std::min(H, j0 + kMergeCols));
+                      std::min(H, j0 + kMergeCols), L.packs_->down_bias(), sc.row_expert.data());
   }
 
   MoeInput in_;
@@ -580,6 +597,7 @@ class SftBackwardTask : public SftTask {
     const size_t R = g.total_rows;
     const int n = static_cast<int>(g.active.size());
     sc.dog.get(R * H);
+    if (L.packs_->down_bias() && gr.d_weights) sc.dwb.get(R);
     if (st_.lora) {
       sc.dogf.get(R * H);
       sc.qd.get(R * r);
@@ -626,8 +644,24 @@ class SftBackwardTask : public SftTask {
       }
     }
     if (quant) quantize_activations(sc.qbin[i], dog, H, b.begin, b.end, L.kt_);
-    if (!st_.lora) return;
     const int e = g.active[i];
+    // d out_row / d weight includes the down bias: b_d . dOut (fp32 dOut, in double).
+    if (const float* bd = L.packs_->down_bias(); bd && gr.d_weights) {
+      bd += size_t(e) * H;
+      for (int q = b.begin; q < b.end; ++q) {
+        const int t = g.rows_token[off + q];
+        double d = 0;
+        if (gr.d_out) {
+          const float* o = gr.d_out + size_t(t) * H;
+          for (int j = 0; j < H; ++j) d += double(bd[j]) * o[j];
+        } else {
+          const bf16_t* o = gr.d_out_bf16 + size_t(t) * H;
+          for (int j = 0; j < H; ++j) d += double(bd[j]) * widen(o[j]);
+        }
+        sc.dwb[size_t(off) + q] = d;
+      }
+    }
+    if (!st_.lora) return;
     float* qd = sc.qd.data() + row0 * r;
     mm(m, r, H, 1.0f, {sc.dogf.data() + row0 * H, H}, wt[BD].of(e), 0.0f, qd, r);
     for (int q = 0; q < m; ++q) {
@@ -769,9 +803,11 @@ class SftBackwardTask : public SftTask {
       for (int k = 0; k < K; ++k) {
         const int row = g.slot_row[size_t(t) * K + k];
         float dw = 0;
-        if (row >= 0)
+        if (row >= 0) {
           for (int s = 0; s < S; ++s)
             if (len(s)) dw += sc.dwp[s][row];
+          if (L.packs_->down_bias()) dw += static_cast<float>(sc.dwb[row]);
+        }
         gr.d_weights[size_t(t) * K + k] = dw;
       }
     if (!gr.d_x) return;

@@ -89,12 +89,8 @@ def make_lora_layers(config: ConfigLike, shape: tuple[int, int, int], layers: li
         warnings.warn("tandem training runs every routed expert on the CPU pools; the config's gpu.hot_experts and "
                       "gpu.deferred_experts apply to inference only", stacklevel=3)
     E, H, I = shape
-    if math.bias:
-        raise ValueError(f"this model's experts compute {math.describe()}; tandem's LoRA training path computes "
-                         "experts without biases only (load or offload for inference)")
-    args = {k: v for k, v in math.engine_args().items() if k != "bias"}
     return _C.LoraEngine(experts=E, hidden=H, inter=I, layers=list(layers), backward_format=backward_format,
-                         **args, **config_args(config))
+                         **math.engine_args(), **config_args(config))
 
 
 def share_cpu_with_torch(engine: _C.Engine | LoraEngine, device: torch.device) -> int:
@@ -161,9 +157,14 @@ def offload(model: nn.Module, config: ConfigLike = None, *, train: bool | None =
         raise ValueError(f"MoE layers compute different expert math ({', '.join(sorted(m.describe() for m in maths))}); "
                          "tandem needs one")
     math = maths.pop()
-    if train and math.bias:
-        raise ValueError(f"this model's experts compute {math.describe()}; tandem's LoRA training path "
-                         "computes experts without biases only: offload with train=False for inference")
+    if train and math.bias and hasattr(model, "peft_config"):
+        # PEFT froze the base; a bias made trainable since would be frozen here without a word.
+        for (e, _), b in zip(inner, blocks):
+            trained = [n for n, p in e.named_parameters(recurse=False) if p.requires_grad and "bias" in n]
+            if trained:
+                raise ValueError(f"model layer {b.layer} experts: {', '.join(trained)} require grad; tandem keeps the "
+                                 "routed experts' biases frozen in its CPU packs and trains LoRA on them "
+                                 "(requires_grad_(False) on the biases)")
     for (e, _), b in zip(inner, blocks):
         if isinstance(e, nn.ModuleList):
             check_v4_block(b.block)
@@ -188,12 +189,13 @@ def offload(model: nn.Module, config: ConfigLike = None, *, train: bool | None =
                 patch_v4_block(b.block, hf)
             fused = not isinstance(experts, nn.ModuleList)
             b.block.experts = TandemExperts(engine, i, b.layer, act, fused=fused, dtype=keep[0].dtype, device=device,
-                                            math=math)
+                                            math=math, interleaved=oai_math(experts) is not None)
             if fused:
                 watch_block(b.block, b.block.experts)
             continue
-        engine.load_layer(i, gate, up, down, dtype, progress=step)
-        te = TandemLoraExperts(engine.layers[i], b.layer, not isinstance(experts, nn.ModuleList), keep[0].dtype, device)
+        engine.load_layer(i, gate, up, down, dtype, progress=step, **biases)
+        te = TandemLoraExperts(engine.layers[i], b.layer, not isinstance(experts, nn.ModuleList), keep[0].dtype, device,
+                               interleaved=oai_math(experts) is not None)
         del keep
         if isinstance(experts, nn.ModuleList) and has_v4_lora(experts):
             attach_v4_lora(b.block, hf, experts, te)

@@ -258,9 +258,6 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
     dtype = dtype if dtype is not None else _config_dtype(hf_config)
     (E, H, I), layers, names, naming = me.shape, me.layers, me.names, me.naming
     what = f"{path}: this model's experts compute {me.math.describe()}"
-    if train and me.math.bias:
-        raise ValueError(f"{what}; tandem's LoRA training path computes experts without biases only (load with "
-                         "train=False for inference)")
     if store is not None and me.math.bias:
         raise ValueError(f"{what}; a packed expert store holds experts without biases only (load without store=, or "
                          "remove cpu.store from the config)")
@@ -300,13 +297,13 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
             bar(None)
     if train:
         for b, layer in zip(blocks, engine.layers):
-            b.block.experts = TandemLoraExperts(layer, b.layer, True, dtype, device)
+            b.block.experts = TandemLoraExperts(layer, b.layer, True, dtype, device, interleaved=naming is None)
             watch_block(b.block, b.block.experts)
     else:
         source = ExpertsSource(str(path), tuple(naming)) if naming else None
         for i, b in enumerate(blocks):
             b.block.experts = TandemExperts(engine, i, b.layer, "silu", fused=True, dtype=dtype,
-                                            device=device, source=source, math=me.math)
+                                            device=device, source=source, math=me.math, interleaved=naming is None)
             watch_block(b.block, b.block.experts)
     if naming:
         expert_keys = {_C.expert_key(p, L, e) for L in layers for e in range(E) for p in naming}

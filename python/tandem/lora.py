@@ -179,7 +179,10 @@ def _active(m: nn.Module, where: str) -> str | None:
 
 
 def param_wrapper_lora(wrapper: nn.Module, E: int, H: int, I: int, where: str) -> LoraTensors | None:
-    """The adapters of a (nested) PEFT ParamWrapper chain on fused v5 experts."""
+    """The adapters of a (nested) PEFT ParamWrapper chain on fused v5 experts. lora_B of
+    gate_up_proj has one row per output of the experts' gate_up product: gate then up, or,
+    where the module keeps them interleaved (gpt-oss: ``is_concatenated`` False), gate and up
+    alternating."""
     found: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
     m = wrapper
     while is_param_wrapper(m):
@@ -192,6 +195,7 @@ def param_wrapper_lora(wrapper: nn.Module, E: int, H: int, I: int, where: str) -
         m = m.base_layer
     if not found:
         return None
+    interleaved = not getattr(m, "is_concatenated", True)
     ranks = {p: a.shape[0] // E for p, (a, b, s) in found.items()}
     r = max(ranks.values())
     scaling = found.get("gate_up_proj", found.get("down_proj"))[2]
@@ -217,7 +221,8 @@ def param_wrapper_lora(wrapper: nn.Module, E: int, H: int, I: int, where: str) -
         gu = (_zeros(E, r, H), _zeros(E, 2 * I, r))
     if dn is None:
         dn = (_zeros(E, r, I), _zeros(E, H, r))
-    return LoraTensors(a_gate=gu[0], b_gate=gu[1][:, :I], a_up=gu[0], b_up=gu[1][:, I:], a_down=dn[0], b_down=dn[1],
+    b_gate, b_up = (gu[1][:, 0::2], gu[1][:, 1::2]) if interleaved else (gu[1][:, :I], gu[1][:, I:])
+    return LoraTensors(a_gate=gu[0], b_gate=b_gate, a_up=gu[0], b_up=b_up, a_down=dn[0], b_down=dn[1],
                        scaling=scaling)
 
 

@@ -71,14 +71,29 @@ class _FusedPlaceholders(nn.Module):
     """For fused (v5) experts: answers ``gate_up_proj`` and ``down_proj`` with storage-free
     placeholders of the right shape, dtype and device (those of the ``tandem_probe`` buffer,
     which ``.to()`` moves and casts like the model), so that PEFT's ``target_parameters``
-    can wrap the module. Subclasses set num_experts, hidden_dim, intermediate_dim, fused."""
+    can wrap the module. Subclasses set num_experts, hidden_dim, intermediate_dim, fused.
+
+    In gpt-oss's layout (``_set_layout(interleaved=True)``) the placeholders are its
+    [E, H, 2I] (gate and up columns interleaved) and [E, I, H], with transformers' flags for
+    it (is_transposed, not is_concatenated): PEFT and tandem then read an adapter's lora_B
+    rows of gate_up_proj as the stock module does, so adapters move between the two."""
+
+    is_transposed = False
+    is_concatenated = True
 
     def _add_probe(self, dtype: torch.dtype, device: torch.device) -> None:
         self.register_buffer("tandem_probe", torch.zeros(1, dtype=dtype, device=device), persistent=False)
 
+    def _set_layout(self, interleaved: bool) -> None:
+        self.is_transposed = self.has_bias = interleaved
+        self.is_concatenated = not interleaved
+
     def _placeholders(self) -> dict[str, torch.Tensor]:
         E, H, I = self.num_experts, self.hidden_dim, self.intermediate_dim
         p = self._buffers["tandem_probe"]
+        if self.is_transposed:
+            return {"gate_up_proj": nn.Parameter(p.expand(E, H, 2 * I), requires_grad=False),
+                    "down_proj": nn.Parameter(p.expand(E, I, H), requires_grad=False)}
         return {"gate_up_proj": nn.Parameter(p.expand(E, 2 * I, H), requires_grad=False),
                 "down_proj": nn.Parameter(p.expand(E, H, I), requires_grad=False)}
 
@@ -113,7 +128,8 @@ class TandemExperts(_FusedPlaceholders):
 
     def __init__(self, engine: _C.Engine, index: int, layer: int, act: str = "silu", fused: bool = False,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 source: "ExpertsSource | None" = None, math: ExpertMath | None = None):
+                 source: "ExpertsSource | None" = None, math: ExpertMath | None = None,
+                 interleaved: bool = False):
         super().__init__()
         if math is None:
             math = PLAIN
@@ -130,6 +146,7 @@ class TandemExperts(_FusedPlaceholders):
         self.source = source        # where the base weights can be read again (merging adapters)
         if fused:
             self._add_probe(dtype, torch.device(device))
+            self._set_layout(interleaved)
         self._cuda_binding = CUDA_BINDINGS.get(engine) if engine.is_cuda else None
         if engine.is_cuda and self._cuda_binding is None:
             raise ValueError(f"model layer {layer}: this CUDA engine was not made by tandem.engine.make_engine, so "
@@ -205,7 +222,7 @@ class TandemLoraExperts(_FusedPlaceholders):
     that PEFT's ``target_parameters`` can wrap it after offloading."""
 
     def __init__(self, lora_layer: _C.LoraLayer, layer: int, fused: bool, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, interleaved: bool = False):
         super().__init__()
         self.lora_layer = lora_layer
         self.layer = layer
@@ -214,6 +231,7 @@ class TandemLoraExperts(_FusedPlaceholders):
         self.hidden_dim = lora_layer.hidden
         self.intermediate_dim = lora_layer.inter
         self._add_probe(dtype, device)
+        self._set_layout(interleaved)
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer}, experts={self.num_experts}, hidden={self.hidden_dim}, "

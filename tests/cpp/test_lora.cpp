@@ -173,6 +173,7 @@ struct Case {
   int isa = -1;              // the layer's kernel level (-1: its default, effective_isa())
   bool bf16_exact_x = false;  // fp32 x already on the bf16 grid
   GateAct act;               // the experts' activation
+  bool bias = false;         // gate / up / down biases (gpt-oss)
 };
 
 std::string describe(const Case& c) {
@@ -183,7 +184,7 @@ std::string describe(const Case& c) {
      << " alpha " << c.alpha << (c.rslora ? " rslora" : "") << (c.fp32_x ? " x fp32" : " x bf16")
      << (c.bf16_dout ? " d_out bf16" : " d_out fp32") << (c.i64 ? " ids i64" : "") << (c.accumulate ? " accumulate" : "")
      << (c.accumulate_x ? " accumulate_x" : "") << (c.one_expert ? " one_expert" : "") << (c.want_dx ? "" : " no d_x")
-     << (c.want_dw ? "" : " no d_weights") << (c.null_lora ? " null_lora" : "") << (c.act.plain() ? "" : " clamped")
+     << (c.want_dw ? "" : " no d_weights") << (c.null_lora ? " null_lora" : "") << (c.act.plain() ? "" : " clamped") << (c.bias ? " biases" : "")
      << (c.skip_grad >= 0 ? std::string(" no d") + mat_name(c.skip_grad) : "") << (c.mixed_layouts ? " mixed layouts" : "");
   return os.str();
 }
@@ -193,6 +194,7 @@ double scaling_of(const Case& c) { return c.rslora ? c.alpha / std::sqrt(double(
 struct Problem {
   Case c;
   std::vector<std::vector<float>> g, u, d;  // base per expert, fp32 nn.Linear layout
+  std::vector<std::vector<float>> gb, ub, db;  // biases per expert (c.bias): [inter], [inter], [hidden]
   std::vector<float> xf;                    // [T x H] (bf16 values when !fp32_x)
   std::vector<bf16_t> xb;                   // bf16(xf)
   std::vector<int32_t> ids;
@@ -265,7 +267,32 @@ Problem make_problem(const Case& c, uint64_t seed) {
     p.grad0[m] = LoraBuf(E, rows, cols, lg);
     for (auto& v : p.grad0[m].buf) v = nd(rng);
   }
+  if (c.bias)  // drawn last: the other values stay those of the same case without biases
+    for (int e = 0; e < E; ++e) {
+      auto [bg, bu] = test::random_biases(I, rng);
+      for (auto* v : {&bg, &bu})
+        for (auto& x : *v) x /= 3;  // N(0, 1): about the base pre-activations' spread
+      std::vector<float> bd(H);
+      for (auto& x : bd) x = nd(rng);
+      p.gb.push_back(std::move(bg));
+      p.ub.push_back(std::move(bu));
+      p.db.push_back(std::move(bd));
+    }
   return p;
+}
+
+// Expert e of the problem as a weight source (biases included when it has them).
+ExpertSource source_of(const Problem& p, int e) {
+  const Case& c = p.c;
+  ExpertSource src{{p.g[e].data(), SourceType::f32, c.inter, c.hidden},
+                   {p.u[e].data(), SourceType::f32, c.inter, c.hidden},
+                   {p.d[e].data(), SourceType::f32, c.hidden, c.inter}};
+  if (c.bias) {
+    src.gate_bias = {p.gb[e].data(), SourceType::f32, 1, c.inter};
+    src.up_bias = {p.ub[e].data(), SourceType::f32, 1, c.inter};
+    src.down_bias = {p.db[e].data(), SourceType::f32, 1, c.hidden};
+  }
+  return src;
 }
 
 // ---- running the layer ----------------------------------------------------------------
@@ -282,13 +309,10 @@ struct TestLayer {
     o.lora.rslora = c.rslora;
     MoeShape shape{c.experts, c.hidden, c.inter};
     shape.act = c.act;
+    shape.bias = c.bias;
     moe = std::make_unique<LoraMoe>(*pool, shape, o, layer_index);
     if (c.isa >= 0) moe->use_isa(static_cast<IsaLevel>(c.isa));
-    moe->load([&](int e) {
-      return ExpertSource{{p.g[e].data(), SourceType::f32, c.inter, c.hidden},
-                          {p.u[e].data(), SourceType::f32, c.inter, c.hidden},
-                          {p.d[e].data(), SourceType::f32, c.hidden, c.inter}};
-    });
+    moe->load([&](int e) { return source_of(p, e); });
   }
 };
 
@@ -500,6 +524,10 @@ Ref reference(const Problem& p, const Base& b, bool bf16_terms = true) {
         }
         g[i] = bg + s * lg, Eg[i] = gam(H + R) * (mbg + s * mlg) + s * elg;
         up[i] = bu + s * lu, Eu[i] = gam(H + R) * (mbu + s * mlu) + s * elu;
+        if (c.bias) {  // one more fp32 addition each
+          g[i] += p.gb[e][i], Eg[i] += kU32 * (std::fabs(g[i]) + Eg[i]);
+          up[i] += p.ub[e][i], Eu[i] += kU32 * (std::fabs(up[i]) + Eu[i]);
+        }
         if (!clamped) {
           sig[i] = 1 / (1 + std::exp(-g[i]));
           sil[i] = g[i] * sig[i];
@@ -547,7 +575,8 @@ Ref reference(const Problem& p, const Base& b, bool bf16_terms = true) {
           const double bv = Bd[size_t(rr) * R + a];
           ly += Pd[a] * bv, mly += std::fabs(Pd[a] * bv), ely += std::fabs(bv) * EPd[a];
         }
-        const double y = by + s * ly, Ey = gam(I + R) * (mby + s * mly) + eby + s * ely;
+        const double bias = c.bias ? p.db[e][rr] : 0.0;
+        const double y = by + s * ly + bias, Ey = gam(I + R) * (mby + s * mly + std::fabs(bias)) + eby + s * ely;
         const size_t o = size_t(t) * H + rr;
         out_layer[o] += w * y;
         out_tol[o] += std::fabs(w) * Ey;
@@ -587,6 +616,8 @@ Ref reference(const Problem& p, const Base& b, bool bf16_terms = true) {
         Edhu[i] = gam(H + R) * (mdhb[i] + s * mlq[i]) + s * elq[i];
         dw += h[i] * dhu[i], mdw += std::fabs(h[i] * dhu[i]), edw += std::fabs(h[i]) * Edhu[i] + std::fabs(dhu[i]) * Eh[i];
       }
+      if (c.bias)  // the down bias is part of the expert's output: b_d . dOut
+        for (int rr = 0; rr < H; ++rr) dw += p.db[e][rr] * dft[rr], mdw += std::fabs(p.db[e][rr] * dft[rr]);
       r.dw[size_t(t) * K + k] = dw;
       r.dw_tol[size_t(t) * K + k] = edw + gam(I) * mdw;
       for (int i = 0; i < I; ++i) {
@@ -876,6 +907,20 @@ TEST(LoraReference, ClampedSwigluForwardAndEveryGradient) {
     Case c = random_case(rng, i);
     c.act = i % 2 ? GateAct{GateAct::Kind::clamped, 1.702f, 0.5f, 1.0f} : GateAct{GateAct::Kind::clamped, 1.0f, 0.5f, 0.0f};
     check_case(c, seed + 300 + i);
+    if (HasFailure()) break;
+  }
+}
+
+// Experts with biases on gate, up and down (gpt-oss's), plain and clamped: the biases
+// move the pre-activations (so every derivative) and the outputs (so d_weights).
+TEST(LoraReference, BiasesForwardAndEveryGradient) {
+  const uint64_t seed = test::test_seed();
+  std::mt19937_64 rng(seed);
+  for (int i = 0; i < 6; ++i) {
+    Case c = random_case(rng, i);
+    c.bias = true;
+    if (i % 3) c.act = GateAct{GateAct::Kind::clamped, 1.702f, i % 3 == 1 ? 0.5f : 7.0f, 1.0f};
+    check_case(c, seed + 400 + i);
     if (HasFailure()) break;
   }
 }
@@ -1431,10 +1476,12 @@ TEST(LoraApi, ShapesScalingAndContextState) {
 // the expert core: for the same weights and input, without an adapter or with a fresh one
 // (B = 0, as PEFT initializes it), their outputs are the same bits, in every format, for
 // bf16 and fp32 input, one or two subpools, at every kernel level this CPU has.
-// Plain experts and a clamped SwiGLU (limit 0.5: about half the pre-activations clamp here).
+// Plain experts and a clamped SwiGLU (limit 0.5: about half the pre-activations clamp here),
+// each without and with biases (gate and up added before the activation, down in the merge).
 TEST(LoraMoe, ForwardIsTheInferenceForwardBitForBit) {
   const uint64_t seed = test::test_seed();
   for (const GateAct act : {GateAct{}, GateAct{GateAct::Kind::clamped, 1.702f, 0.5f, 1.0f}})
+  for (const bool bias : {false, true})
   for (IsaLevel level : all_isa_levels()) {
     if (level > hardware_isa()) continue;
     for (const PackOptions fmt : {PackOptions{WeightFormat::bf16}, PackOptions{WeightFormat::int8},
@@ -1444,18 +1491,16 @@ TEST(LoraMoe, ForwardIsTheInferenceForwardBitForBit) {
           Case c;
           c.experts = 6, c.hidden = 128, c.inter = 160, c.top_k = 3, c.tokens = 40, c.rank = 4;
           c.fmt = fmt, c.fp32_x = fp32_x, c.subpools = subpools, c.isa = static_cast<int>(level), c.act = act;
-          SCOPED_TRACE(std::string(isa_name(level)) + " " + describe(c) + (act.plain() ? "" : " clamped"));
+          c.bias = bias;
+          SCOPED_TRACE(std::string(isa_name(level)) + " " + describe(c));
           Problem p = make_problem(c, seed + 11);
           TestLayer train(p, subpools);
           MoeShape shape{c.experts, c.hidden, c.inter};
           shape.act = act;
+          shape.bias = bias;
           MoeLayer infer(*train.pool, shape, fmt, 3);
           infer.use_isa(level);
-          infer.load([&](int e) {
-            return ExpertSource{{p.g[e].data(), SourceType::f32, c.inter, c.hidden},
-                                {p.u[e].data(), SourceType::f32, c.inter, c.hidden},
-                                {p.d[e].data(), SourceType::f32, c.hidden, c.inter}};
-          });
+          infer.load([&](int e) { return source_of(p, e); });
           const size_t n = size_t(c.tokens) * c.hidden;
           std::vector<float> want(n), base(n), fresh(n);
           infer.forward(input_of(p, want.data()));
@@ -1469,7 +1514,7 @@ TEST(LoraMoe, ForwardIsTheInferenceForwardBitForBit) {
           }
           EXPECT_EQ(differ_base, 0u) << "without an adapter: " << differ_base << " of " << n << " outputs differ";
           EXPECT_EQ(differ_fresh, 0u) << "with B = 0: " << differ_fresh << " of " << n << " outputs differ";
-          if (!act.plain()) {  // the clamp must bind: plain experts give other outputs
+          if (!act.plain() && !bias) {  // the clamp must bind: plain experts give other outputs
             MoeLayer silu(*train.pool, MoeShape{c.experts, c.hidden, c.inter}, fmt, 3);
             silu.use_isa(level);
             silu.load([&](int e) {

@@ -28,6 +28,10 @@ LAYER_BOUND = {"bf16": 1.6e-2, "int8": 6e-2, "int4": 0.35}
 # Whole-model logits on tokens whose routing matched (test_hf_inference's LOGIT_BOUND;
 # measured here: fp32 <= 6.8e-3, bf16 <= 1.5e-2 (MXFP4 experts included)).
 LOGIT_BOUND = {torch.float32: 1.5e-2, torch.bfloat16: 4e-2}
+# LoRA: PEFT targets on the experts; one layer's gradients in fp32 against stock PEFT
+# (test_lora_hf's GRAD_BOUND["fp32"]: relative L2, max relative; measured here <= 3.5e-3).
+EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+GRAD_BOUND = (1e-2, 1.2e-2)
 
 
 def cfg(fmt: str = "bf16", **gpu) -> dict:
@@ -131,13 +135,17 @@ def test_gpt_oss_logits_and_greedy_tokens_match_transformers(checkpoint, dtype):
 
 
 def test_gpt_oss_refusals(checkpoint):
-    """What does not compute gpt-oss's experts says so: LoRA training (offload and load_model),
-    hot experts (auto places none), a packed store; layers with different limits; an
-    instance whose gating was replaced."""
+    """What does not compute gpt-oss's experts says so: training the experts' biases (made
+    trainable in a PEFT model), hot experts (auto places none), a packed store; layers with
+    different limits; an instance whose gating was replaced."""
+    from peft import get_peft_model
+
     path = checkpoint(torch.float32)
-    with pytest.raises(ValueError, match=r"a clamped SwiGLU \(alpha 1.702, limit 7, up \+ 1\) with biases; "
-                                         r"tandem's LoRA training path computes experts without biases only"):
-        tandem.offload(load(path, torch.float32), cfg(), train=True, progress=False)
+    peft = get_peft_model(load(path, torch.float32), lora_config())
+    peft.get_base_model().model.layers[0].mlp.experts.base_layer.base_layer.down_proj_bias.requires_grad_(True)
+    with pytest.raises(ValueError, match=r"model layer 0 experts: down_proj_bias require grad; tandem keeps the "
+                                         r"routed experts' biases frozen"):
+        tandem.offload(peft, cfg(), progress=False)
     with pytest.raises(Exception, match=r"gpu.hot_experts: hot experts run silu\(gate\) \* up experts without biases "
                                         r"only; this model's experts are a clamped SwiGLU"):
         tandem.offload(load(path, torch.float32), {"version": 1, "gpu": {"device": "none", "hot_experts": {"count": 2}}},
@@ -146,9 +154,6 @@ def test_gpt_oss_refusals(checkpoint):
     engine = tandem.offload(model, {"version": 1, "gpu": {"device": "none", "hot_experts": {"count": "auto"}}},
                             progress=False)
     assert all(len(engine.hot(i)) == 0 for i in range(2))
-    with pytest.raises(ValueError, match=r"this model's experts compute a clamped SwiGLU .* with biases; tandem's "
-                                         r"LoRA training path computes experts without biases only"):
-        tandem.load_model(path, cfg(), train=True, progress=False)
     with pytest.raises(ValueError, match=r"a packed expert store holds experts without biases only"):
         tandem.convert(path, cfg(), progress=False)
     model = load(path, torch.float32)
@@ -256,3 +261,141 @@ def test_broken_gpt_oss_checkpoints_are_refused_naming_the_tensor(checkpoint, tm
     for i, (edit, message) in enumerate(cases):
         with pytest.raises(ValueError, match=message):
             tandem.load_model(broken(f"case{i}", edit), cfg(), progress=False)
+
+
+# ---- LoRA training ------------------------------------------------------------------------
+
+def lora_config(r: int = 4):
+    from peft import LoraConfig
+
+    return LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q_proj", "v_proj"], target_parameters=EXPERT_PARAMS)
+
+
+def stock_bf16_experts(path):
+    """The fp32 transformers model with its expert weights (not the biases) on the bf16 grid:
+    what tandem's BF16 packs hold (its biases stay fp32)."""
+    model = load(path, torch.float32)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".experts." in n and "bias" not in n:
+                p.copy_(p.bfloat16().float())
+    return model
+
+
+def lora_state(model) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in model.state_dict().items() if ".lora_" in k}
+
+
+def random_lora(model, seed: int) -> None:
+    """Every LoRA tensor drawn from N(0, 0.05^2) (PEFT's B = 0 would hide half the gradients)."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {k: torch.randn(v.shape, generator=g) * 0.05 for k, v in sorted(lora_state(model).items())}
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not unexpected and not [k for k in missing if ".lora_" in k]
+
+
+def layer_gradients(model, x0, idx, w0, r) -> dict[str, torch.Tensor]:
+    layer = model.get_base_model().model.layers[1].mlp.experts
+    x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+    model.zero_grad(set_to_none=True)
+    (layer(x, idx, w) * r).sum().backward()
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.requires_grad}
+    assert grads and all(v is not None for v in grads.values())
+    grads.update(x=x.grad.clone(), weights=w.grad.clone())
+    return grads
+
+
+def rel_errors(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    d = (got.double() - want.double())
+    return (d.norm() / want.double().norm()).item(), (d.abs().max() / want.double().abs().max()).item()
+
+
+@pytest.mark.parametrize("when", ["peft_before_offload", "peft_after_load_model"])
+def test_gpt_oss_lora_gradients_match_stock_peft(checkpoint, when):
+    """PEFT LoRA on gpt-oss's experts (target_parameters gate_up_proj [E, H, 2I], gate and
+    up interleaved, and down_proj) and attention: one MoE layer's gradients (every LoRA
+    tensor, the input, the routing weights) in tandem against the stock PEFT module on the
+    same input. The biases move every pre-activation and output, the clamps bind for part of
+    them (asserted), and lora_B's rows of gate_up_proj alternate gate and up as in the stock
+    module: reading them as [gate; up] fails this test. PEFT applied before offloading, or
+    after load_model(train=True) with the adapter's tensors copied over by name."""
+    from peft import get_peft_model
+
+    path = checkpoint(torch.float32)
+    ref = get_peft_model(stock_bf16_experts(path), lora_config())
+    random_lora(ref, 3)
+    if when == "peft_before_offload":
+        import copy
+
+        ours = copy.deepcopy(ref)
+        tandem.offload(ours, cfg(), progress=False)
+    else:
+        ours = get_peft_model(tandem.load_model(path, cfg(), train=True, dtype=torch.float32, progress=False),
+                              lora_config())
+        sd = lora_state(ref)
+        assert sd.keys() == lora_state(ours).keys()
+        ours.load_state_dict(sd, strict=False)
+        with torch.no_grad():  # PEFT wrapped tandem's experts: the block's first forward routes them to tandem
+            ours(tokens(1, batch=1, seq=4))
+    te = ours.get_base_model().model.layers[1].mlp.experts
+    while hasattr(te, "base_layer"):
+        te = te.base_layer
+    assert type(te).__name__ == "TandemLoraExperts" and te.lora_layer.activation.endswith("with biases")
+    stock = ref.get_base_model().model.layers[1].mlp.experts.base_layer.base_layer
+    E, H, two_i = stock.gate_up_proj.shape
+    gen = torch.Generator().manual_seed(11)
+    x0 = (torch.randn(48, H, generator=gen) * 4).bfloat16().float()  # the clamps bind for part of the rows
+    idx = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(48)])
+    w0 = torch.rand(48, 2, generator=gen) + 0.1
+    r = torch.randn(48, H, generator=gen)
+    with torch.no_grad():
+        gu = torch.einsum("th,thi->ti", x0, stock.gate_up_proj[idx[:, 0]]) + stock.gate_up_proj_bias[idx[:, 0]]
+        share = ((gu[:, 0::2] > stock.limit).float().mean() + (gu[:, 1::2].abs() > stock.limit).float().mean()) / 2
+    assert share > 0.02, f"the clamps bind for only {share:.1%} of the pre-activations"
+    want, got = layer_gradients(ref, x0, idx, w0, r), layer_gradients(ours, x0, idx, w0, r)
+    assert got.keys() == want.keys() and len(want) == 6
+    errs = {n: rel_errors(got[n], want[n]) for n in want}
+    print(f"gpt-oss LoRA ({when}): " + ", ".join(f"{'.'.join(n.split('.')[-4:])} {e[0]:.1e}/{e[1]:.1e}"
+                                                  for n, e in errs.items()))
+    for n, (l2, mx) in errs.items():
+        assert l2 <= GRAD_BOUND[0] and mx <= GRAD_BOUND[1], f"{n}: relative L2 {l2:.2e}, max {mx:.2e}"
+
+
+def test_gpt_oss_lora_training_matches_stock_peft_and_the_adapter_loads_on_the_stock_model(checkpoint, tmp_path):
+    """Three AdamW steps of LoRA training on the whole gpt-oss model (attention and experts)
+    in tandem and in stock PEFT from the same initial adapter: the losses agree step by
+    step, and the adapter tandem saves loads with stock PEFT onto the stock model, whose
+    logits then match tandem's trained model."""
+    from peft import PeftModel, get_peft_model
+
+    path = checkpoint(torch.float32)
+    ref = get_peft_model(stock_bf16_experts(path), lora_config())
+    random_lora(ref, 5)
+    ours = get_peft_model(tandem.load_model(path, cfg(), train=True, dtype=torch.float32, progress=False),
+                          lora_config())
+    ours.load_state_dict(lora_state(ref), strict=False)
+    ids = tokens(4, batch=2, seq=16)
+    losses = {}
+    for name, model in (("stock", ref), ("tandem", ours)):
+        model.train()
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        losses[name] = []
+        for _ in range(3):
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses[name].append(loss.item())
+    print(f"gpt-oss LoRA losses: stock {losses['stock']}, tandem {losses['tandem']}")
+    assert losses["tandem"][-1] < losses["tandem"][0], "training did not lower the loss"
+    for a, b in zip(losses["stock"], losses["tandem"]):
+        assert abs(a - b) <= 2e-3 * abs(a), (losses["stock"], losses["tandem"])
+    ours.save_pretrained(tmp_path / "adapter")
+    stock = PeftModel.from_pretrained(stock_bf16_experts(path), tmp_path / "adapter").eval()
+    ours.eval()
+    probe = tokens(6, batch=1, seq=12)
+    with torch.no_grad():
+        want, got = stock(probe).logits, ours(probe).logits
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    print(f"gpt-oss adapter on the stock model: max rel logit err {err:.2e}")
+    assert err <= LOGIT_BOUND[torch.float32]
