@@ -439,18 +439,30 @@ class PackedDataset:
 # shared experts of those models, which would lose their LoRA, and gate_up would get rank 2r):
 # they are targeted as parameters instead ("<parent>.<name>.weight"), which PEFT leaves alone.
 _MLP_NAMES = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
-EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def expert_parameters(model) -> list[str]:
+    """PEFT target_parameters for the routed experts of `model`, wherever its MoE blocks keep
+    them (``mlp.experts``, ``block_sparse_moe.experts``, ``feed_forward.experts``, ...)."""
+    from .discovery import find_moe_blocks
+    from .peft_glue import hf_model
+
+    where = sorted({".".join(b.path.split(".")[-2:]) for b in find_moe_blocks(hf_model(model))})
+    return [f"{w}.{p}" for w in where for p in ("gate_up_proj", "down_proj")]
 
 
 def peft_config(model, rank: int, alpha: float, targets: list[str] | None = None, expert_lora: bool = True):
     """A PEFT LoraConfig for LoRA of rank `rank` and alpha `alpha` on every linear layer torch
-    holds except the output head (attention, shared experts, dense MLPs), or on those named in
+    holds (PEFT's rule applies: nn.Linear's own forward) except the output head (attention, shared experts, dense MLPs), or on those named in
     `targets` (leaf names, e.g. q_proj), and on the routed experts unless `expert_lora` is
     False. Every target gets the same rank and alpha (no rank or alpha patterns)."""
     from peft import LoraConfig
     from torch import nn
 
-    linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not n.endswith("lm_head")]
+    # nn.Linear itself, or a subclass that keeps its forward: a subclass with its own forward
+    # (DeepSeek-V4's grouped o_a_proj) computes something PEFT's LoRA does not add to.
+    linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
+              and not n.endswith("lm_head")]
     leaves = sorted({n.rpartition(".")[2] for n in linear})
     if targets is not None:
         unknown = sorted(set(targets) - set(leaves))
@@ -462,7 +474,7 @@ def peft_config(model, rank: int, alpha: float, targets: list[str] | None = None
     params = sorted({".".join(n.split(".")[-2:]) + ".weight" for n in linear if n.rpartition(".")[2] in wanted
                      and n.rpartition(".")[2] in _MLP_NAMES})
     if expert_lora:
-        params += list(EXPERT_PARAMETERS)
+        params += expert_parameters(model)
     if not modules and not params:
         raise ValueError("no LoRA targets: name some with --target-modules or leave expert LoRA on")
     return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=modules or None,

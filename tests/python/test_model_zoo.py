@@ -10,7 +10,13 @@ products and differ by accumulation order and tandem's bf16 activations (relativ
 top two logits are further apart than twice the largest difference, the greedy token must
 agree. The same model saved in transformers' v5 fused layout (``save_original_format=False``)
 must load to the same logits bit for bit (the same weights packed), or be refused with a
-ValueError; the table's last column says which.
+ValueError; the table's fourth column says which.
+
+Training, as `tandem train` sets it up (`tandem.train.peft_config`: LoRA on every linear layer
+but the head, and on the routed experts wherever the type keeps them): every MoE layer's
+experts and the attention carry LoRA, one backward gives every LoRA tensor a finite gradient
+(nonzero on the experts'), and the adapter saved from tandem's model loads with stock PEFT onto
+the stock model, whose logits then match tandem's (the inference bound above). The last column.
 
 Outcomes: "supported" (load_model matches), "refused" (load_model raised a ValueError
 naming what it lacks: a clean refusal), "not built" (this test could not make a tiny model
@@ -41,7 +47,7 @@ SMALL = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, exp
              moe_topk=2, expert_ffn_hidden_size=32, zero_expert_num=2, num_layers=2, max_position_embeddings=256, shared_expert_intermediate_size=32,
              n_shared_experts=1, num_shared_experts=1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
              initializer_range=0.08, tie_word_embeddings=False)
-RESULTS: dict[str, tuple[str, str, str]] = {}
+RESULTS: dict[str, tuple[str, str, str, str]] = {}
 
 
 def moe_model_types() -> list[str]:
@@ -103,31 +109,26 @@ def test_load_model_matches_from_pretrained(model_type, tmp_path):
         model.save_pretrained(tmp_path / "orig")
         model.save_pretrained(tmp_path / "fused", save_original_format=False)
     except Exception as e:  # noqa: BLE001 (this harness's tiny config does not fit the type)
-        RESULTS[model_type] = ("not built", f"{type(e).__name__}: {_clean(str(e), tmp_path)}", "")
+        RESULTS[model_type] = ("not built", f"{type(e).__name__}: {_clean(str(e), tmp_path)}", "", "")
         pytest.skip(f"no tiny {model_type} model: {RESULTS[model_type][1]}")
     conf = {"version": 1, "cpu": {"format": "bf16"}, "gpu": {"device": "none"}}
     try:
         ours = tandem.load_model(tmp_path / "orig", conf, progress=False)
     except ValueError as e:
-        RESULTS[model_type] = ("refused", _clean(str(e), tmp_path / "orig", tmp_path), "")
+        RESULTS[model_type] = ("refused", _clean(str(e), tmp_path / "orig", tmp_path), "", "")
         assert str(e).strip(), "a refusal says why"
         return
-    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "orig", dtype=torch.float32).eval()
+    ref = stock_bf16_experts(tmp_path / "orig")
     routes = [routing(ref), routing(ours)]
     with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if ".experts." in name and p.dim() == 3:
-                p.copy_(p.bfloat16().float())
         want = ref(ids).logits
         got = ours(ids).logits
     # A router near-tie may pick another expert under any rounding difference: such a token
     # and the later ones attending to it are left out (most must remain).
-    clean = clean_tokens(*routes, *ids.shape)
+    clean = routed_alike(*routes, *ids.shape)
     assert clean.sum() >= clean.numel() // 2, f"{model_type}: {int((~clean).sum())} of {clean.numel()} tokens " \
                                               "routed differently"
-    got, want = got[clean], want[clean]
-    err = ((got - want).norm() / want.norm()).item()
-    assert err < 2e-2, f"{model_type}: logits relative error {err:.3g}"
+    err = logit_error(got, want, clean, model_type)
     diff = (got - want).abs().amax().item()
     top2 = want.topk(2, dim=-1).values
     sure = (top2[..., 0] - top2[..., 1]) > 2 * diff
@@ -143,17 +144,143 @@ def test_load_model_matches_from_pretrained(model_type, tmp_path):
             with torch.no_grad():
                 assert torch.equal(fused(ids).logits, ours(ids).logits), f"{model_type}: fused layout differs"
             fused_layout = "supported"
-    RESULTS[model_type] = ("supported", "", fused_layout)
+    RESULTS[model_type] = ("supported", "", fused_layout, train_check(model_type, tmp_path, conf, ids))
 
 
-def routing(model) -> list[torch.Tensor]:
-    """Hooks every experts module; the list fills with each call's sorted top_k_index."""
+def logit_error(got: torch.Tensor, want: torch.Tensor, clean: torch.Tensor, model_type: str) -> float:
+    got, want = got[clean], want[clean]
+    err = ((got - want).norm() / want.norm()).item()
+    assert err < 2e-2, f"{model_type}: logits relative error {err:.3g}"
+    return err
+
+
+def stock_bf16_experts(path: Path):
+    """The stock fp32 model with its routed experts' weights on the bf16 grid (tandem's packs)."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if ".experts." in name and p.dim() == 3:
+                p.copy_(p.bfloat16().float())
+    return ref
+
+
+def train_check(model_type: str, tmp_path: Path, conf: dict, ids: torch.Tensor) -> str:
+    """`tandem train`'s LoRA on the type (module doc): "supported" (with a remark where stock
+    PEFT itself loses part of an adapter of the type) or "refused: why"."""
+    import copy
+    import warnings
+
+    from peft import PeftModel, get_peft_model
+
+    from tandem.discovery import find_moe_blocks
+    from tandem.lora import is_param_wrapper
+    from tandem.train import peft_config
+
+    try:
+        model = tandem.load_model(tmp_path / "orig", conf, train=True, dtype=torch.float32, progress=False)
+    except ValueError as e:
+        return "refused: " + _clean(str(e), tmp_path / "orig", tmp_path)
+    lora_cfg = peft_config(model, 4, 8.0)
+    pm = get_peft_model(model, copy.deepcopy(lora_cfg))
+    blocks = find_moe_blocks(pm.get_base_model())
+    bare = [b.layer for b in blocks if not is_param_wrapper(b.block.experts)]
+    assert blocks and not bare, f"{model_type}: the experts of layers {bare} carry no LoRA"
+    attention = [n for n, m in pm.named_modules() if hasattr(m, "lora_A") and ("attn" in n or "attention" in n)]
+    assert attention, f"{model_type}: no LoRA on the attention"
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():  # B = 0 (PEFT's start) would leave every A without gradient
+        for n, p in pm.named_parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    lora = {n: p.detach().clone() for n, p in pm.named_parameters() if p.requires_grad}
+    # The same LoRA on the stock model, by name: every tensor lands on the same module.
+    stock = get_peft_model(stock_bf16_experts(tmp_path / "orig"), copy.deepcopy(lora_cfg))
+    stock_lora = {n for n, p in stock.named_parameters() if p.requires_grad}
+    assert stock_lora == set(lora), f"{model_type}: LoRA tensors differ from stock PEFT's: " \
+                                    f"{sorted(stock_lora ^ set(lora))[:4]}"
+    stock.load_state_dict(lora, strict=False)
+    # One backward (eval mode: routers with jitter noise draw none): every tensor that stock
+    # PEFT gives a gradient gets a finite one, the experts' nonzero.
+    grads = []
+    for m in (pm, stock):
+        m.eval()
+        loss = m(ids, labels=ids).loss
+        loss.backward()
+        assert torch.isfinite(loss), f"{model_type}: training loss {loss.item()}"
+        grads.append({n: p.grad for n, p in m.named_parameters() if p.requires_grad})
+    ours, theirs = grads
+    differ = [n for n in ours if (ours[n] is None) != (theirs[n] is None)]
+    assert not differ, f"{model_type}: gradient given / not given unlike stock PEFT for {differ[:3]}"
+    bad = [n for n, v in ours.items() if v is not None and not torch.isfinite(v).all()]
+    assert not bad, f"{model_type}: non-finite gradient for {bad[:3]}"
+    dead = [n for n, v in ours.items() if ".experts." in n and not (v is not None and v.abs().sum() > 0)]
+    assert not dead, f"{model_type}: zero gradient for the experts' {dead[:3]}"
+    # The adapter file tandem saves, loaded by stock PEFT onto the stock model.
+    pm.save_pretrained(tmp_path / "adapter")
+    remark = ""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = PeftModel.from_pretrained(stock_bf16_experts(tmp_path / "orig"), tmp_path / "adapter").eval()
+    lost = _missing_adapter_keys(caught)
+    if lost:  # stock PEFT's own adapter of the type must lose the same tensors (its limit, not tandem's)
+        stock.save_pretrained(tmp_path / "stock_adapter")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            PeftModel.from_pretrained(stock_bf16_experts(tmp_path / "orig"), tmp_path / "stock_adapter")
+        assert _missing_adapter_keys(caught) == lost, f"{model_type}: stock PEFT loads its own adapter whole but " \
+                                                      f"drops {sorted(lost)[:3]} of tandem's"
+        mods = sorted({k.split(".lora_")[0].split(".")[-2] + "." + k.split(".lora_")[0].split(".")[-1] for k in lost})
+        remark = (f" (stock PEFT's from_pretrained drops this type's {', '.join(mods)} LoRA, from its own "
+                  "adapters too; with those tensors set by name, the stock model matches)")
+        loaded = stock
+    routes = [routing(loaded.get_base_model()), routing(pm.get_base_model())]
+    with torch.no_grad():
+        want, got = loaded(ids).logits, pm(ids).logits
+    clean = routed_alike(*routes, *ids.shape)
+    assert clean.sum() >= clean.numel() // 2, f"{model_type}: with the adapter, {int((~clean).sum())} of " \
+                                              f"{clean.numel()} tokens routed differently"
+    logit_error(got, want, clean, f"{model_type} with the trained adapter on the stock model")
+    return "supported" + remark
+
+
+def _missing_adapter_keys(caught) -> set[str]:
+    for w in caught:
+        m = re.search(r"Found missing adapter keys while loading the checkpoint: (\[.*\])", str(w.message))
+        if m:
+            return set(eval(m.group(1)))  # noqa: S307 (PEFT's own message: a list of strings)
+    return set()
+
+
+def routing(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Hooks every experts module; the list fills with each call's top_k_index and
+    top_k_weights, both in the order of the sorted expert ids."""
     from tandem.discovery import find_moe_blocks
 
-    rec: list[torch.Tensor] = []
+    rec: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def hook(mod, args, out):
+        ids, order = args[1].sort(-1)
+        rec.append((ids.clone(), args[2].gather(-1, order).detach().float().clone()))
+
     for b in find_moe_blocks(model):
-        b.block.experts.register_forward_hook(lambda mod, args, out: rec.append(args[1].sort(-1).values.clone()))
+        b.block.experts.register_forward_hook(hook)
     return rec
+
+
+def routed_alike(ra, rb, batch: int, seq: int) -> torch.Tensor:
+    """hf_models.clean_tokens on the expert ids, and besides, a token whose routing weights
+    differ by more than 0.05 counts as routed differently: PhiMoE's sparsemixer masks a
+    weight by a threshold on the scores, a near-tie there moves a weight by far more than
+    rounding does (observed: 1e-3 against 0.5)."""
+    ids_a, ids_b = [a for a, _ in ra], [b for b, _ in rb]
+    clean = clean_tokens(ids_a, ids_b, batch, seq)
+    bad = torch.zeros(batch * seq, dtype=torch.bool)
+    for (ia, wa), (ib, wb) in zip(ra, rb):
+        if ia.shape == ib.shape:
+            bad |= (wa - wb).abs().amax(-1) > 0.05
+    return clean & ~bad.view(batch, seq).cummax(1).values
 
 
 def _names(d: Path) -> list[str]:
@@ -193,18 +320,24 @@ def test_models_md_is_this_runs_table(request):
         "`experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I]) loaded by `tandem.load_model`",
         "(supported: the same logits bit for bit as the per-expert checkpoint).",
         "",
+        "`tandem train`: `load_model(train=True)` with the LoRA `tandem train` sets up (every linear layer but",
+        "the head, and the routed experts): the experts of every MoE layer and the attention carry LoRA, a",
+        "backward gives every LoRA tensor a finite gradient, and the adapter saved from tandem's model loads",
+        "with stock PEFT onto the stock model with the same logits (supported), or the reason it cannot.",
+        "",
         "`gpt_oss` keeps its own layout in both (`gate_up_proj` [E, H, 2I] with gate and up interleaved, biases);",
         "its MXFP4 checkpoints (OpenAI's release format) are tested in `tests/python/test_gpt_oss.py`, on",
         "random-weight models as well.",
         "",
-        "| model type | outcome | detail | v5 fused layout |",
-        "|---|---|---|---|",
+        "| model type | outcome | detail | v5 fused layout | `tandem train` |",
+        "|---|---|---|---|---|",
     ]
     counts: dict[str, int] = {}
     for t in types:
-        outcome, detail, fused = RESULTS[t]
+        outcome, detail, fused, train = RESULTS[t]
         counts[outcome] = counts.get(outcome, 0) + 1
-        lines.append(f"| `{t}` | {outcome} | {detail.replace('|', '/')} | {fused.replace('|', '/')} |")
+        lines.append(f"| `{t}` | {outcome} | {detail.replace('|', '/')} | {fused.replace('|', '/')} | "
+                     f"{train.replace('|', '/')} |")
     lines += ["", ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) + f", of {len(types)} types.", ""]
     text = "\n".join(lines)
     if os.environ.get("TANDEM_UPDATE_MODELS_MD") == "1":
