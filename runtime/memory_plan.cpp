@@ -179,6 +179,9 @@ ModelInfo read_model_info(const fs::path& model_path) {
     if (l >= first_dense && !mlp_only.count(l) && (l + 1) % step == 0) m.moe_layers.push_back(l);
   TANDEM_CHECK(!m.moe_layers.empty(), Errc::bad_format, f.string(), ": no layer has routed experts");
 
+  if (j.contains("swiglu_limit") && j["swiglu_limit"].is_number())
+    m.expert_math = str_cat("a clamped SwiGLU (config.json: swiglu_limit ", j["swiglu_limit"].get<double>(), ")");
+
   std::string dtype = j.value("dtype", std::string());
   if (dtype.empty()) dtype = j.value("torch_dtype", std::string());
   if (dtype.empty()) dtype = "float32";
@@ -224,6 +227,14 @@ ModelInfo read_model_info(const fs::path& model_path) {
                      m.shape.hidden, "]");
         m.shape.inter = static_cast<int>(g.shape[0]);
       }
+    }
+    {  // experts with biases (gpt-oss: fused gate_up_proj_bias / down_proj_bias)
+      static const std::regex bias_re(R"(\.experts\.(\d+\.[A-Za-z0-9_]+\.bias|[A-Za-z0-9_]+_bias)$)");
+      for (const std::string& name : ckpt.names())
+        if (std::regex_search(name, bias_re)) {
+          m.expert_math += str_cat(m.expert_math.empty() ? "" : "; ", "experts with biases (checkpoint: ", name, ")");
+          break;
+        }
     }
     uint64_t bytes = 0;
     int counted = 0;
@@ -306,9 +317,18 @@ MemoryPlan plan_memory(const Config& config, const ModelInfo& model, int subpool
   const bool deferred = config.gpu.deferred_experts > 0;
 
   // Routed experts: the pools' packs of every non-hot expert; the hot ones on the device.
+  // Experts other than plain SwiGLU stay on the CPU (Engine: auto places none, a count or a
+  // list is refused).
+  HotExpertsConfig hot = config.gpu.hot_experts;
+  if (!model.expert_math.empty()) {
+    TANDEM_CHECK(hot.auto_count || hot.policy == HotExpertsConfig::Policy::none, Errc::unsupported,
+                 "gpu.hot_experts: hot experts run silu(gate) * up experts without biases only; this model's experts "
+                 "are ", model.expert_math, ": set gpu.hot_experts to none or auto (every expert on the CPU)");
+    hot.policy = HotExpertsConfig::Policy::none;
+  }
   uint64_t hot_bytes = 0, hot_scratch = 0, slot_maps = 0;
   for (int layer : model.moe_layers) {
-    const int nh = hot_expert_count(config.gpu.hot_experts, layer, sh.experts);
+    const int nh = hot_expert_count(hot, layer, sh.experts);
     p.hot_experts += nh;
     p.cpu_expert_bytes += moe_layer_cpu_bytes(sh, fmt, subpools, sh.experts - nh);
     if (nh == 0) continue;

@@ -369,7 +369,10 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
                 raise ValueError(f"{path}: config.json ties {name!r} to another weight (tie_word_embeddings), but "
                                  f"the checkpoint's {key!r} holds different values; fix config.json or the checkpoint")
             used.update((key, key + "_scale_inv"))
-    extra = [k for k in ckpt.names() if k not in used and k not in expert_keys and not _ignored(k, hf_config)]
+    unused = [k for k in ckpt.names() if k not in used and k not in expert_keys]
+    skip = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
+    extra = [k for k in unused if not _ignored(k, hf_config, skip)]
+    skipped = _skipped_groups(k for k in unused if _ignored(k, hf_config, skip) and not k.endswith("rotary_emb.inv_freq"))
     if extra:
         more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
         raise ValueError(f"{path}: checkpoint has tensors the model does not use: "
@@ -394,6 +397,7 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
     apply_config(cfg_json)  # trace.enabled: record from now on, write trace.path at exit
     model.tandem_engine = engine
     model.tandem_checkpoint = str(path)
+    model.tandem_skipped = skipped  # checkpoint tensors transformers does not run either (MTP layers)
     model.tandem_store = expert_store.path if expert_store is not None else None
     if adapter is not None:
         model.tandem_adapter = str(adapter)
@@ -440,18 +444,41 @@ def _init_non_persistent_buffers(model: nn.Module, device: torch.device) -> None
             model._init_weights(mod)
 
 
-def _ignored(key: str, hf_config: Any) -> bool:
-    """Checkpoint tensors transformers also ignores: rotary caches of old checkpoints, and the
-    multi-token-prediction layers DeepSeek-V3 stores right after its num_hidden_layers
-    (num_nextn_predict_layers of them). Any other layer past num_hidden_layers is not
-    ignored: a config.json naming fewer layers than the checkpoint holds is an error."""
-    if key.endswith("rotary_emb.inv_freq"):
+def _ignored(key: str, hf_config: Any, patterns: set[str] = frozenset()) -> bool:
+    """Checkpoint tensors transformers also ignores: rotary caches of old checkpoints, what the
+    model class's ``_keys_to_ignore_on_load_unexpected`` patterns match (searched as
+    transformers does: the multi-token-prediction modules, ``mtp.*``, ``model.mtp_layers.*``),
+    and the multi-token-prediction layers DeepSeek-V3 and GLM-4.5 store right after their
+    num_hidden_layers (num_nextn_predict_layers of them). Any other layer past
+    num_hidden_layers is not ignored: a config.json naming fewer layers than the checkpoint
+    holds is an error."""
+    if key.endswith("rotary_emb.inv_freq") or any(re.search(p, key) for p in patterns):
         return True
     m = re.match(r"model\.layers\.(\d+)\.", key)
     if not m:
         return False
     n = hf_config.num_hidden_layers
     return n <= int(m.group(1)) < n + int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0)
+
+
+def _skipped_groups(keys) -> dict[str, int]:
+    """Skipped tensor names grouped by their module: a decoder layer ("model.layers.61"), else
+    the path to the first part naming MTP ("mtp", "model.mtp_layers"), else the first part."""
+    groups: dict[str, int] = {}
+    for k in keys:
+        m = re.match(r"(model\.layers\.\d+)\.", k) or re.match(r"((?:[^.]+\.)*?[^.]*mtp[^.]*)\.", k)
+        g = m.group(1) if m else k.split(".")[0]
+        groups[g] = groups.get(g, 0) + 1
+    return dict(sorted(groups.items()))
+
+
+def skipped_summary(model: nn.Module) -> str | None:
+    """The load summary's line for the checkpoint tensors load_model skipped, or None."""
+    groups = getattr(model, "tandem_skipped", None)
+    if not groups:
+        return None
+    return (f"skipped: {sum(groups.values())} checkpoint tensors that transformers does not run either "
+            f"(multi-token prediction): " + ", ".join(f"{g}.* ({n})" for g, n in groups.items()))
 
 
 def _first_line(e: BaseException) -> str:

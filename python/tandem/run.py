@@ -126,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
     import tandem
     from tandem import demo
     from tandem.dense import describe_dense
+    from tandem.loader import skipped_summary
 
     check_device(args.device, sel, train=False)
     model_dir = sel.model or str(demo.ensure_demo_model(progress=not args.no_progress))
@@ -156,6 +157,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"loaded: {model.config.model_type}, {model.config.num_hidden_layers} layers, "
           f"dtype {model.dtype}, non-expert weights on {model.device}, torch threads {torch.get_num_threads()}; "
           f"in {load_s:.1f} s")
+    if skipped := skipped_summary(model):
+        print(skipped)
     print(describe_dense(model))
     if trace_path:
         tandem.trace.enable(True)

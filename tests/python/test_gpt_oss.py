@@ -399,3 +399,32 @@ def test_gpt_oss_lora_training_matches_stock_peft_and_the_adapter_loads_on_the_s
     err = ((got - want).abs().max() / want.abs().max()).item()
     print(f"gpt-oss adapter on the stock model: max rel logit err {err:.2e}")
     assert err <= LOGIT_BOUND[torch.float32]
+
+
+def test_doctor_sizes_gpt_oss_and_refuses_its_hot_experts(checkpoint, tmp_path):
+    """`tandem doctor` knows gpt-oss's experts from config.json (swiglu_limit) and the
+    checkpoint (expert biases): hot experts configured by count are the refusal the engine
+    gives; with auto, every expert is planned on the CPU, as many bytes as the engine packs."""
+    import os
+    import subprocess
+    import sys
+
+    path = checkpoint(torch.float32)
+
+    def doctor(hot: str):
+        cfg = tmp_path / f"{hot}.yaml"
+        cfg.write_text(f"model:\n  path: {path}\ncpu: {{format: bf16, virtual_subpools: 2, threads: 1}}\n"
+                       f"gpu: {{device: none, hot_experts: {{count: {hot}}}}}\n")
+        r = subprocess.run([sys.executable, "-m", "tandem", "doctor", "--config", str(cfg), "--no-gpu-kernel", "--json"],
+                           capture_output=True, text=True, env=dict(os.environ), timeout=120)
+        return cfg, json.loads(r.stdout)["config"]
+
+    _, c = doctor("2")
+    assert any("gpu.hot_experts: hot experts run silu(gate) * up experts without biases only; this model's experts "
+               "are a clamped SwiGLU (config.json: swiglu_limit 7); experts with biases (checkpoint: model.layers."
+               in p for p in c["problems"]), c["problems"]
+    cfg, c = doctor("auto")
+    mem = c["memory"]
+    assert mem["checked"] and mem["hot_experts"] == 0, mem
+    engine = tandem.load_model(path, str(cfg), progress=False).tandem_engine
+    assert mem["cpu_expert_bytes"] == engine.cpu_bytes and engine.device_bytes == 0

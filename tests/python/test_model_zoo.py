@@ -345,3 +345,45 @@ def test_models_md_is_this_runs_table(request):
     assert MODELS_MD.is_file() and MODELS_MD.read_text() == text, (
         "docs/MODELS.md differs from this run's table: run pytest tests/python/test_model_zoo.py with "
         "TANDEM_UPDATE_MODELS_MD=1 and commit the file")
+
+
+@pytest.mark.parametrize("model_type,mtp", [("deepseek_v3", "model.layers.4"), ("glm4_moe", "model.layers.4"),
+                                            ("qwen3_next", "mtp")])
+def test_multi_token_prediction_tensors_are_skipped_and_named(model_type, mtp, tmp_path):
+    """A checkpoint with the multi-token-prediction (MTP / next-n) tensors real releases
+    carry: DeepSeek-V3's and GLM-4.5's as the layer after num_hidden_layers
+    (num_nextn_predict_layers = 1), Qwen3-Next's under ``mtp.``. transformers does not run
+    them, and load_model skips them (transformers' own rules: the layer count, the class's
+    ``_keys_to_ignore_on_load_unexpected``), names them in the load summary, and computes the
+    same logits bit for bit as without them. A tensor of no such kind is still refused."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from tandem.loader import skipped_summary
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type)).float().eval()
+    assert model.config.num_hidden_layers == 4
+    model.save_pretrained(tmp_path / "plain")
+    model.save_pretrained(tmp_path / "mtp")
+    files = list((tmp_path / "mtp").glob("*.safetensors"))
+    assert len(files) == 1
+    sd = load_file(files[0])
+    g = torch.Generator().manual_seed(3)
+    names = ["eh_proj.weight", "enorm.weight", "hnorm.weight", "mlp.experts.0.gate_proj.weight",
+             "self_attn.q_proj.weight", "shared_head.norm.weight"] if mtp.startswith("model.layers") else \
+        ["fc.weight", "pre_fc_norm_hidden.weight", "layers.0.mlp.experts.1.up_proj.weight", "norm.weight"]
+    added = {f"{mtp}.{n}": torch.randn(16, 8, generator=g) for n in names}
+    save_file({**sd, **added}, files[0], metadata={"format": "pt"})
+    conf = {"version": 1, "cpu": {"format": "bf16"}, "gpu": {"device": "none"}}
+    ids = torch.randint(3, 256, (2, 10), generator=torch.Generator().manual_seed(1))
+    plain = tandem.load_model(tmp_path / "plain", conf, progress=False)
+    ours = tandem.load_model(tmp_path / "mtp", conf, progress=False)
+    assert ours.tandem_skipped == {mtp: len(added)} and plain.tandem_skipped == {}
+    assert skipped_summary(ours) == (f"skipped: {len(added)} checkpoint tensors that transformers does not run either "
+                                     f"(multi-token prediction): {mtp}.* ({len(added)})")
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, plain(ids).logits)
+    save_file({**sd, **added, "vision.proj.weight": torch.zeros(2, 2)}, files[0], metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"checkpoint has tensors the model does not use: 'vision.proj.weight'"):
+        tandem.load_model(tmp_path / "mtp", conf, progress=False)

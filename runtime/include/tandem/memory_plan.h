@@ -51,6 +51,10 @@ struct ModelInfo {
   uint64_t non_expert_bytes = 0;      // non-expert weights in `dtype`
   bool non_expert_exact = false;      // from safetensors headers (else from config.json shapes)
   std::string non_expert_source;      // what the figure came from, for people
+  // Empty for plain silu(gate) * up experts without biases; otherwise what makes them
+  // something else, and where it was read (config.json's swiglu_limit, the checkpoint's
+  // expert bias tensors): the engine places no hot experts for such a model.
+  std::string expert_math;
 };
 
 // Sane bounds on config.json's sizes: far above any real model, low enough that nothing is
