@@ -175,8 +175,16 @@ ModelInfo read_model_info(const fs::path& model_path) {
   if (j.contains("mlp_only_layers") && j["mlp_only_layers"].is_array())
     for (const auto& v : j["mlp_only_layers"])
       if (v.is_number_integer()) mlp_only.insert(v.get<int>());
-  for (int l = 0; l < m.layers; ++l)
-    if (l >= first_dense && !mlp_only.count(l) && (l + 1) % step == 0) m.moe_layers.push_back(l);
+  const auto& types = j.contains("mlp_layer_types") ? j["mlp_layer_types"] : J();
+  if (types.is_array() && static_cast<int>(types.size()) == m.layers) {
+    // The newer configs say it per layer (AXK, Beam, DeepSeek-V3.2/V4, HY-V4...): "dense" or
+    // a routed kind ("sparse", "hash_moe").
+    for (int l = 0; l < m.layers; ++l)
+      if (!(types[l].is_string() && types[l].get<std::string>() == "dense")) m.moe_layers.push_back(l);
+  } else {
+    for (int l = 0; l < m.layers; ++l)
+      if (l >= first_dense && !mlp_only.count(l) && (l + 1) % step == 0) m.moe_layers.push_back(l);
+  }
   TANDEM_CHECK(!m.moe_layers.empty(), Errc::bad_format, f.string(), ": no layer has routed experts");
 
   if (j.contains("swiglu_limit") && j["swiglu_limit"].is_number())

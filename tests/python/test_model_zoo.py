@@ -8,7 +8,8 @@ weights rounded to bf16, the format tandem packs them in: so the two compute the
 products and differ by accumulation order and tandem's bf16 activations (relative error
 <= 2^-8 per product, observed 1e-5..3e-3 on the logits; bound 2e-2). Where the reference's
 top two logits are further apart than twice the largest difference, the greedy token must
-agree. The same model saved in transformers' v5 fused layout (``save_original_format=False``)
+agree; `tandem doctor` on the same model and config plans the engine's MoE layers and expert
+bytes exactly. The same model saved in transformers' v5 fused layout (``save_original_format=False``)
 must load to the same logits bit for bit (the same weights packed), or be refused with a
 ValueError; the table's fourth column says which.
 
@@ -129,6 +130,7 @@ def test_load_model_matches_from_pretrained(model_type, tmp_path):
     assert clean.sum() >= clean.numel() // 2, f"{model_type}: {int((~clean).sum())} of {clean.numel()} tokens " \
                                               "routed differently"
     err = logit_error(got, want, clean, model_type)
+    doctor_check(model_type, tmp_path, ours.tandem_engine)
     diff = (got - want).abs().amax().item()
     top2 = want.topk(2, dim=-1).values
     sure = (top2[..., 0] - top2[..., 1]) > 2 * diff
@@ -145,6 +147,20 @@ def test_load_model_matches_from_pretrained(model_type, tmp_path):
                 assert torch.equal(fused(ids).logits, ours(ids).logits), f"{model_type}: fused layout differs"
             fused_layout = "supported"
     RESULTS[model_type] = ("supported", "", fused_layout, train_check(model_type, tmp_path, conf, ids))
+
+
+def doctor_check(model_type: str, tmp_path: Path, engine) -> None:
+    """`tandem doctor` on the same model and config: it reads the type's config.json and
+    checkpoint, and plans the MoE layers and expert bytes the engine really packed."""
+    cfg = tmp_path / "doctor.yaml"
+    cfg.write_text(f"model:\n  path: {tmp_path / 'orig'}\ncpu: {{format: bf16}}\ngpu: {{device: none}}\n")
+    report = tandem.doctor(cfg, gpu_kernel_check=False)
+    mem = report.data["config"]["memory"]
+    assert mem.get("checked"), f"{model_type}: doctor did not size the model: {mem.get('reason')}"
+    assert mem["model"]["moe_layers"] == engine.moe_layers, f"{model_type}: doctor plans {mem['model']['moe_layers']} " \
+                                                            f"MoE layers, the engine has {engine.moe_layers}"
+    assert mem["cpu_expert_bytes"] == engine.cpu_bytes, f"{model_type}: doctor plans {mem['cpu_expert_bytes']} " \
+                                                        f"bytes of CPU experts, the engine packed {engine.cpu_bytes}"
 
 
 def logit_error(got: torch.Tensor, want: torch.Tensor, clean: torch.Tensor, model_type: str) -> float:
@@ -311,7 +327,8 @@ def test_models_md_is_this_runs_table(request):
         "`tandem.load_model` against `from_pretrained` (logits, greedy tokens). **Nothing here was tried on a",
         "real checkpoint**: none can be downloaded on the machines this project is built on.",
         "",
-        "- supported: load_model's logits match from_pretrained's (experts rounded to bf16 in both).",
+        "- supported: load_model's logits match from_pretrained's (experts rounded to bf16 in both), and",
+        "  `tandem doctor` plans the MoE layers and expert bytes the engine packs.",
         "- refused: load_model raises a ValueError naming what tandem lacks for the type.",
         "- not built: the test could not make a tiny model of the type (its config needs more than the",
         "  generic small sizes); load_model was not tried.",
