@@ -8,7 +8,9 @@ weights rounded to bf16, the format tandem packs them in: so the two compute the
 products and differ by accumulation order and tandem's bf16 activations (relative error
 <= 2^-8 per product, observed 1e-5..3e-3 on the logits; bound 2e-2). Where the reference's
 top two logits are further apart than twice the largest difference, the greedy token must
-agree; `tandem doctor` on the same model and config plans the engine's MoE layers and expert
+agree, and greedy generation with the KV cache gives next-token logits within the same bound
+at every step both models routed alike;
+`tandem doctor` on the same model and config plans the engine's MoE layers and expert
 bytes exactly. The same model saved in transformers' v5 fused layout (``save_original_format=False``)
 must load to the same logits bit for bit (the same weights packed), or be refused with a
 ValueError; the table's fourth column says which.
@@ -135,6 +137,7 @@ def test_load_model_matches_from_pretrained(model_type, tmp_path):
     top2 = want.topk(2, dim=-1).values
     sure = (top2[..., 0] - top2[..., 1]) > 2 * diff
     assert torch.equal(got.argmax(-1)[sure], want.argmax(-1)[sure]), f"{model_type}: greedy tokens differ"
+    generate_check(model_type, ours, ref, ids[:1, :6])
     # The v5 fused layout: the same weights, so the same logits bit for bit, or a refusal.
     fused_layout = "same checkpoint (no fused tensors)"
     if any(k.endswith("experts.gate_up_proj") for k in _names(tmp_path / "fused")):
@@ -147,6 +150,39 @@ def test_load_model_matches_from_pretrained(model_type, tmp_path):
                 assert torch.equal(fused(ids).logits, ours(ids).logits), f"{model_type}: fused layout differs"
             fused_layout = "supported"
     RESULTS[model_type] = ("supported", "", fused_layout, train_check(model_type, tmp_path, conf, ids))
+
+
+def generate_check(model_type: str, ours, ref, prompt: torch.Tensor) -> int:
+    """`tandem run`'s path: greedy generation with the KV cache, tandem's model against the
+    stock model's own generate. At every step whose prefix both generated alike and whose
+    experts both routed alike so far (``routed_alike``'s rule: ids, weights within 0.05),
+    the next-token logits meet the forward's bound (relative L2 < 2e-2): a wrong cache,
+    position or mask would not. Returns the number of steps compared (printed)."""
+    steps = 6
+    recs = []
+    with torch.no_grad():
+        for m in (ref, ours):
+            rec = routing(m)
+            g = m.generate(prompt, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, output_logits=True,
+                           return_dict_in_generate=True)
+            recs.append((rec, g))
+    (ra, a), (rb, b) = recs
+    layers = len(ra) // steps
+    assert layers * steps == len(ra) == len(rb), f"{model_type}: {len(ra)} / {len(rb)} experts calls in {steps} steps"
+    n, compared = prompt.shape[1], 0
+    for s in range(steps):
+        calls = slice(s * layers, (s + 1) * layers)
+        if not all(x.shape == y.shape and torch.equal(x, y) and (wx - wy).abs().max() <= 0.05
+                   for (x, wx), (y, wy) in zip(ra[calls], rb[calls])):
+            break
+        want, got = a.logits[s][0], b.logits[s][0]
+        err = ((got - want).norm() / want.norm()).item()
+        assert err < 2e-2, f"{model_type}: generate step {s}: next-token logits relative error {err:.3g}"
+        compared += 1
+        if b.sequences[0, n + s] != a.sequences[0, n + s]:
+            break  # a near-tie went the other way: the prefixes differ from here
+    print(f"{model_type}: generate compared at {compared} of {steps} steps")
+    return compared
 
 
 def doctor_check(model_type: str, tmp_path: Path, engine) -> None:
@@ -327,8 +363,9 @@ def test_models_md_is_this_runs_table(request):
         "`tandem.load_model` against `from_pretrained` (logits, greedy tokens). **Nothing here was tried on a",
         "real checkpoint**: none can be downloaded on the machines this project is built on.",
         "",
-        "- supported: load_model's logits match from_pretrained's (experts rounded to bf16 in both), and",
-        "  `tandem doctor` plans the MoE layers and expert bytes the engine packs.",
+        "- supported: load_model's logits match from_pretrained's (experts rounded to bf16 in both), so do",
+        "  greedy generation's next-token logits with the KV cache (`tandem run`'s path), and `tandem doctor`",
+        "  plans the MoE layers and expert bytes the engine packs.",
         "- refused: load_model raises a ValueError naming what tandem lacks for the type.",
         "- not built: the test could not make a tiny model of the type (its config needs more than the",
         "  generic small sizes); load_model was not tried.",
