@@ -47,9 +47,13 @@ SMALL = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, exp
              num_experts=8, num_local_experts=8, n_routed_experts=8, moe_num_experts=8, num_experts_per_tok=2,
              first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
              qk_nope_head_dim=8, v_head_dim=16, qk_head_dim=16, index_head_dim=16, index_n_heads=4, index_topk=8,
+             indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=2,
              moe_topk=2, num_expert_group=1, num_experts_per_token=2, expert_ffn_hidden_size=32, zero_expert_num=2, num_layers=2, max_position_embeddings=256, shared_expert_intermediate_size=32,
              n_shared_experts=1, num_shared_experts=1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
              initializer_range=0.08, tie_word_embeddings=False)
+# What a type's config needs beyond SMALL: ZAYA routes to one expert only; LFM2-MoE has no
+# default layer pattern (conv or attention per layer).
+TYPE_SIZES = {"zaya": dict(num_experts_per_tok=1), "lfm2_moe": dict(layer_types=["conv", "full_attention"] * 2)}
 RESULTS: dict[str, tuple[str, str, str, str]] = {}
 
 
@@ -78,8 +82,10 @@ def tiny_config(model_type: str):
     cls = getattr(transformers, CONFIG_MAPPING_NAMES[model_type])
     base = cls().to_dict()
     kw = {k: v for k, v in SMALL.items() if k in base}
-    if "qk_rope_head_dim" in base:  # multi-head latent attention: rotary on qk_rope_head_dim
+    if "qk_rope_head_dim" in base:  # multi-head latent attention: rotary on qk_rope_head_dim, keys per head
         kw["head_dim"] = kw["qk_rope_head_dim"]
+        if "num_key_value_heads" in kw:
+            kw["num_key_value_heads"] = kw["num_attention_heads"]
     layers = base.get("num_hidden_layers")
     for k, v in base.items():
         if k == "layer_types" or k.endswith("_layer_types") or (k.endswith("_types") and isinstance(v, list)
@@ -89,12 +95,15 @@ def tiny_config(model_type: str):
             kw[k] = []
         elif k in ("decoder_sparse_step", "moe_layer_freq"):
             kw[k] = 1
-    if "linear_attention" in (base.get("layer_types") or []):
+    kinds = base.get("layer_types") or []
+    if "linear_attention" in kinds:
         # Hybrid models: their default pattern shortened to 4 layers may hold no attention layer
         # at all, which transformers' cache cannot run; alternate the two kinds.
-        kw["layer_types"] = ["linear_attention", "full_attention"] * (SMALL["num_hidden_layers"] // 2)
+        other = next((k for k in kinds if k != "linear_attention"), "full_attention")
+        kw["layer_types"] = ["linear_attention", other] * (SMALL["num_hidden_layers"] // 2)
     if "attn_layer_period" in base:  # Jamba: an attention layer every second layer
         kw.update(attn_layer_period=2, attn_layer_offset=1)
+    kw.update(TYPE_SIZES.get(model_type, {}))
     return cls(**kw)
 
 
