@@ -159,9 +159,10 @@ ModelInfo read_model_info(const fs::path& model_path) {
   int64_t inter = first_int(j, f, {"moe_intermediate_size"});
   if (inter <= 0) inter = get_int(j, f, "intermediate_size");
   m.shape.inter = static_cast<int>(inter);
-  const int64_t top_k = first_int(j, f, {"num_experts_per_tok", "moe_k", "moe_topk"});
+  const int64_t top_k = first_int(j, f, {"num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_topk"});
   TANDEM_CHECK(top_k > 0, Errc::bad_format, f.string(),
-               ": no positive num_experts_per_tok (nor moe_k, moe_topk): how many experts route each token");
+               ": no positive num_experts_per_tok (nor num_experts_per_token, moe_k, moe_topk): how many experts route "
+               "each token");
   m.top_k = static_cast<int>(top_k);
   TANDEM_CHECK(m.shape.hidden > 0 && m.shape.inter > 0, Errc::bad_format, f.string(),
                ": hidden_size and the expert intermediate size must be positive");

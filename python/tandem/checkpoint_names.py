@@ -9,6 +9,10 @@ patterns -> a fused tensor). `CheckpointNames` runs them backwards:
 
 - ``key(model_name)``: the checkpoint's name of a model tensor (its own name first, then the
   renamings undone), or None;
+- ``concatenated(model_name)``: for a tensor transformers builds by concatenating several
+  checkpoint tensors (a ``WeightConverter`` with one ``Concatenate`` operation, e.g.
+  Kimi-Linear's ``conv1d`` from ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d``), their keys and
+  the dimension, or None;
 - ``experts(module_path, layer)``: the (gate, up, down) per-expert name patterns of one MoE
   layer's routed experts, with ``{L}`` for the layer and ``{E}`` for the expert, as the C++
   loader takes them (the converters' per-expert patterns, else the common ``gate_proj /
@@ -67,6 +71,7 @@ class CheckpointNames:
         self.renames: list[tuple[str, str]] = []   # (model text, checkpoint text)
         self._renamed: dict[str, str] | None = None  # model name -> checkpoint key (_forward)
         self.expert_suffixes: list[tuple[str, str, str]] = []
+        self.concats: list[tuple[str, list[str], int]] = []  # (model suffix, checkpoint suffixes, dim)
         gate_up = down = None
         for rule in _mapping(model_type):
             kind = type(rule).__name__
@@ -76,6 +81,13 @@ class CheckpointNames:
                 if s is not None and d is not None and s != d:
                     self.renames.append((d, s))
             elif kind == "WeightConverter" and len(dst) == 1:
+                ops = list(getattr(rule, "operations", []))
+                literal = [_literal(p) for p in src]
+                if (len(ops) == 1 and type(ops[0]).__name__ == "Concatenate" and isinstance(getattr(ops[0], "dim", None), int)
+                        and getattr(ops[0], "num_shards_attribute", None) is None and None not in literal
+                        and _literal(dst[0]) is not None and len(src) > 1):
+                    self.concats.append((_literal(dst[0]), literal, ops[0].dim))
+                    continue
                 per_expert = [p.split("experts.*.", 1)[1] for p in src if "experts.*." in p]
                 if len(per_expert) != len(src):
                     continue
@@ -111,6 +123,19 @@ class CheckpointNames:
             if alt in self.ckpt:
                 return alt
         return self._forward().get(name)
+
+    def concatenated(self, name: str) -> tuple[list[str], int] | None:
+        """(checkpoint keys, dim) of the tensors transformers concatenates into model tensor
+        `name`, each found under its own name or a renaming undone; None when no converter
+        builds `name` or the checkpoint lacks a part."""
+        for target, parts, dim in self.concats:
+            if not name.endswith(target):
+                continue
+            stem = name[: len(name) - len(target)]
+            keys = [self.key(stem + p) for p in parts]
+            if None not in keys:
+                return keys, dim
+        return None
 
     def _forward(self) -> dict[str, str]:
         """{model name: checkpoint key} for every checkpoint key transformers' renamings change
