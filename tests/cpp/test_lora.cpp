@@ -284,15 +284,9 @@ Problem make_problem(const Case& c, uint64_t seed) {
 // Expert e of the problem as a weight source (biases included when it has them).
 ExpertSource source_of(const Problem& p, int e) {
   const Case& c = p.c;
-  ExpertSource src{{p.g[e].data(), SourceType::f32, c.inter, c.hidden},
-                   {p.u[e].data(), SourceType::f32, c.inter, c.hidden},
-                   {p.d[e].data(), SourceType::f32, c.hidden, c.inter}};
-  if (c.bias) {
-    src.gate_bias = {p.gb[e].data(), SourceType::f32, 1, c.inter};
-    src.up_bias = {p.ub[e].data(), SourceType::f32, 1, c.inter};
-    src.down_bias = {p.db[e].data(), SourceType::f32, 1, c.hidden};
-  }
-  return src;
+  if (!c.bias) return test::f32_expert(p.g[e].data(), p.u[e].data(), p.d[e].data(), c.hidden, c.inter);
+  return test::f32_expert(p.g[e].data(), p.u[e].data(), p.d[e].data(), c.hidden, c.inter, p.gb[e].data(),
+                          p.ub[e].data(), p.db[e].data());
 }
 
 // ---- running the layer ----------------------------------------------------------------

@@ -86,15 +86,9 @@ void check_case(const Case& c, uint64_t seed) {
   int progress_calls = 0, last_done = -1;
   layer.load(
       [&](int e) {
-        ExpertSource src{{w.g[e].data(), SourceType::f32, c.inter, c.hidden},
-                         {w.u[e].data(), SourceType::f32, c.inter, c.hidden},
-                         {w.d[e].data(), SourceType::f32, c.hidden, c.inter}};
-        if (c.oai) {
-          src.gate_bias = {w.bg[e].data(), SourceType::f32, 1, c.inter};
-          src.up_bias = {w.bu[e].data(), SourceType::f32, 1, c.inter};
-          src.down_bias = {w.bd[e].data(), SourceType::f32, 1, c.hidden};
-        }
-        return src;
+        if (!c.oai) return test::f32_expert(w.g[e].data(), w.u[e].data(), w.d[e].data(), c.hidden, c.inter);
+        return test::f32_expert(w.g[e].data(), w.u[e].data(), w.d[e].data(), c.hidden, c.inter, w.bg[e].data(),
+                                w.bu[e].data(), w.bd[e].data());
       },
       [&](int done, int total) {
         ++progress_calls;

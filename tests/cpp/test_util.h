@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "tandem/error.h"
+#include "tandem/experts.h"
 #include "tandem/kernels.h"
 
 namespace tandem::test {
@@ -168,6 +169,22 @@ inline GemmArgs gemm_args(const float* a, int m, int lda, float* c, int ldc) {
 }
 
 // n gate and n up biases, N(0, 3) (drawn in pairs, gate then up).
+// One expert's fp32 weights in nn.Linear layout (gate, up [inter x hidden], down
+// [hidden x inter]) as a weight source, with its fp32 biases when given (gate, up [inter],
+// down [hidden]).
+inline ExpertSource f32_expert(const float* g, const float* u, const float* d, int hidden, int inter,
+                               const float* gate_bias = nullptr, const float* up_bias = nullptr,
+                               const float* down_bias = nullptr) {
+  ExpertSource src{{g, SourceType::f32, inter, hidden}, {u, SourceType::f32, inter, hidden},
+                   {d, SourceType::f32, hidden, inter}};
+  if (gate_bias) {
+    src.gate_bias = {gate_bias, SourceType::f32, 1, inter};
+    src.up_bias = {up_bias, SourceType::f32, 1, inter};
+    src.down_bias = {down_bias, SourceType::f32, 1, hidden};
+  }
+  return src;
+}
+
 inline std::pair<std::vector<float>, std::vector<float>> random_biases(int n, std::mt19937_64& rng) {
   std::normal_distribution<float> d(0.f, 3.f);
   std::vector<float> bg(n), bu(n);

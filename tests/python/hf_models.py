@@ -191,3 +191,18 @@ class V4Block(nn.Module):
             if len(tok):
                 out = out.index_add(0, tok, ex(x[tok]) * w[tok, slot, None])
         return out.view(b, s, h), logits
+
+
+def experts_gradients(model: nn.Module, x0: torch.Tensor, idx: torch.Tensor, w0: torch.Tensor,
+                      r: torch.Tensor, layer: int = 1) -> dict[str, torch.Tensor]:
+    """One call of a PEFT model's experts module in model layer `layer` on (x0, idx, w0), the
+    loss sum(out * r): the gradients of its trainable tensors, of the input (``x``) and of the
+    routing weights (``weights``)."""
+    experts = model.get_base_model().model.layers[layer].mlp.experts
+    x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+    model.zero_grad(set_to_none=True)
+    (experts(x, idx, w) * r).sum().backward()
+    grads = {n: p.grad.clone() for n, p in experts.named_parameters() if p.requires_grad}
+    assert grads and all(v is not None for v in grads.values())
+    grads.update(x=x.grad.clone(), weights=w.grad.clone())
+    return grads

@@ -16,7 +16,7 @@ import json
 
 import pytest
 import torch
-from hf_models import clean_tokens, expert_fp64, record_routing
+from hf_models import clean_tokens, expert_fp64, experts_gradients, record_routing
 
 import tandem
 
@@ -294,17 +294,6 @@ def random_lora(model, seed: int) -> None:
     assert not unexpected and not [k for k in missing if ".lora_" in k]
 
 
-def layer_gradients(model, x0, idx, w0, r) -> dict[str, torch.Tensor]:
-    layer = model.get_base_model().model.layers[1].mlp.experts
-    x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
-    model.zero_grad(set_to_none=True)
-    (layer(x, idx, w) * r).sum().backward()
-    grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.requires_grad}
-    assert grads and all(v is not None for v in grads.values())
-    grads.update(x=x.grad.clone(), weights=w.grad.clone())
-    return grads
-
-
 def rel_errors(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     d = (got.double() - want.double())
     return (d.norm() / want.double().norm()).item(), (d.abs().max() / want.double().abs().max()).item()
@@ -352,7 +341,7 @@ def test_gpt_oss_lora_gradients_match_stock_peft(checkpoint, when):
         gu = torch.einsum("th,thi->ti", x0, stock.gate_up_proj[idx[:, 0]]) + stock.gate_up_proj_bias[idx[:, 0]]
         share = ((gu[:, 0::2] > stock.limit).float().mean() + (gu[:, 1::2].abs() > stock.limit).float().mean()) / 2
     assert share > 0.02, f"the clamps bind for only {share:.1%} of the pre-activations"
-    want, got = layer_gradients(ref, x0, idx, w0, r), layer_gradients(ours, x0, idx, w0, r)
+    want, got = experts_gradients(ref, x0, idx, w0, r), experts_gradients(ours, x0, idx, w0, r)
     assert got.keys() == want.keys() and len(want) == 6
     errs = {n: rel_errors(got[n], want[n]) for n in want}
     print(f"gpt-oss LoRA ({when}): " + ", ".join(f"{'.'.join(n.split('.')[-4:])} {e[0]:.1e}/{e[1]:.1e}"

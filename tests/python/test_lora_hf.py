@@ -57,7 +57,7 @@ import weakref
 
 import pytest
 import torch
-from hf_models import VOCAB, V4Block, checkpoint_cache, clean_tokens
+from hf_models import VOCAB, V4Block, checkpoint_cache, clean_tokens, experts_gradients
 from torch import nn
 
 import tandem
@@ -726,16 +726,6 @@ def test_clamped_swiglu_gradients_match_stock_peft(checkpoint, offset):
     w0 = torch.rand(48, 2, generator=gen) + 0.1
     r = torch.randn(48, H, generator=gen)
 
-    def run(model):
-        layer = model.get_base_model().model.layers[1].mlp.experts
-        x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
-        model.zero_grad(set_to_none=True)
-        (layer(x, idx, w) * r).sum().backward()
-        grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.requires_grad}
-        assert grads and all(v is not None for v in grads.values())
-        grads.update(x=x.grad.clone(), weights=w.grad.clone())
-        return grads
-
-    want, got = run(ref), run(ours)
+    want, got = experts_gradients(ref, x0, idx, w0, r), experts_gradients(ours, x0, idx, w0, r)
     assert len(want) == 6  # lora_A / lora_B of gate_up and down, x, routing weights
     check(grad_errors(got, want), GRAD_BOUND["fp32"], f"clamped (up + {offset:g}) fp32")
