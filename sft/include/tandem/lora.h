@@ -2,9 +2,11 @@
 //
 // Every routed expert e gets LoRA on gate, up and down (s = alpha / r, or alpha / sqrt(r)
 // with rsLoRA), over frozen base weights in any engine format (BF16, INT8, INT4):
-//   g = x Wg^T + s (x Ag^T) Bg^T     u = x Wu^T + s (x Au^T) Bu^T     h = silu(g) * u
-//   y = h Wd^T + s (h Ad^T) Bd^T     out[t] = sum_k w[t,k] y_{e(t,k)}(x[t])
-// A: [r x in], B: [out x r] (nn.Linear layout, as PEFT stores lora_A / lora_B).
+//   g = x Wg^T + s (x Ag^T) Bg^T + bg     u = x Wu^T + s (x Au^T) Bu^T + bu     h = act(g, u)
+//   y = h Wd^T + s (h Ad^T) Bd^T + bd     out[t] = sum_k w[t,k] y_{e(t,k)}(x[t])
+// A: [r x in], B: [out x r] (nn.Linear layout, as PEFT stores lora_A / lora_B); act the
+// shape's GateAct (silu(g) * u, or a clamped SwiGLU); the biases bg, bu, bd (fp32, frozen)
+// only with MoeShape::bias (gpt-oss), added as the inference forward adds them.
 //
 // forward() returns the output and a LoraContext holding what backward() needs: the
 // token grouping, the gathered bf16 input, the gate/up pre-activations (fp32) and the
@@ -31,7 +33,7 @@
 // sharing a pool run their tasks in submission order.
 //
 // Not supported: dropout on the LoRA input (PEFT's lora_dropout must be 0), LoRA on
-// experts held on a GPU (hot experts), bias terms.
+// experts held on a GPU (hot experts), gradients for the biases (they stay frozen).
 #pragma once
 
 #include <array>
