@@ -124,6 +124,11 @@ def expert_shape(experts: nn.Module) -> tuple[int, int, int]:
         raise ValueError(f"{type(experts).__name__}: experts with biases are not supported")
     E, two_i, H = gu.shape
     if tuple(dn.shape) != (E, H, two_i // 2):
+        E_, H_, two_i_ = gu.shape
+        if tuple(dn.shape) == (E_, two_i_ // 2, H_) and two_i_ % 2 == 0:  # x @ W: Llama 4's layout, unflagged
+            raise ValueError(f"{type(experts).__name__}: gate_up_proj {tuple(gu.shape)} and down_proj "
+                             f"{tuple(dn.shape)} are in the transposed layout ([E, H, 2I] and [E, I, H], used as "
+                             "x @ W), which tandem supports only in gpt-oss's form")
         raise ValueError(f"{type(experts).__name__}: down_proj has shape {tuple(dn.shape)}, "
                          f"gate_up_proj {tuple(gu.shape)} needs {(E, H, two_i // 2)}")
     return E, H, two_i // 2
