@@ -654,4 +654,16 @@ std::string Config::to_json() const {
   return j.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
 }
 
+void HotExpertsConfig::keep_on_cpu(const std::string& where, const std::string& experts) {
+  if (auto_count) {
+    auto_count = false;
+    count = 0;
+    policy = Policy::none;
+    dynamic = false;
+  }
+  TANDEM_CHECK(policy == Policy::none, Errc::unsupported, where, ": gpu.hot_experts: hot experts run silu(gate) * up "
+               "experts without biases only; this model's experts are ", experts,
+               ": set gpu.hot_experts to none or auto (every expert on the CPU)");
+}
+
 }  // namespace tandem

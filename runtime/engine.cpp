@@ -34,19 +34,9 @@ Engine::Engine(const Config& config, EngineSpec spec, std::unique_ptr<Stream> st
   const PackOptions format = pack_options(config_.cpu);
   isa_ = config_.isa();
   stream_ = stream ? std::move(stream) : make_stream(config_);
-  if (!spec_.shape.plain()) {
-    // The hot-expert paths (device copies, the host stream's set) compute silu(gate) * up
-    // without biases: auto finds no room for other experts; a count or list is refused.
-    if (hc.auto_count) {
-      hc.auto_count = false;
-      hc.count = 0;
-      hc.policy = HotExpertsConfig::Policy::none;
-      hc.dynamic = false;
-    }
-    TANDEM_CHECK(hc.policy == HotExpertsConfig::Policy::none, Errc::unsupported, config_.source,
-                 ": gpu.hot_experts: hot experts run silu(gate) * up experts without biases only; this model's experts "
-                 "are ", describe_experts(spec_.shape), ": set gpu.hot_experts to none or auto (every expert on the CPU)");
-  }
+  // The hot-expert paths (device copies, the host stream's set) compute silu(gate) * up
+  // without biases.
+  if (!spec_.shape.plain()) hc.keep_on_cpu(config_.source, describe_experts(spec_.shape));
   if (hc.auto_count) {  // resolved once, here: the count every later step keeps
     if (hot_budget) {
       hot_budget_ = *hot_budget;

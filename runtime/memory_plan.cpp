@@ -329,12 +329,7 @@ MemoryPlan plan_memory(const Config& config, const ModelInfo& model, int subpool
   // Experts other than plain SwiGLU stay on the CPU (Engine: auto places none, a count or a
   // list is refused).
   HotExpertsConfig hot = config.gpu.hot_experts;
-  if (!model.expert_math.empty()) {
-    TANDEM_CHECK(hot.auto_count || hot.policy == HotExpertsConfig::Policy::none, Errc::unsupported,
-                 "gpu.hot_experts: hot experts run silu(gate) * up experts without biases only; this model's experts "
-                 "are ", model.expert_math, ": set gpu.hot_experts to none or auto (every expert on the CPU)");
-    hot.policy = HotExpertsConfig::Policy::none;
-  }
+  if (!model.expert_math.empty()) hot.keep_on_cpu(config.source, model.expert_math);
   uint64_t hot_bytes = 0, hot_scratch = 0, slot_maps = 0;
   for (int layer : model.moe_layers) {
     const int nh = hot_expert_count(hot, layer, sh.experts);

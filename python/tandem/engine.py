@@ -181,6 +181,7 @@ def offload(model: nn.Module, config: ConfigLike = None, *, train: bool | None =
     bar = progress_bar(progress, shape[0] * len(blocks), "packing experts")
     for i, (b, (experts, wrapper)) in enumerate(zip(blocks, inner)):
         gate, up, down, dtype, keep, biases = _layer_pointers(experts)
+        interleaved = oai_math(experts) is not None  # gpt-oss's layout: its placeholders and adapters
         base = i * shape[0]
         step = (lambda d, t, base=base: bar(base + d)) if bar else None
         if not train:
@@ -189,13 +190,13 @@ def offload(model: nn.Module, config: ConfigLike = None, *, train: bool | None =
                 patch_v4_block(b.block, hf)
             fused = not isinstance(experts, nn.ModuleList)
             b.block.experts = TandemExperts(engine, i, b.layer, act, fused=fused, dtype=keep[0].dtype, device=device,
-                                            math=math, interleaved=oai_math(experts) is not None)
+                                            math=math, interleaved=interleaved)
             if fused:
                 watch_block(b.block, b.block.experts)
             continue
         engine.load_layer(i, gate, up, down, dtype, progress=step, **biases)
         te = TandemLoraExperts(engine.layers[i], b.layer, not isinstance(experts, nn.ModuleList), keep[0].dtype, device,
-                               interleaved=oai_math(experts) is not None)
+                               interleaved=interleaved)
         del keep
         if isinstance(experts, nn.ModuleList) and has_v4_lora(experts):
             attach_v4_lora(b.block, hf, experts, te)

@@ -337,36 +337,30 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
             target = torch.float32 if keep_fp32(name) else t.dtype
             _set_tensor(model, name, value.to(device=device, dtype=target), name in params)
             continue
-        concat = names.concatenated(name) if key is None else None
-        if key is None and concat is None:
+        # Its checkpoint tensor, or the parts transformers' Concatenate converter joins into it.
+        parts, dim = ([key], 0) if key is not None else names.concatenated(name) or (None, 0)
+        if parts is None:
             if name in tied:
                 continue
             raise ValueError(f"{path}: checkpoint has no tensor {name!r} (shape {list(t.shape)}) that the "
                              f"{type(model).__name__} needs")
-        if concat is not None:  # transformers' Concatenate converter: the parts, joined
-            parts, dim = concat
-            pieces = [reader.get(k) for k in parts]
-            try:
-                value = torch.cat(pieces, dim)
-            except RuntimeError:
-                raise ValueError(f"{path}: {name!r} joins {', '.join(repr(k) for k in parts)} along dimension {dim} "
-                                 f"(transformers' conversion rule), but their shapes "
-                                 f"{', '.join(str(list(p.shape)) for p in pieces)} do not fit together") from None
-            key = " + ".join(parts)
-            used.update(k for p in parts for k in (p, p + "_scale_inv"))
-        else:
-            value = reader.get(key)
+        pieces = [reader.get(k) for k in parts]
+        try:
+            value = torch.cat(pieces, dim) if len(pieces) > 1 else pieces[0]
+        except RuntimeError:
+            raise ValueError(f"{path}: {name!r} joins {', '.join(repr(k) for k in parts)} along dimension {dim} "
+                             f"(transformers' conversion rule), but their shapes "
+                             f"{', '.join(str(list(p.shape)) for p in pieces)} do not fit together") from None
+        key = " + ".join(parts)
         if t.dtype.is_floating_point and not value.dtype.is_floating_point:
             # An integer weight (INT8 / INT4 / packed) means nothing without its quantization
             # scheme's scales and zero points, which tandem does not read for these weights.
-            raise ValueError(f"{reader.file(concat[0][0] if concat else key)}: tensor {key!r} is "
-                             f"{str(value.dtype).removeprefix('torch.')}: "
+            raise ValueError(f"{reader.file(parts[0])}: tensor {key!r} is {str(value.dtype).removeprefix('torch.')}: "
                              "quantized non-expert weights are not supported (tandem reads bf16 / fp16 / fp32, or "
                              "FP8 with block scales; dequantize the checkpoint first)")
         if tuple(value.shape) != tuple(t.shape):
             raise ValueError(f"{path}: tensor {key!r} has shape {list(value.shape)}, the model needs {list(t.shape)}")
-        if concat is None:
-            used.update((key, key + "_scale_inv"))
+        used.update(k for p in parts for k in (p, p + "_scale_inv"))
         # transformers' rule: the meta model's dtype (built under `dtype`), fp32 where kept.
         target = torch.float32 if t.dtype.is_floating_point and keep_fp32(name) else t.dtype
         _set_tensor(model, name, value.to(device=device, dtype=target), name in params)
@@ -384,10 +378,12 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
                 raise ValueError(f"{path}: config.json ties {name!r} to another weight (tie_word_embeddings), but "
                                  f"the checkpoint's {key!r} holds different values; fix config.json or the checkpoint")
             used.update((key, key + "_scale_inv"))
-    unused = [k for k in ckpt.names() if k not in used and k not in expert_keys]
     skip = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
-    extra = [k for k in unused if not _ignored(k, hf_config, skip)]
-    skipped = _skipped_groups(k for k in unused if _ignored(k, hf_config, skip) and not k.endswith("rotary_emb.inv_freq"))
+    extra, ignored = [], []
+    for k in ckpt.names():
+        if k not in used and k not in expert_keys:
+            (ignored if _ignored(k, hf_config, skip) else extra).append(k)
+    skipped = _skipped_groups(k for k in ignored if not k.endswith("rotary_emb.inv_freq"))
     if extra:
         more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
         raise ValueError(f"{path}: checkpoint has tensors the model does not use: "

@@ -85,7 +85,7 @@ class _FusedPlaceholders(nn.Module):
         self.register_buffer("tandem_probe", torch.zeros(1, dtype=dtype, device=device), persistent=False)
 
     def _set_layout(self, interleaved: bool) -> None:
-        self.is_transposed = self.has_bias = interleaved
+        self.is_transposed = interleaved
         self.is_concatenated = not interleaved
 
     def _placeholders(self) -> dict[str, torch.Tensor]:

@@ -453,9 +453,9 @@ def expert_parameters(model) -> list[str]:
 
 def peft_config(model, rank: int, alpha: float, targets: list[str] | None = None, expert_lora: bool = True):
     """A PEFT LoraConfig for LoRA of rank `rank` and alpha `alpha` on every linear layer torch
-    holds (PEFT's rule applies: nn.Linear's own forward) except the output head (attention, shared experts, dense MLPs), or on those named in
-    `targets` (leaf names, e.g. q_proj), and on the routed experts unless `expert_lora` is
-    False. Every target gets the same rank and alpha (no rank or alpha patterns)."""
+    holds (nn.Linear's own forward, which PEFT's LoRA adds to) except the output head
+    (attention, shared experts, dense MLPs), or on those named in `targets` (leaf names, e.g.
+    q_proj), and on the routed experts unless `expert_lora` is False. Every target gets the same rank and alpha (no rank or alpha patterns)."""
     from peft import LoraConfig
     from torch import nn
 

@@ -206,3 +206,39 @@ def experts_gradients(model: nn.Module, x0: torch.Tensor, idx: torch.Tensor, w0:
     assert grads and all(v is not None for v in grads.values())
     grads.update(x=x.grad.clone(), weights=w.grad.clone())
     return grads
+
+
+def stock_bf16_experts(path) -> nn.Module:
+    """The stock fp32 model of checkpoint `path` with its fused routed experts' weights (3-d;
+    not their biases) on the bf16 grid: what tandem's BF16 packs hold."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if ".experts." in name and p.dim() == 3:
+                p.copy_(p.bfloat16().float())
+    return ref
+
+
+def lora_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items() if "lora_" in k}
+
+
+def load_lora(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
+    assert sd and set(sd) <= set(model.state_dict()), sorted(set(sd) - set(model.state_dict()))[:4]
+    model.load_state_dict(sd, strict=False)
+
+
+def random_lora(model: nn.Module, seed: int) -> None:
+    """Every LoRA tensor of `model` (lora_A and lora_B) drawn from N(0, 0.05^2)."""
+    g = torch.Generator().manual_seed(seed)
+    load_lora(model, {k: (torch.randn(v.shape, generator=g) * 0.05).to(v.dtype)
+                      for k, v in sorted(lora_state(model).items())})
+
+
+def rel_errors(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    """(||got - want|| / ||want||, max |got - want| / max |want|)."""
+    g, w = got.double(), want.double()
+    assert w.abs().max() > 0
+    return ((g - w).norm() / w.norm()).item(), ((g - w).abs().max() / w.abs().max()).item()

@@ -16,7 +16,8 @@ import json
 
 import pytest
 import torch
-from hf_models import clean_tokens, expert_fp64, experts_gradients, record_routing
+from hf_models import (clean_tokens, expert_fp64, experts_gradients, lora_state, random_lora, record_routing,
+                       rel_errors, stock_bf16_experts)
 
 import tandem
 
@@ -269,34 +270,6 @@ def lora_config(r: int = 4):
     from peft import LoraConfig
 
     return LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q_proj", "v_proj"], target_parameters=EXPERT_PARAMS)
-
-
-def stock_bf16_experts(path):
-    """The fp32 transformers model with its expert weights (not the biases) on the bf16 grid:
-    what tandem's BF16 packs hold (its biases stay fp32)."""
-    model = load(path, torch.float32)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if ".experts." in n and "bias" not in n:
-                p.copy_(p.bfloat16().float())
-    return model
-
-
-def lora_state(model) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in model.state_dict().items() if ".lora_" in k}
-
-
-def random_lora(model, seed: int) -> None:
-    """Every LoRA tensor drawn from N(0, 0.05^2) (PEFT's B = 0 would hide half the gradients)."""
-    g = torch.Generator().manual_seed(seed)
-    sd = {k: torch.randn(v.shape, generator=g) * 0.05 for k, v in sorted(lora_state(model).items())}
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    assert not unexpected and not [k for k in missing if ".lora_" in k]
-
-
-def rel_errors(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
-    d = (got.double() - want.double())
-    return (d.norm() / want.double().norm()).item(), (d.abs().max() / want.double().abs().max()).item()
 
 
 @pytest.mark.parametrize("when", ["peft_before_offload", "peft_after_load_model"])

@@ -57,7 +57,8 @@ import weakref
 
 import pytest
 import torch
-from hf_models import VOCAB, V4Block, checkpoint_cache, clean_tokens, experts_gradients
+from hf_models import (VOCAB, V4Block, checkpoint_cache, clean_tokens, experts_gradients, load_lora, lora_state,
+                       random_lora, rel_errors)
 from torch import nn
 
 import tandem
@@ -108,22 +109,6 @@ def stock_model(path, dtype: str = "fp32") -> nn.Module:
             if ".mlp.experts." in n:
                 p.copy_(p.bfloat16().to(p.dtype))
     return model
-
-
-def lora_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in model.state_dict().items() if "lora_" in k}
-
-
-def load_lora(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
-    assert sd and set(sd) <= set(model.state_dict()), sorted(set(sd) - set(model.state_dict()))[:4]
-    model.load_state_dict(sd, strict=False)
-
-
-def random_lora(model: nn.Module, seed: int) -> None:
-    """Every LoRA tensor of `model` (lora_A and lora_B) drawn from N(0, 0.05^2)."""
-    g = torch.Generator().manual_seed(seed)
-    load_lora(model, {k: (torch.randn(v.shape, generator=g) * 0.05).to(v.dtype)
-                      for k, v in sorted(lora_state(model).items())})
 
 
 def train_routers(model: nn.Module) -> None:
@@ -236,13 +221,6 @@ def gradients(model: nn.Module, ids: torch.Tensor, checkpointing: str = "none") 
     grads = {n: g.clone() for n, g in grads.items()}
     grads["inputs_embeds"] = emb.grad.clone()
     return grads, out.logits.detach()
-
-
-def rel_errors(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
-    """(||got - want|| / ||want||, max |got - want| / max |want|)."""
-    g, w = got.double(), want.double()
-    assert w.abs().max() > 0
-    return ((g - w).norm() / w.norm()).item(), ((g - w).abs().max() / w.abs().max()).item()
 
 
 def grad_errors(got: dict, want: dict) -> dict[str, tuple[float, float]]:

@@ -29,13 +29,14 @@ TANDEM_UPDATE_MODELS_MD=1 to rewrite it).
 """
 from __future__ import annotations
 
+import ast
 import os
 import re
 from pathlib import Path
 
 import pytest
 import torch
-from hf_models import clean_tokens
+from hf_models import clean_tokens, stock_bf16_experts
 
 import tandem
 
@@ -221,18 +222,6 @@ def logit_error(got: torch.Tensor, want: torch.Tensor, clean: torch.Tensor, mode
     return err
 
 
-def stock_bf16_experts(path: Path):
-    """The stock fp32 model with its routed experts' weights on the bf16 grid (tandem's packs)."""
-    from transformers import AutoModelForCausalLM
-
-    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if ".experts." in name and p.dim() == 3:
-                p.copy_(p.bfloat16().float())
-    return ref
-
-
 def train_check(model_type: str, tmp_path: Path, conf: dict, ids: torch.Tensor) -> str:
     """`tandem train`'s LoRA on the type (module doc): "supported" (with a remark where stock
     PEFT itself loses part of an adapter of the type) or "refused: why"."""
@@ -316,7 +305,7 @@ def _missing_adapter_keys(caught) -> set[str]:
     for w in caught:
         m = re.search(r"Found missing adapter keys while loading the checkpoint: (\[.*\])", str(w.message))
         if m:
-            return set(eval(m.group(1)))  # noqa: S307 (PEFT's own message: a list of strings)
+            return set(ast.literal_eval(m.group(1)))
     return set()
 
 

@@ -65,6 +65,12 @@ struct HotExpertsConfig {
   bool dynamic = false;
   int rebalance_steps = 64;
   double hysteresis = 0.25;
+
+  // For experts the hot-expert paths cannot compute (they run silu(gate) * up without
+  // biases): auto finds no room for them (none), a count or a list is refused, naming what
+  // the experts compute. `where` starts the message (the config's source). The engine and
+  // the doctor's memory plan both apply it.
+  void keep_on_cpu(const std::string& where, const std::string& experts);
 };
 
 struct Config {
