@@ -14,7 +14,7 @@
 // --math gpt-oss runs the layer as gpt-oss's experts (clamped SwiGLU, alpha 1.702, limit 7,
 // up + 1, biases on gate, up and down): what that costs over plain SiLU at the same shape.
 //
-//   build/bench/bench_moe [--shape qwen3-235b|deepseek-v3|gpt-oss-120b|all] [--format bf16|int8|int4]
+//   build/bench/bench_moe [--shape qwen3-30b|qwen3-235b|deepseek-v3|gpt-oss-120b|all] [--format bf16|int8|int4]
 //                         [--tokens 1,4,16,64,256,1024] [--reps R] [--budget-gb G] [--math plain|gpt-oss]
 
 #include <algorithm>
@@ -106,7 +106,7 @@ int main(int argc, char** argv) {
   ReadBandwidth bw(size_t(1) << 30, threads);
   std::printf("%-12s %6s %5s | %10s %8s %8s | %6s %6s %6s | %s\n", "shape", "tokens", "exp", "us/layer", "GB/s",
               "GFLOP/s", "%bw", "%peak", "%roof", "vs bare kernels (decode)");
-  for (const char* name : {"qwen3-235b", "deepseek-v3", "gpt-oss-120b"}) {
+  for (const char* name : {"qwen3-30b", "qwen3-235b", "deepseek-v3", "gpt-oss-120b"}) {
     if (which != "all" && which != name) continue;
     const ModelShape& s = *find_model_shape(name);
     std::mt19937_64 rng(42);

@@ -18,6 +18,7 @@
 #include "tandem/engine.h"
 #include "tandem/error.h"
 #include "tandem/lora.h"
+#include "tandem/attention.h"
 #include "tandem/dense.h"
 #include "tandem/lora_engine.h"
 #include "tandem/memory_plan.h"
@@ -417,8 +418,10 @@ PYBIND11_MODULE(_C, m) {
              io.out = reinterpret_cast<float*>(out);
              py::gil_scoped_release nogil;
              if (cuda_stream) e.stream().follow(reinterpret_cast<void*>(*cuda_stream));
-             e.forward(i, io);
-             if (sync) e.synchronize();
+             if (sync)
+               e.run(i, io);
+             else
+               e.forward(i, io);
            }, py::arg("index"), py::arg("x"), py::arg("x_bf16"), py::arg("tokens"), py::arg("ids"), py::arg("weights"),
            py::arg("top_k"), py::arg("out"), py::arg("synchronize"), py::arg("cuda_stream") = py::none(),
            "cuda_stream: enqueue this call (and later ones) on that cudaStream_t handle of the engine's device, "
@@ -461,6 +464,27 @@ PYBIND11_MODULE(_C, m) {
              d["tokens"] = c.tokens;
              return d;
            }, "Routed (token, expert) pairs of MoE layer i by where they ran (after synchronize).")
+      .def("decode_attention", [](Engine& e, int batch, int q_heads, int kv_heads, int head_dim, int value_dim, int keys,
+                                  float scale, uintptr_t q, int64_t q_b, int64_t q_h, uintptr_t k, int64_t k_b, int64_t k_h,
+                                  int64_t k_l, uintptr_t v, int64_t v_b, int64_t v_h, int64_t v_l, uintptr_t mask,
+                                  int64_t mask_b, uintptr_t out, int64_t out_b, int64_t out_h) {
+             DecodeAttention a;
+             a.batch = batch, a.q_heads = q_heads, a.kv_heads = kv_heads, a.head_dim = head_dim;
+             a.value_dim = value_dim, a.keys = keys, a.scale = scale;
+             a.q = reinterpret_cast<const bf16_t*>(q), a.q_b = q_b, a.q_h = q_h;
+             a.k = reinterpret_cast<const bf16_t*>(k), a.k_b = k_b, a.k_h = k_h, a.k_l = k_l;
+             a.v = reinterpret_cast<const bf16_t*>(v), a.v_b = v_b, a.v_h = v_h, a.v_l = v_l;
+             a.mask = reinterpret_cast<const uint8_t*>(mask), a.mask_b = mask_b;
+             a.out = reinterpret_cast<bf16_t*>(out), a.out_b = out_b, a.out_h = out_h;
+             py::gil_scoped_release nogil;
+             decode_attention(e.pool(), e.isa(), a);
+           }, py::arg("batch"), py::arg("q_heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("value_dim"),
+           py::arg("keys"), py::arg("scale"), py::arg("q"), py::arg("q_b"), py::arg("q_h"), py::arg("k"), py::arg("k_b"),
+           py::arg("k_h"), py::arg("k_l"), py::arg("v"), py::arg("v_b"), py::arg("v_h"), py::arg("v_l"), py::arg("mask"),
+           py::arg("mask_b"), py::arg("out"), py::arg("out_b"), py::arg("out_h"),
+           "One query row per sequence and head against a KV cache, on the engine's pool (tandem/attention.h): bf16 "
+           "q [batch, q_heads, head_dim], k / v [batch, kv_heads, keys, dim], optional uint8 mask [batch, keys] "
+           "(0: no pointer), out bf16 [batch, q_heads, value_dim]; element strides")
       .def("dense_linear", [](Engine& e, uintptr_t w, int n, int k, const std::string& dtype, const std::string& format,
                               int group_size, bool zero_point, const std::string& name) {
              PackOptions o;

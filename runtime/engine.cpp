@@ -1,5 +1,6 @@
 #include "tandem/engine.h"
 
+
 #include <algorithm>
 #include <map>
 
@@ -240,6 +241,13 @@ void Engine::forward(int i, const LayerIO& io) {
     ++steps_;
   }
   hybrid_->enqueue(i, io);
+}
+
+void Engine::run(int i, const LayerIO& io) {
+  check_index(i);
+  if (!config_.gpu.hot_experts.dynamic && layers_[i]->loaded() && hybrid_->run_direct(i, io)) return;
+  forward(i, io);
+  synchronize();
 }
 
 size_t Engine::cpu_bytes() const {

@@ -285,6 +285,45 @@ void HybridMoe::enqueue(int layer, const LayerIO& io) {
   last_batch_ = nullptr;  // a deferring layer cannot follow (checked there)
 }
 
+bool HybridMoe::run_direct(int layer, const LayerIO& io) {
+  check_layer(layer);
+  if (stream_.is_cuda() || stream_.capturing() || hot_[layer] || opt_.deferred > 0) return false;
+  TANDEM_CHECK(io.tokens >= 1, Errc::invalid_argument, "hybrid: layer ", layer, ": tokens = ", io.tokens,
+               " must be positive");
+  TANDEM_CHECK(io.top_k >= 1 && io.top_k <= kRouterMaxTopK, Errc::invalid_argument, "hybrid: layer ", layer,
+               ": top_k = ", io.top_k, " is outside [1, ", kRouterMaxTopK, "]");
+  TANDEM_CHECK(io.x && io.ids && io.weights && io.out, Errc::invalid_argument, "hybrid: layer ", layer, ": ",
+               !io.x ? "x" : !io.ids ? "ids" : !io.weights ? "weights" : "out", " is null");
+  TANDEM_CHECK(io.x_type == XType::bf16 || io.x_type == XType::f32, Errc::invalid_argument, "hybrid: layer ", layer,
+               ": unknown x dtype ", static_cast<int>(io.x_type));
+  stream_.synchronize();
+  MoeLayer& cpu = *cpu_[layer];
+  MoeInput in;
+  if (io.x_type == XType::bf16)
+    in.x = static_cast<const bf16_t*>(io.x);
+  else
+    in.x_f32 = static_cast<const float*>(io.x);
+  in.tokens = io.tokens;
+  if (io.ids_i64)
+    in.ids_i64 = static_cast<const int64_t*>(io.ids);
+  else
+    in.ids = static_cast<const int32_t*>(io.ids);
+  in.top_k = io.top_k;
+  in.weights = io.weights;
+  in.out = io.out;
+  trace::Span span("run_cpu", {cpu.layer_index(), -1, io.tokens});
+  cpu.pool().wait(cpu.submit(in));  // validates the ids and weights first, naming the slot
+  const int E = shape_.experts;
+  std::atomic<uint64_t>* c = &counts_[static_cast<size_t>(layer) * (3 * E + 1)];
+  const size_t n = static_cast<size_t>(io.tokens) * io.top_k;
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t id = io.ids_i64 ? static_cast<const int64_t*>(io.ids)[i] : static_cast<const int32_t*>(io.ids)[i];
+    if (id >= 0 && id < E) c[kCold * E + id].fetch_add(1, std::memory_order_relaxed);
+  }
+  c[3 * E].fetch_add(io.tokens, std::memory_order_relaxed);
+  return true;
+}
+
 void HybridMoe::enqueue_batch(int layer, const LayerIO& io, bool defer) {
   TANDEM_CHECK(!(opt_.hot_may_change && stream_.capturing()), Errc::invalid_argument, "hybrid: layer ", layer,
                ": enqueued while ", stream_.name(), " is being captured into a graph, but this engine's hot experts move "

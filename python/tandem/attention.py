@@ -1,4 +1,19 @@
-"""Which of torch's attention (SDPA) backends tandem's generation commands let run on CUDA.
+"""Attention for tandem's models: decode attention on tandem's pool for CPU models
+(``use_pool_attention``), and which of torch's SDPA backends tandem's generation commands
+let run on CUDA (``generation_attention``).
+
+**Decode attention on the pool.** A CPU model whose linear layers run on tandem's kernels
+still ran its attention in torch's SDPA, on the one thread torch keeps beside the pool:
+a decode step read each layer's KV cache at one core's speed (on the 2-core AMX Xeon,
+~160 us per layer at 150 cached tokens, as long as a 1.5 MB projection on the pool).
+``use_pool_attention(model, engine)`` (called by ``tandem.load_model`` for CPU inference
+unless ``cpu.dense_format`` is ``torch``) registers the attention function "tandem" with
+transformers (``AttentionInterface``; masks as for SDPA) and sets the model to it. Its
+calls with one query token (generation), bf16 q / k / v on the CPU, no dropout and a
+boolean mask or none run ``_C.Engine.decode_attention`` (tandem/attention.h: every core
+reads the cache, fp32 accumulation, one bf16 rounding, as SDPA's CPU kernels round);
+every other call (prefill, a float mask, softcap, attention sinks, gradients) goes to
+transformers' own SDPA function unchanged.
 
 torch 2.11 sends the SDPA calls of transformers' models on an H100 / H200 to cuDNN, which
 builds an execution plan for every new shape it sees. In generation every decode step has a
@@ -19,8 +34,84 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import Any
 
 import torch
+from torch import nn
+
+ATTENTION_NAME = "tandem"
+# Keyword arguments transformers' attention modules pass that do not change the math of
+# a one-token decode with the mask given (the mask already holds any sliding window).
+_HARMLESS = frozenset({"sliding_window", "position_ids", "cache_position", "use_cache", "past_key_values",
+                       "output_attentions", "layer_idx", "is_causal"})
+
+
+def _sdpa(module, query, key, value, attention_mask, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def pool_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                           **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract (query [B, Hq, Lq, D], key / value
+    [B, Hkv, L, D] / [B, Hkv, L, Dv] -> ([B, Lq, Hq, Dv], None)): one-token CPU decode
+    on the engine's pool, everything else through SDPA (see the module docstring)."""
+    engine = module.__dict__.get("tandem_attention_engine")
+    B, Hq, Lq, D = query.shape
+    if (engine is None or Lq != 1 or query.device.type != "cpu" or dropout
+            or query.dtype != torch.bfloat16 or key.dtype != torch.bfloat16 or value.dtype != torch.bfloat16
+            or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))
+            or any(v is not None and v is not False and k not in _HARMLESS for k, v in kwargs.items())
+            or kwargs.get("output_attentions")):
+        return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    Hkv, L = key.shape[1], key.shape[2]
+    Dv = value.shape[3]
+    mask = None
+    if attention_mask is not None:
+        m = attention_mask
+        if (m.dtype != torch.bool or m.dim() != 4 or m.shape[-1] != L or m.shape[1] != 1 or m.shape[2] != 1
+                or m.shape[0] not in (1, B)):
+            return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        mask = m[:, 0, 0, :].to(torch.uint8).contiguous()
+    if (query.stride(3) != 1 or key.stride(3) != 1 or value.stride(3) != 1 or Hq % Hkv or value.shape[:3] != key.shape[:3]
+            or key.shape[0] != B or key.shape[3] != D):
+        return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    scale = float(scaling) if scaling is not None else D ** -0.5
+    out = torch.empty((B, 1, Hq, Dv), dtype=torch.bfloat16)
+    engine.decode_attention(B, Hq, Hkv, D, Dv, L, scale, query.data_ptr(), query.stride(0), query.stride(1),
+                            key.data_ptr(), key.stride(0), key.stride(1), key.stride(2),
+                            value.data_ptr(), value.stride(0), value.stride(1), value.stride(2),
+                            0 if mask is None else mask.data_ptr(),
+                            0 if mask is None or mask.shape[0] == 1 else mask.stride(0),
+                            out.data_ptr(), Hq * Dv, Dv)
+    return out, None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(ATTENTION_NAME, pool_attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
+
+
+def use_pool_attention(model: nn.Module, engine: Any) -> int:
+    """Runs `model`'s one-token decode attention on `engine`'s pool: the model must use
+    transformers' SDPA attention (its default on the CPU; an eager / flex / other choice is
+    left alone, returning 0). Returns the number of attention modules that will."""
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return 0
+    _register()
+    n = 0
+    for mod in model.modules():
+        if hasattr(mod, "num_key_value_groups") or type(mod).__name__.endswith("Attention"):
+            mod.__dict__["tandem_attention_engine"] = engine
+            n += 1
+    if n:
+        model.set_attn_implementation(ATTENTION_NAME)
+    return n
 
 
 def generation_sdpa_backends(device: torch.device | str) -> list | None:

@@ -29,6 +29,7 @@ from .adapters import merge_for_inference, peft_for_training, read_adapter_confi
 from .checkpoint_reader import TensorReader
 from .config import ConfigLike, config_json
 from .checkpoint_names import CheckpointNames
+from .attention import use_pool_attention
 from .dense import replace_dense, replace_norms
 from .discovery import PLAIN, ExpertMath, expert_shape, find_moe_blocks, oai_math
 from .engine import make_engine, make_lora_layers, share_cpu_with_torch
@@ -404,6 +405,8 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
         # Their RMSNorms too, where the fused kernel computes what they do (checked per kind).
         if cfg_json["cpu"].get("dense_format", "auto") != "torch":
             model.tandem_norms = replace_norms(model)
+            # One-token attention (generation) on the pool too: tandem.attention.
+            model.tandem_attention = use_pool_attention(model, engine)
     share_cpu_with_torch(engine, device)
     apply_config(cfg_json)  # trace.enabled: record from now on, write trace.path at exit
     model.tandem_engine = engine

@@ -304,6 +304,51 @@ TEST(Engine, LoadsACheckpointAndMatchesTheReference) {
   }
 }
 
+// Engine::run without a device part (host stream, no hot experts, no deferral) runs the
+// CPU task from the calling thread instead of the stream: the same output bit for bit as
+// forward + synchronize, the same placement counts, errors named the same way; with hot
+// experts in the layer it takes the stream's path (and still matches the reference).
+TEST(Engine, RunOnTheCallingThreadIsTheStreamPathBitForBit) {
+  std::mt19937_64 rng(test_seed());
+  const Weights w(rng);
+  test::ScratchDir dir;
+  const Checkpoint ckpt = write_checkpoint(dir, checkpoint_entries(w, "BF16"));
+  Engine direct(config(), spec()), streamed(config(), spec());
+  direct.load(ckpt, ExpertNaming::qwen3());
+  streamed.load(ckpt, ExpertNaming::qwen3());
+  for (const XType xt : {XType::f32, XType::bf16}) {
+    for (int i = 0; i < 2; ++i) {
+      Batch a(rng, xt, true);
+      Batch b = a;
+      direct.run(i, a.io());
+      streamed.forward(i, b.io());
+      streamed.synchronize();
+      ASSERT_EQ(std::memcmp(a.out.data(), b.out.data(), a.out.size() * sizeof(float)), 0) << "MoE layer " << i;
+      expect_close(a.out, reference(w, i, a), "run, MoE layer " + std::to_string(i));
+    }
+  }
+  for (int i = 0; i < 2; ++i) {
+    const PlacementCounts x = direct.hybrid().counts(i), y = streamed.hybrid().counts(i);
+    EXPECT_EQ(x.tokens, y.tokens);
+    EXPECT_EQ(x.cold, y.cold);
+    EXPECT_EQ(x.hot, y.hot);
+  }
+  Batch bad(rng, XType::f32, false);
+  bad.r.ids[5] = kE;  // out of range
+  const std::string msg = test::error_of([&] { direct.run(0, bad.io()); });
+  EXPECT_NE(msg.find(std::to_string(kE)), std::string::npos) << msg;
+  Batch ok(rng, XType::f32, false);
+  direct.run(0, ok.io());  // usable after the error
+  expect_close(ok.out, reference(w, 0, ok), "after an error");
+
+  Engine hot(config(", hot_experts: {layers: {1: [3, 0]}}"), spec());
+  hot.load(ckpt, ExpertNaming::qwen3());
+  EXPECT_FALSE(hot.hybrid().run_direct(0, ok.io()));  // layer with hot experts: the stream's path
+  Batch c(rng, XType::f32, false);
+  hot.run(0, c.io());
+  expect_close(c.out, reference(w, 0, c), "run with hot experts");
+}
+
 // One rule picks the kernels of every CPU part (cpu.isa, lowered by TANDEM_ISA, capped
 // by the hardware): the engine and each of its layers report the level and run it, the
 // host stream's hot experts included (the output at each level matches the fp64 reference).

@@ -76,6 +76,11 @@ class Engine {
   // device memory (host memory for the host stream). Every layer must be loaded.
   void forward(int i, const LayerIO& io);
   void synchronize() { stream_->synchronize(); }
+  // forward + synchronize. When no part of layer i runs on a device (the host stream, no
+  // hot experts there, no deferral, no dynamic hot sets, no capture) the calling thread
+  // runs the CPU experts' pool task itself (HybridMoe::run_direct): the same task and
+  // result, without the stream's handoffs (what a CPU decode step pays per layer).
+  void run(int i, const LayerIO& io);
 
   const Config& config() const { return config_; }
   const EngineSpec& spec() const { return spec_; }

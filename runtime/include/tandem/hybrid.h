@@ -85,6 +85,13 @@ class HybridMoe {
   // problem; errors found while the stream runs (an id out of range) are rethrown by
   // stream().synchronize().
   void enqueue(int layer, const LayerIO& io);
+  // Runs layer `layer` now, on the calling thread, and returns true, when nothing of it
+  // belongs on a device: a host stream that is not capturing, no hot experts in this
+  // layer, no deferral. The stream is synchronized first (its earlier work reads the
+  // same buffers), then the layer's CPU experts run as one pool task straight from
+  // io's buffers (no slot copies, no host functions) and are waited for; the counts are
+  // kept as enqueue keeps them. Returns false, having done nothing, otherwise.
+  bool run_direct(int layer, const LayerIO& io);
 
   int layers() const { return static_cast<int>(cpu_.size()); }
   Stream& stream() { return stream_; }

@@ -1,0 +1,46 @@
+// tandem/attention.h: decode attention on the worker pool. One query row per sequence
+// and head (a generation step) against a KV cache, for the CPU models whose other layers
+// run on tandem's kernels: torch's SDPA runs it on the one thread it keeps beside the
+// pool, reading the whole cache at a single core's speed, once per layer and token.
+//
+// For each sequence b and query head h (kv head g = h / (q_heads / kv_heads), GQA):
+//   s_l = scale * q[b,h] . k[b,g,l]          for the keys l with mask[b,l] (all without a mask)
+//   out[b,h] = sum_l softmax(s)_l * v[b,g,l]
+// in fp32 from bf16 q, k, v, the output rounded to bf16 once (SDPA's CPU kernels also
+// accumulate bf16 attention in fp32: the two differ by summation order). The keys are
+// split into chunks over the pool's threads (flash-decoding: per chunk a running max,
+// sum and weighted value sum, combined per head in a second phase), so one layer's cache
+// is read by every core. A row whose mask admits no key gets zeros.
+#pragma once
+
+#include <cstdint>
+
+#include "tandem/cpu_features.h"
+#include "tandem/kernels.h"
+#include "tandem/pool.h"
+
+namespace tandem {
+
+struct DecodeAttention {
+  int batch = 0, q_heads = 0, kv_heads = 0, keys = 0;
+  int head_dim = 0;   // of q and k
+  int value_dim = 0;  // of v and out (0: head_dim; MLA's differ)
+  float scale = 0.f;
+  // Element strides; the elements of a row are contiguous.
+  const bf16_t* q = nullptr;  // [batch, q_heads, head_dim]
+  int64_t q_b = 0, q_h = 0;
+  const bf16_t* k = nullptr;  // [batch, kv_heads, keys, head_dim]
+  int64_t k_b = 0, k_h = 0, k_l = 0;
+  const bf16_t* v = nullptr;  // [batch, kv_heads, keys, value_dim]
+  int64_t v_b = 0, v_h = 0, v_l = 0;
+  const uint8_t* mask = nullptr;  // optional [batch, keys]: nonzero = attend
+  int64_t mask_b = 0;
+  bf16_t* out = nullptr;  // [batch, q_heads, value_dim]
+  int64_t out_b = 0, out_h = 0;
+};
+
+// Validates `a` (errors name the field), runs it as one task on `pool` with the vector
+// code `level` allows (AVX-512, AVX2 + FMA, or scalar) and waits.
+void decode_attention(Pool& pool, IsaLevel level, const DecodeAttention& a);
+
+}  // namespace tandem
