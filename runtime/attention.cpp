@@ -21,7 +21,7 @@ namespace {
 
 struct Loops {
   void (*scores)(const float*, int, int, const bf16_t*, int64_t, int, const uint8_t*, float, float*, float*);
-  void (*accumulate)(const float*, int, int, const bf16_t*, int64_t, int, float*, float*);
+  void (*accumulate)(const float*, int, int, const bf16_t*, int64_t, int, float*);
   float (*exp_shifted)(const float*, float, int, float*);
   void (*widen)(const bf16_t*, int, float*);
 };
@@ -89,10 +89,9 @@ class AttentionTask final : public Task {
     const int c = item % chunks_, g = (item / chunks_) % a_.kv_heads, b = item / (chunks_ * a_.kv_heads);
     const int l0 = c * chunk_, n = std::min(a_.keys, l0 + chunk_) - l0;
     const int dk = a_.head_dim;
-    thread_local std::vector<float> qf, kf, vf, s, acc;
+    thread_local std::vector<float> qf, kf, s, acc;
     qf.resize(static_cast<size_t>(G_) * dk);
     kf.resize(dk);
-    vf.resize(dv_);
     s.resize(static_cast<size_t>(G_) * n);
     acc.assign(static_cast<size_t>(G_) * dv_, 0.f);
     for (int j = 0; j < G_; ++j) f_.widen(a_.q + b * a_.q_b + (g * G_ + j) * a_.q_h, dk, qf.data() + j * dk);
@@ -113,7 +112,7 @@ class AttentionTask final : public Task {
       }
       pr[1] = f_.exp_shifted(sj, m, n, sj);
     }
-    f_.accumulate(s.data(), G_, dv_, a_.v + b * a_.v_b + g * a_.v_h + l0 * a_.v_l, a_.v_l, n, vf.data(), acc.data());
+    f_.accumulate(s.data(), G_, dv_, a_.v + b * a_.v_b + g * a_.v_h + l0 * a_.v_l, a_.v_l, n, acc.data());
     for (int j = 0; j < G_; ++j) {
       float* pr = part + ((static_cast<size_t>(b) * a_.q_heads + g * G_ + j) * chunks_ + c) * stride_;
       std::memcpy(pr + 2, acc.data() + static_cast<size_t>(j) * dv_, sizeof(float) * dv_);

@@ -114,6 +114,13 @@ def use_pool_attention(model: nn.Module, engine: Any) -> int:
     return n
 
 
+def sdpa_attention(model: nn.Module) -> None:
+    """Gives a model set to the pool attention back to transformers' SDPA (for paths that
+    take only SDPA-family models, such as continuous batching); others are left alone."""
+    if getattr(model.config, "_attn_implementation", None) == ATTENTION_NAME:
+        model.set_attn_implementation("sdpa")
+
+
 def generation_sdpa_backends(device: torch.device | str) -> list | None:
     """The SDPA backends a generation on ``device`` may use, or None to leave torch's choice
     (CPU devices, or TANDEM_SDPA_CUDNN=1)."""

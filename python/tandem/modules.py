@@ -220,7 +220,7 @@ class TandemExperts(_FusedPlaceholders):
         out = torch.empty((T, self.hidden_dim), dtype=torch.float32)
         try:
             self.engine.forward(self.index, x.data_ptr(), x.dtype == torch.bfloat16, T, ids.data_ptr(), w.data_ptr(),
-                                ids.shape[1], out.data_ptr(), True)
+                                ids.shape[1], out.data_ptr(), synchronize=True)
         except BaseException:
             # It may have failed after enqueueing part of the layer: let that work finish
             # before the temporaries it reads are freed.

@@ -540,6 +540,11 @@ class BatchedGenerator:
         cb = ContinuousBatchingConfig(page_size=self.page, num_blocks=self.pages, max_requests_per_batch=batch,
                                       max_batch_tokens=max(256, batch * 64), per_request_processors=True,
                                       drop_unsupported_processors=False)
+        # Continuous batching runs its own paged attention and takes only SDPA-family models:
+        # the one-token pool attention (tandem.attention) gives the model back to SDPA here.
+        from .attention import sdpa_attention
+
+        sdpa_attention(model)
         self.manager = model.init_continuous_batching(generation_config=gc, continuous_batching_config=cb)
         self.manager.start()
         self.active: dict[str, tuple[Job, TextTracker]] = {}
