@@ -246,7 +246,7 @@ void HybridMoe::evict_batches() {
   for (size_t i = 0; i < drop; ++i) batches_.erase(lru[i].second);
 }
 
-void HybridMoe::enqueue(int layer, const LayerIO& io) {
+void HybridMoe::check_io(int layer, const LayerIO& io) const {
   check_layer(layer);
   TANDEM_CHECK(io.tokens >= 1, Errc::invalid_argument, "hybrid: layer ", layer, ": tokens = ", io.tokens,
                " must be positive");
@@ -256,6 +256,10 @@ void HybridMoe::enqueue(int layer, const LayerIO& io) {
                !io.x ? "x" : !io.ids ? "ids" : !io.weights ? "weights" : "out", " is null");
   TANDEM_CHECK(io.x_type == XType::bf16 || io.x_type == XType::f32, Errc::invalid_argument, "hybrid: layer ", layer,
                ": unknown x dtype ", static_cast<int>(io.x_type));
+}
+
+void HybridMoe::enqueue(int layer, const LayerIO& io) {
+  check_io(layer, io);
   for (const MoeLayer* l : cpu_)
     TANDEM_CHECK(l->loaded(), Errc::invalid_argument, "hybrid: model layer ", l->layer_index(), " has no CPU weights");
   if (io.tokens <= opt_.max_tokens) {
@@ -286,16 +290,9 @@ void HybridMoe::enqueue(int layer, const LayerIO& io) {
 }
 
 bool HybridMoe::run_direct(int layer, const LayerIO& io) {
-  check_layer(layer);
+  check_layer(layer);  // before hot_[layer] is read
   if (stream_.is_cuda() || stream_.capturing() || hot_[layer] || opt_.deferred > 0) return false;
-  TANDEM_CHECK(io.tokens >= 1, Errc::invalid_argument, "hybrid: layer ", layer, ": tokens = ", io.tokens,
-               " must be positive");
-  TANDEM_CHECK(io.top_k >= 1 && io.top_k <= kRouterMaxTopK, Errc::invalid_argument, "hybrid: layer ", layer,
-               ": top_k = ", io.top_k, " is outside [1, ", kRouterMaxTopK, "]");
-  TANDEM_CHECK(io.x && io.ids && io.weights && io.out, Errc::invalid_argument, "hybrid: layer ", layer, ": ",
-               !io.x ? "x" : !io.ids ? "ids" : !io.weights ? "weights" : "out", " is null");
-  TANDEM_CHECK(io.x_type == XType::bf16 || io.x_type == XType::f32, Errc::invalid_argument, "hybrid: layer ", layer,
-               ": unknown x dtype ", static_cast<int>(io.x_type));
+  check_io(layer, io);
   stream_.synchronize();
   MoeLayer& cpu = *cpu_[layer];
   MoeInput in;

@@ -117,6 +117,7 @@ class HybridMoe {
   void enqueue_batch(int layer, const LayerIO& io, bool defer);
   void evict_batches();
   void check_layer(int layer) const;
+  void check_io(int layer, const LayerIO& io) const;  // check_layer and io's fields
   static void submit_fn(void* job);
   static void wait_fn(void* job);
 
