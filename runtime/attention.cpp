@@ -161,9 +161,7 @@ void decode_attention(Pool& pool, IsaLevel level, const DecodeAttention& in) {
   TANDEM_CHECK(a.q && a.k && a.v && a.out, Errc::invalid_argument, "decode attention: ",
                !a.q ? "q" : !a.k ? "k" : !a.v ? "v" : "out", " is null");
   TANDEM_CHECK(std::isfinite(a.scale), Errc::invalid_argument, "decode attention: scale ", a.scale, " is not finite");
-  int threads = 0;
-  for (int s = 0; s < pool.subpools(); ++s) threads += pool.threads(s);
-  pool.run(std::make_shared<AttentionTask>(a, loops_for(level), threads, pool.subpools()));
+  pool.run(std::make_shared<AttentionTask>(a, loops_for(level), pool.total_threads(), pool.subpools()));
 }
 
 }  // namespace tandem

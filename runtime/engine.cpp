@@ -1,6 +1,5 @@
 #include "tandem/engine.h"
 
-
 #include <algorithm>
 #include <map>
 
@@ -228,11 +227,15 @@ bool Engine::loaded() const {
   return std::all_of(layers_.begin(), layers_.end(), [](const auto& l) { return l->loaded(); });
 }
 
-void Engine::forward(int i, const LayerIO& io) {
+void Engine::check_call(int i) const {
   check_index(i);
   for (int j = 0; j < moe_layers(); ++j)  // the scheduler needs every layer (deferral spans layers)
     TANDEM_CHECK(layers_[j]->loaded(), Errc::invalid_argument, "engine: MoE layer ", j, " (model layer ", spec_.layers[j],
                  ") has no weights: load every layer before the first forward");
+}
+
+void Engine::forward(int i, const LayerIO& io) {
+  check_call(i);
   // Dynamic hot experts move between steps: at the start of every rebalance_steps-th step,
   // when no layer of the step before is still to be enqueued (its deferred experts end in
   // its last layer). Never inside a capture (refused there: HybridMoe::enqueue_batch).
@@ -244,8 +247,8 @@ void Engine::forward(int i, const LayerIO& io) {
 }
 
 void Engine::run(int i, const LayerIO& io) {
-  check_index(i);
-  if (!config_.gpu.hot_experts.dynamic && layers_[i]->loaded() && hybrid_->run_direct(i, io)) return;
+  check_call(i);  // the same refusals as forward, whichever path runs
+  if (!config_.gpu.hot_experts.dynamic && hybrid_->run_direct(i, io)) return;
   forward(i, io);
   synchronize();
 }

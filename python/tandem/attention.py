@@ -43,7 +43,7 @@ ATTENTION_NAME = "tandem"
 # Keyword arguments transformers' attention modules pass that do not change the math of
 # a one-token decode with the mask given (the mask already holds any sliding window).
 _HARMLESS = frozenset({"sliding_window", "position_ids", "cache_position", "use_cache", "past_key_values",
-                       "output_attentions", "layer_idx", "is_causal"})
+                       "layer_idx", "is_causal"})
 
 
 def _sdpa(module, query, key, value, attention_mask, **kwargs):
@@ -63,8 +63,7 @@ def pool_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Te
     if (engine is None or Lq != 1 or query.device.type != "cpu" or dropout
             or query.dtype != torch.bfloat16 or key.dtype != torch.bfloat16 or value.dtype != torch.bfloat16
             or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))
-            or any(v is not None and v is not False and k not in _HARMLESS for k, v in kwargs.items())
-            or kwargs.get("output_attentions")):
+            or any(v is not None and v is not False and k not in _HARMLESS for k, v in kwargs.items())):
         return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     Hkv, L = key.shape[1], key.shape[2]
     Dv = value.shape[3]
@@ -74,7 +73,9 @@ def pool_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Te
         if (m.dtype != torch.bool or m.dim() != 4 or m.shape[-1] != L or m.shape[1] != 1 or m.shape[2] != 1
                 or m.shape[0] not in (1, B)):
             return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-        mask = m[:, 0, 0, :].to(torch.uint8).contiguous()
+        mask = m[:, 0, 0, :]  # torch's bool bytes are 0 / 1: read as they are, no copy
+        if mask.stride(-1) != 1:
+            mask = mask.contiguous()
     if (query.stride(3) != 1 or key.stride(3) != 1 or value.stride(3) != 1 or Hq % Hkv or value.shape[:3] != key.shape[:3]
             or key.shape[0] != B or key.shape[3] != D):
         return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)

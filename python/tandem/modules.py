@@ -46,9 +46,6 @@ def check_cuda_call(where: str, binding: CudaBinding, device: torch.device) -> N
                          "(tandem's engine cannot move to another device)")
 
 
-_X_DTYPES = (torch.bfloat16, torch.float32)  # the hidden-state dtypes the engine takes as they are
-
-
 def _check_inputs(where: str, hidden: int, x: torch.Tensor, top_k_index: torch.Tensor,
                   top_k_weights: torch.Tensor) -> int:
     """Validates an experts call (hidden [T, H], top_k_index [T, K] int, top_k_weights [T, K] float); returns T."""
@@ -151,7 +148,6 @@ class TandemExperts(_FusedPlaceholders):
             self._add_probe(dtype, torch.device(device))
             self._set_layout(interleaved)
         self._cuda_binding = CUDA_BINDINGS.get(engine) if engine.is_cuda else None
-        self._cpu_only = not engine.is_cuda
         if engine.is_cuda and self._cuda_binding is None:
             raise ValueError(f"model layer {layer}: this CUDA engine was not made by tandem.engine.make_engine, so "
                              "tandem cannot tell which stream it enqueues on; build it with make_engine (it enqueues "
@@ -167,19 +163,8 @@ class TandemExperts(_FusedPlaceholders):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        x = hidden_states
-        if self._cpu_only and x.device.type == "cpu" and not torch.is_grad_enabled():
-            # A CPU engine under no_grad / inference_mode (generation): the checks of the
-            # general path below in a few comparisons, since a decode step makes this call
-            # once per MoE layer. Anything unusual takes the general path and its errors.
-            T = x.shape[0]
-            if (x.dim() == 2 and x.shape[1] == self.hidden_dim and x.dtype in _X_DTYPES
-                    and top_k_index.dtype == torch.int64 and top_k_index.dim() == 2 and top_k_index.shape[0] == T
-                    and top_k_weights.shape == top_k_index.shape and top_k_weights.dtype.is_floating_point
-                    and top_k_index.device.type == "cpu" and top_k_weights.device.type == "cpu" and T > 0):
-                return self._run_cpu(x.contiguous(), top_k_index.contiguous(),
-                                     top_k_weights.to(torch.float32).contiguous(), T)
         where = f"tandem experts (model layer {self.layer})"
+        x = hidden_states
         T = _check_inputs(where, self.hidden_dim, x, top_k_index, top_k_weights)
         if torch.is_grad_enabled() and (x.requires_grad or top_k_weights.requires_grad):
             raise RuntimeError(f"{where}: this model was offloaded for inference; for training offload it with "
@@ -195,40 +180,33 @@ class TandemExperts(_FusedPlaceholders):
         elif dev.type != "cpu":  # host stream with a GPU model (gpu.device: none): round trip through the CPU
             out = self.forward(x.cpu(), top_k_index.cpu(), top_k_weights.cpu())
             return out.to(dev)
-        xin = x if x.dtype in _X_DTYPES else x.float()
+        xin = x if x.dtype in (torch.bfloat16, torch.float32) else x.float()
         xin = xin.contiguous()
         ids = top_k_index.to(torch.int64).contiguous()
         w = top_k_weights.to(torch.float32).contiguous()
-        if not self.engine.is_cuda:
-            return self._run_cpu(xin, ids, w, T).to(x.dtype)
         out = torch.empty((T, self.hidden_dim), dtype=torch.float32, device=dev)
-        # The engine enqueues on torch's current stream (after its own earlier work), where
-        # the temporaries and out were allocated: the caching allocator reuses their blocks
-        # only for work enqueued later on that stream, so after tandem's reads and writes.
-        # Under a torch CUDA graph capture that stream is the capture stream, so the call
-        # (CPU experts included, as host nodes) is recorded into the graph. The device
-        # guard restores torch's current device, which the C++ stream sets to the engine's.
-        with torch.cuda.device(dev):
-            self.engine.forward(self.index, xin.data_ptr(), xin.dtype == torch.bfloat16, T, ids.data_ptr(),
-                                w.data_ptr(), ids.shape[1], out.data_ptr(), synchronize=False,
-                                cuda_stream=torch.cuda.current_stream(dev).cuda_stream)
-        return out if x.dtype == torch.float32 else out.to(x.dtype)
-
-    def _run_cpu(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, T: int) -> torch.Tensor:
-        """Host stream: runs the layer and waits (x bf16 / fp32, ids int64, w fp32, all
-        contiguous CPU tensors); the result in x's dtype."""
-        out = torch.empty((T, self.hidden_dim), dtype=torch.float32)
-        try:
-            self.engine.forward(self.index, x.data_ptr(), x.dtype == torch.bfloat16, T, ids.data_ptr(), w.data_ptr(),
-                                ids.shape[1], out.data_ptr(), synchronize=True)
-        except BaseException:
-            # It may have failed after enqueueing part of the layer: let that work finish
-            # before the temporaries it reads are freed.
-            try:
-                self.engine.synchronize()
-            except Exception:  # noqa: BLE001 (the first error is the one reported)
-                pass
-            raise
+        args = (self.index, xin.data_ptr(), xin.dtype == torch.bfloat16, T, ids.data_ptr(), w.data_ptr(), ids.shape[1],
+                out.data_ptr())
+        if self.engine.is_cuda:
+            # The engine enqueues on torch's current stream (after its own earlier work), where
+            # the temporaries and out were allocated: the caching allocator reuses their blocks
+            # only for work enqueued later on that stream, so after tandem's reads and writes.
+            # Under a torch CUDA graph capture that stream is the capture stream, so the call
+            # (CPU experts included, as host nodes) is recorded into the graph. The device
+            # guard restores torch's current device, which the C++ stream sets to the engine's.
+            with torch.cuda.device(dev):
+                self.engine.forward(*args, synchronize=False, cuda_stream=torch.cuda.current_stream(dev).cuda_stream)
+        else:
+            try:  # host stream: enqueue, then wait until the stream ran it (x, ids, w, out are read/written there)
+                self.engine.forward(*args, synchronize=True)
+            except BaseException:
+                # It may have failed after enqueueing part of the layer: let that work finish
+                # before the temporaries it reads are freed.
+                try:
+                    self.engine.synchronize()
+                except Exception:  # noqa: BLE001 (the first error is the one reported)
+                    pass
+                raise
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 

@@ -63,15 +63,14 @@ def test_matches_fp64_within_one_bf16_rounding(engine, B, Hq, Hkv, D, Dv, L):
     if B == 2:  # the first sequence left-padded by a third of the keys
         mask = torch.ones(B, 1, 1, L, dtype=torch.bool)
         mask[0, ..., : L // 3] = False
-    calls = []
     with torch.inference_mode():
         got, _ = ta.pool_attention_forward(_Attn(Hq // Hkv, engine), q, k, v, mask, scaling=0.3)
     want, score_err = _reference(q, k, v, mask, 0.3)
     assert got.shape == (B, 1, Hq, Dv) and got.dtype == torch.bfloat16
     bound = want.abs() * 2.0 ** -8 + (2 * score_err + 4 * L * 2.0 ** -24) * v.abs().max().item()
     err = (got.double() - want).abs()
-    assert (err <= bound).all(), f"max error {err.max().item():.3g}, bound there {bound[err.argmax() // 1].max():.3g}"
-    assert not calls
+    worst = err.flatten().argmax()
+    assert (err <= bound).all(), f"max error {err.flatten()[worst]:.3g}, bound there {bound.flatten()[worst]:.3g}"
 
 
 def test_other_calls_go_to_sdpa(engine, monkeypatch):

@@ -106,6 +106,7 @@ class Engine {
 
  private:
   void check_index(int i) const;
+  void check_call(int i) const;  // check_index, and every layer loaded (forward and run)
   void drop_layer(int i);  // packs and hot experts given back (unload_layer without the wait)
   // Puts `experts` of MoE layer i on the device: from `source` (the checkpoint's weights),
   // or with dynamic hot experts from layer i's own packs, as every later rebalance does.
