@@ -304,16 +304,19 @@ struct Int4Fmt {
     for (int b = 0; b < 4; ++b) {
       scale[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 16 * b)));
       // each output's zero point in all 4 bytes of its k-quad (zero <= 15: no carries)
-      zero[b] = w->symmetric ? _mm512_set1_epi8(8)
+      zero[b] = w->symmetric ? _mm512_set1_epi8(static_cast<char>(int4_zero(*w)))
                              : _mm512_mullo_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zp + 16 * b))),
                                                   _mm512_set1_epi32(0x01010101));
     }
+    // MXFP4: the code table first (its entries minus 12 are the codes' doubled values).
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2m1Lut)));
+    auto decode = [&](__m512i q) { return w->e2m1 ? _mm512_shuffle_epi8(lut, q) : q; };
     for (int o = 0; o < w->group / 8; ++o)
       for (int b = 0; b < 4; ++b) {
         const __m512i v = _mm512_loadu_si512(group + o * kRowBytes + 64 * b);
-        _mm512_store_si512(out + (2 * o) * kRowBytes + 64 * b, _mm512_sub_epi8(_mm512_and_si512(v, low4), zero[b]));
+        _mm512_store_si512(out + (2 * o) * kRowBytes + 64 * b, _mm512_sub_epi8(decode(_mm512_and_si512(v, low4)), zero[b]));
         _mm512_store_si512(out + (2 * o + 1) * kRowBytes + 64 * b,
-                           _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), zero[b]));
+                           _mm512_sub_epi8(decode(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4)), zero[b]));
       }
   }
   // acc += scale[j] * sum over the group of q_a * (q_w - zero): the VNNI kernel's

@@ -28,9 +28,19 @@ template <class Dot, int MR>
 struct Int4Ymm {
   static_assert(MR == 1);
   static void run(const QuantInput& in, int r0, const PackedWeight& w, const std::byte* panel, float* t) {
+    if (w.e2m1)
+      body<true>(in, r0, w, panel, t);
+    else
+      body<false>(in, r0, w, panel, t);
+  }
+  // E2m1: each nibble goes through the MXFP4 code table (one vpshufb) before its product.
+  template <bool E2m1>
+  static void body(const QuantInput& in, int r0, const PackedWeight& w, const std::byte* panel, float* t) {
     // The fp32 sums live in t (L1) between groups: 16 ymm cannot hold them and the
     // integer accumulators at once.
     const __m256i low4 = _mm256_set1_epi8(0x0f);
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2m1Lut)));
+    auto decode = [&](__m256i q) { return E2m1 ? _mm256_shuffle_epi8(lut, q) : q; };
 #pragma GCC unroll 8
     for (int b = 0; b < 8; ++b) _mm256_store_ps(t + 8 * b, _mm256_setzero_ps());
     for (int gi = 0; gi < in.groups; ++gi) {
@@ -46,8 +56,8 @@ struct Int4Ymm {
 #pragma GCC unroll 8
         for (int b = 0; b < 8; ++b) {
           const __m256i v = _mm256_load_si256(wp + 8 * o + b);
-          acc[b] = Dot::apply(acc[b], _mm256_and_si256(v, low4), x0);
-          acc[b] = Dot::apply(acc[b], _mm256_and_si256(_mm256_srli_epi16(v, 4), low4), x1);
+          acc[b] = Dot::apply(acc[b], decode(_mm256_and_si256(v, low4)), x0);
+          acc[b] = Dot::apply(acc[b], decode(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4)), x1);
         }
       }
       const uint16_t* sc = int4_scales(w, gb);
@@ -56,7 +66,7 @@ struct Int4Ymm {
 #pragma GCC unroll 8
       for (int b = 0; b < 8; ++b) {
         const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 8 * b)));
-        const __m256i z = w.symmetric ? _mm256_set1_epi32(8)
+        const __m256i z = w.symmetric ? _mm256_set1_epi32(int4_zero(w))
                                       : _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zp + 8 * b)));
         const __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(as_m256i(acc[b]), _mm256_mullo_epi32(z, sum)));
         _mm256_store_ps(t + 8 * b, _mm256_fmadd_ps(v, s, _mm256_load_ps(t + 8 * b)));

@@ -25,7 +25,16 @@ inline __m512i as_m512i(acc_t v) { return reinterpret_cast<__m512i>(v); }
 template <class Dot, int MR>
 struct Int4Zmm {
   static void run(const QuantInput& in, int r0, const PackedWeight& w, const std::byte* panel, float* t) {
+    if (w.e2m1)
+      body<true>(in, r0, w, panel, t);
+    else
+      body<false>(in, r0, w, panel, t);
+  }
+  // E2m1: each nibble goes through the MXFP4 code table (one vpshufb) before its product.
+  template <bool E2m1>
+  static void body(const QuantInput& in, int r0, const PackedWeight& w, const std::byte* panel, float* t) {
     const __m512i low4 = _mm512_set1_epi8(0x0f);
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2m1Lut)));
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
@@ -47,6 +56,10 @@ struct Int4Zmm {
           const __m512i v = _mm512_load_si512(wp + 4 * o + b);
           lo[b] = _mm512_and_si512(v, low4);
           hi[b] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+          if constexpr (E2m1) {
+            lo[b] = _mm512_shuffle_epi8(lut, lo[b]);
+            hi[b] = _mm512_shuffle_epi8(lut, hi[b]);
+          }
         }
 #pragma GCC unroll 8
         for (int r = 0; r < MR; ++r) {
@@ -61,7 +74,7 @@ struct Int4Zmm {
 #pragma GCC unroll 4
       for (int b = 0; b < 4; ++b) {
         const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 16 * b)));
-        const __m512i z = w.symmetric ? _mm512_set1_epi32(8)
+        const __m512i z = w.symmetric ? _mm512_set1_epi32(int4_zero(w))
                                       : _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zp + 16 * b)));
 #pragma GCC unroll 8
         for (int r = 0; r < MR; ++r) {

@@ -70,8 +70,21 @@ std::string_view format_name(WeightFormat f) noexcept {
 WeightFormat parse_format(std::string_view name) {
   for (auto f : {WeightFormat::bf16, WeightFormat::int8, WeightFormat::int4})
     if (name == format_name(f)) return f;
-  TANDEM_FAIL(Errc::invalid_argument, "unknown weight format '", name, "' (expected bf16, int8 or int4)");
+  TANDEM_FAIL(Errc::invalid_argument, "unknown weight format '", name, "' (expected bf16, int8 or int4",
+              name == "mxfp4" ? "; mxfp4 is int4 with MXFP4 codes: pack_options" : "", ")");
 }
+
+PackOptions pack_options(std::string_view format, int group, bool zero_point) {
+  if (format == "mxfp4") return {WeightFormat::int4, 32, true, true};
+  return {parse_format(format), group, !zero_point, false};
+}
+
+bool same_packing(const PackOptions& a, const PackOptions& b) noexcept {
+  return a.format == b.format && (a.format != WeightFormat::int4 ||
+                                  (a.group == b.group && a.symmetric == b.symmetric && a.e2m1 == b.e2m1));
+}
+
+std::string_view format_name(const PackOptions& o) noexcept { return o.e2m1 ? "mxfp4" : format_name(o.format); }
 
 std::string_view source_type_name(SourceType t) noexcept {
   switch (t) {
@@ -275,6 +288,9 @@ PackedWeight layout(const PackOptions& o, int n, int k) {
       p.k_pad = k;
       p.group = o.group;
       p.symmetric = o.symmetric;
+      p.e2m1 = o.e2m1;
+      TANDEM_CHECK(!o.e2m1 || (o.group == 32 && o.symmetric), Errc::invalid_argument,
+                   "pack: mxfp4 needs groups of 32 and no zero points (group ", o.group, ")");
       p.group_stride = static_cast<size_t>(o.group) * kPanel / 2 + kPanel * sizeof(uint16_t) + (o.symmetric ? 0 : kPanel);
       p.panel_stride = p.group_stride * (k / o.group);
       break;
@@ -366,6 +382,36 @@ void write_int4_rows(const PackedWeight& p, std::byte* dst, int valid, Row&& row
   }
 }
 
+// One MXFP4 block: the shared exponent e is the smallest with max|v| <= 6 * 2^e (no value
+// saturates; a block that already is MXFP4 gets its own codes back, as its values are
+// multiples of its smallest step), each value the nearest E2M1 code (ties to the even
+// code), the fp16 scale 2^(e - 1) (the codes' table holds twice their values). e stays in
+// [-23, 16] (fp16's powers of two): below, a block's values (all under 2^-21) round on
+// the coarser step 2^-23; above, the block is refused.
+void mxfp4_block(const float* v, int g, uint8_t* q, uint16_t& s16, const char* what, int r, int gi) {
+  float amax = 0.0f;
+  for (int c = 0; c < g; ++c) amax = std::max(amax, std::fabs(v[c]));
+  int e = -23;
+  if (amax > 0.0f) {
+    e = std::max(-23, static_cast<int>(std::ceil(std::log2(amax / 6.0f))));
+    while (e > -23 && amax <= std::ldexp(6.0f, e - 1)) --e;
+    while (amax > std::ldexp(6.0f, e)) ++e;
+  }
+  TANDEM_CHECK(e <= 16, Errc::bad_format, "pack: ", what, " row ", r, ", group ", gi, ": max |w| ", amax,
+               " is beyond mxfp4 (6 * 2^16)");
+  s16 = fp32_to_fp16(std::ldexp(1.0f, e - 1));
+  const float inv = std::ldexp(1.0f, -e);  // exact: a power of two
+  for (int c = 0; c < g; ++c) {
+    // |v| / 2^e in [0, 6]: steps of 0.5 below 2 (codes 0-4), 1 below 4 (4-6), 2 above (6, 7);
+    // nearbyint's ties to even are ties to the even code.
+    const float x = std::fabs(v[c]) * inv;
+    const int code = x < 2.0f ? static_cast<int>(std::nearbyint(2.0f * x))
+                     : x < 4.0f ? static_cast<int>(std::nearbyint(x)) + 2
+                                : static_cast<int>(std::nearbyint(0.5f * x)) + 4;
+    q[c] = static_cast<uint8_t>(code | (std::signbit(v[c]) && code ? 8 : 0));
+  }
+}
+
 void write_int4(const PackedWeight& p, std::byte* dst, const float* rows, int valid, const WeightView& w,
                 const char* what, int r0) {
   const int g = p.group;
@@ -377,6 +423,7 @@ void write_int4(const PackedWeight& p, std::byte* dst, const float* rows, int va
       lo = std::min(lo, v[c]);
       hi = std::max(hi, v[c]);
     }
+    if (p.e2m1) return mxfp4_block(v, g, q, s16, what, r0 + j, gi);
     const float want = p.symmetric ? std::max(-lo, hi) / 7.0f : (hi - lo) / 15.0f;
     s16 = fp32_to_fp16(want);
     const float s = fp16_to_fp32(s16);
@@ -392,7 +439,7 @@ void write_int4(const PackedWeight& p, std::byte* dst, const float* rows, int va
 // int4 from a GPTQ source with the same group size: its nibbles, scales and zero points as
 // they are (write_int4's layout, padding rows alike).
 bool direct_q4(const PackedWeight& p, const WeightView& w) {
-  return w.type == SourceType::q4_gptq && p.format == WeightFormat::int4 && w.q4->group == p.group &&
+  return w.type == SourceType::q4_gptq && p.format == WeightFormat::int4 && !p.e2m1 && w.q4->group == p.group &&
          w.col0 % p.group == 0;
 }
 
@@ -558,7 +605,7 @@ PackedWeight empty_pack(const PackOptions& opt, int n, int k, bool gate_up) {
 }
 
 ColumnBytes column_bytes(const PackedWeight& full, int c0, int cols) {
-  PackOptions opt{full.format, full.group, full.symmetric};
+  const PackOptions opt = full.options();
   check_cols(opt, full.k, c0, cols);
   const PackedWeight part = layout(opt, full.n, cols);
   ColumnBytes b;
@@ -584,7 +631,7 @@ ColumnBytes column_bytes(const PackedWeight& full, int c0, int cols) {
 PackedWeight slice_cols(const PackedWeight& full, int c0, int cols) {
   TANDEM_CHECK(!full.gate_up, Errc::invalid_argument, "slice_cols: a gate_up pack is cut by panels, not columns");
   const ColumnBytes b = column_bytes(full, c0, cols);
-  PackedWeight p = empty_pack({full.format, full.group, full.symmetric}, full.n, cols);
+  PackedWeight p = empty_pack(full.options(), full.n, cols);
   for (int i = 0; i < full.panels; ++i) {
     std::byte* dst = p.data.data() + static_cast<size_t>(i) * p.panel_stride;
     const std::byte* src = full.panel_data(i);
@@ -654,6 +701,7 @@ float panel_value(const PackedWeight& w, const std::byte* panel, int j, int c) {
       const uint8_t b = reinterpret_cast<const uint8_t*>(base)[(static_cast<size_t>(o) * kPanel + j) * 4 + e % 4];
       const int q = e < 4 ? (b & 15) : (b >> 4);
       const float s = fp16_to_fp32(reinterpret_cast<const uint16_t*>(base + static_cast<size_t>(w.group) * kPanel / 2)[j]);
+      if (w.e2m1) return s * static_cast<float>(kE2m1Lut[q] - 12);
       const int z = w.symmetric ? 8 : reinterpret_cast<const uint8_t*>(base + static_cast<size_t>(w.group) * kPanel / 2 + kPanel * 2)[j];
       return s * static_cast<float>(q - z);
     }

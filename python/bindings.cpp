@@ -62,7 +62,7 @@ void load_from_checkpoint(E& engine, const Checkpoint& c, const NamingTuple& n, 
 
 StoreSpec store_spec(const NamingTuple& n, int experts, int hidden, int inter, std::vector<int> layers,
                      const std::string& format, int group, bool zero_point) {
-  return {{experts, hidden, inter}, std::move(layers), PackOptions{parse_format(format), group, !zero_point},
+  return {{experts, hidden, inter}, std::move(layers), pack_options(format, group, zero_point),
           ExpertNaming{std::get<0>(n), std::get<1>(n), std::get<2>(n)}};
 }
 
@@ -266,10 +266,7 @@ PYBIND11_MODULE(_C, m) {
         }, "{config.json key: (min, max)}: the sane bounds on a model's sizes (tandem/memory_plan.h)");
   m.def("moe_layer_cpu_bytes", [](int experts, int hidden, int inter, const std::string& format, int group_size,
                                   bool zero_point, int subpools) {
-          PackOptions o;
-          o.format = parse_format(format);
-          o.group = group_size;
-          o.symmetric = !zero_point;
+          const PackOptions o = pack_options(format, group_size, zero_point);
           return moe_layer_cpu_bytes(MoeShape{experts, hidden, inter}, o, subpools, experts);
         }, py::arg("experts"), py::arg("hidden"), py::arg("inter"), py::arg("format"), py::arg("group_size") = 128,
         py::arg("zero_point") = false, py::arg("subpools") = 1,
@@ -277,7 +274,7 @@ PYBIND11_MODULE(_C, m) {
 
   // ---- expert store ----
   m.def("store_dir_name", [](const std::string& format, int group, bool zero_point) {
-        return store_dir_name(PackOptions{parse_format(format), group, !zero_point});
+        return store_dir_name(pack_options(format, group, zero_point));
       }, py::arg("format"), py::arg("group_size") = 128, py::arg("zero_point") = false,
       "The directory name tandem convert gives a store of this format (tandem-int4-g128, ...).");
   m.def("convert_experts", [](const Checkpoint& c, const NamingTuple& n, int experts, int hidden, int inter,
@@ -316,7 +313,7 @@ PYBIND11_MODULE(_C, m) {
              d["hidden"] = sp.shape.hidden;
              d["inter"] = sp.shape.inter;
              d["layers"] = sp.layers;
-             d["format"] = std::string(format_name(sp.format.format));
+             d["format"] = std::string(format_name(sp.format));
              d["group_size"] = sp.format.group;
              d["zero_point"] = !sp.format.symmetric;
              d["naming"] = NamingTuple{sp.naming.gate, sp.naming.up, sp.naming.down};
@@ -487,10 +484,7 @@ PYBIND11_MODULE(_C, m) {
            "(0: no pointer), out bf16 [batch, q_heads, value_dim]; element strides")
       .def("dense_linear", [](Engine& e, uintptr_t w, int n, int k, const std::string& dtype, const std::string& format,
                               int group_size, bool zero_point, const std::string& name) {
-             PackOptions o;
-             o.format = parse_format(format);
-             o.group = group_size;
-             o.symmetric = !zero_point;
+             const PackOptions o = pack_options(format, group_size, zero_point);
              WeightView v{reinterpret_cast<const void*>(w), source_type(dtype), n, k};
              py::gil_scoped_release nogil;
              return std::make_shared<DenseLinear>(e.pool(), kernel_table(e.isa()), v, o, name);
@@ -518,7 +512,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("k", &DenseLinear::k)
       .def_property_readonly("bytes", &DenseLinear::bytes)
       .def_property_readonly("name", &DenseLinear::name)
-      .def_property_readonly("format", [](const DenseLinear& d) { return std::string(format_name(d.format().format)); });
+      .def_property_readonly("format", [](const DenseLinear& d) { return std::string(format_name(d.format())); });
 
   // ---- LoRA fine-tuning (tandem/lora.h) ----
   py::class_<Pool, std::shared_ptr<Pool>>(m, "Pool", "CPU worker pools (one per NUMA node) from a config's cpu section.")
@@ -537,9 +531,7 @@ PYBIND11_MODULE(_C, m) {
                        int rank, float alpha, bool rslora, const std::string& backward_format, int layer,
                        bool zero_point, const std::string& isa) {
              SftOptions o;
-             o.format.format = parse_format(format);
-             o.format.group = group;
-             o.format.symmetric = !zero_point;
+             o.format = pack_options(format, group, zero_point);
              o.backward_format = parse_format(backward_format);
              o.lora = {rank, alpha, rslora};
              struct Owned {  // the layer is destroyed before its pool

@@ -395,7 +395,7 @@ fs::path resolve(const Ctx& c, const std::string& p) {
 void parse_cpu(const Section& s, Config::Cpu& cpu) {
   const Ctx& c = s.ctx();
   if (auto n = s.value("store"); present(n)) cpu.store = resolve(c, read_string(c, n, "cpu.store"));
-  if (auto n = s.value("format"); present(n)) cpu.format = read_choice(c, n, s.key("format"), {"bf16", "int8", "int4"});
+  if (auto n = s.value("format"); present(n)) cpu.format = read_choice(c, n, s.key("format"), {"bf16", "int8", "int4", "mxfp4"});
   if (auto n = s.value("dense_format"); present(n))
     cpu.dense_format = read_choice(c, n, s.key("dense_format"), {"auto", "torch", "bf16", "int8", "int4"});
   const bool int4 = cpu.format == "int4" || cpu.dense_format == "int4";

@@ -134,8 +134,7 @@ std::vector<std::string> config_fit(const Config& c, const J& gpu) {
       const ExpertStore store = ExpertStore::open(c.cpu.store);
       const PackOptions want = pack_options(c.cpu);
       const PackOptions& has = store.spec().format;
-      if (has.format != want.format || (want.format == WeightFormat::int4 &&
-                                        (has.group != want.group || has.symmetric != want.symmetric)))
+      if (!same_packing(has, want))
         problems.push_back(str_cat("cpu.store: ", c.cpu.store.string(), " holds ", store_dir_name(has).substr(7),
                                    " experts, the config asks for ", store_dir_name(want).substr(7)));
     } catch (const Error& e) {

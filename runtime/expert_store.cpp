@@ -97,7 +97,7 @@ void pread_all(int fd, void* dst, size_t n, uint64_t off, const fs::path& path) 
 // ---- what a store holds, as JSON --------------------------------------------------------
 
 json spec_json(const StoreSpec& s) {
-  return {{"format", std::string(format_name(s.format.format))},
+  return {{"format", std::string(format_name(s.format))},
           {"group", s.format.format == WeightFormat::int4 ? s.format.group : 0},
           {"zero_point", s.format.format == WeightFormat::int4 && !s.format.symmetric},
           {"experts", s.shape.experts},
@@ -266,8 +266,8 @@ std::optional<json> finished_layer_header(const fs::path& path, const StoreSpec&
 }  // namespace
 
 std::string store_dir_name(const PackOptions& f) {
-  std::string n = "tandem-" + std::string(format_name(f.format));
-  if (f.format == WeightFormat::int4) {
+  std::string n = "tandem-" + std::string(format_name(f));
+  if (f.format == WeightFormat::int4 && !f.e2m1) {
     n += "-g" + std::to_string(f.group);
     if (!f.symmetric) n += "-zp";
   }
@@ -488,8 +488,9 @@ ExpertStore ExpertStore::open(const fs::path& dir) {
                  ": pack version ", m["pack_version"].dump(), ", this tandem's packs are version ", kPackVersion,
                  " (convert the checkpoint again)");
     StoreSpec& s = impl->spec;
-    s.format.format = parse_format(field("format").get<std::string>());
-    if (s.format.format == WeightFormat::int4) {
+    const std::string fname = field("format").get<std::string>();
+    s.format = pack_options(fname, 32, false);
+    if (s.format.format == WeightFormat::int4 && !s.format.e2m1) {
       s.format.group = field("group").get<int>();
       s.format.symmetric = !field("zero_point").get<bool>();
     }

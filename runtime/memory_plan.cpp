@@ -312,10 +312,7 @@ MemoryPlan plan_memory(const Config& config, const ModelInfo& model, int subpool
   MemoryPlan p;
   p.on_gpu = on_gpu;
   p.subpools = subpools;
-  PackOptions fmt;
-  fmt.format = parse_format(config.cpu.format);
-  fmt.group = config.cpu.group_size;
-  fmt.symmetric = !config.cpu.zero_point;
+  const PackOptions fmt = pack_options(config.cpu.format, config.cpu.group_size, config.cpu.zero_point);
   const MoeShape& sh = model.shape;
   if (fmt.format == WeightFormat::int4)
     TANDEM_CHECK(sh.hidden % fmt.group == 0 && sh.inter % fmt.group == 0, Errc::invalid_argument,

@@ -87,9 +87,7 @@ void MoeLayer::load(const std::function<ExpertSource(int)>& source, const Progre
 void MoeLayer::load(const ExpertStore& store, int index, const Progress& progress) {
   const StoreSpec& s = store.spec();
   TANDEM_CHECK(s.shape.experts == shape_.experts && s.shape.hidden == shape_.hidden && s.shape.inter == shape_.inter &&
-                   s.format.format == format_.format &&
-                   (format_.format != WeightFormat::int4 ||
-                    (s.format.group == format_.group && s.format.symmetric == format_.symmetric)),
+                   same_packing(s.format, format_),
                Errc::invalid_argument, "moe: layer ", layer_, ": store ", store.dir().string(),
                " holds other experts (check the store against the model first: ExpertStore::check)");
   packs_->load_store(pool_, store, index, progress);

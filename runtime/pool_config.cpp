@@ -55,11 +55,7 @@ PoolOptions pool_options(const Config::Cpu& cpu, int reserved_cores) {
 }
 
 PackOptions pack_options(const Config::Cpu& cpu) {
-  PackOptions p;
-  p.format = parse_format(cpu.format);
-  p.group = cpu.group_size;
-  p.symmetric = !cpu.zero_point;
-  return p;
+  return pack_options(cpu.format, cpu.group_size, cpu.zero_point);
 }
 
 }  // namespace tandem

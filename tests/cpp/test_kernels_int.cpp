@@ -49,7 +49,21 @@ const FormatCase kFormats[] = {
     {"int4_g64_asym", {WeightFormat::int4, 64, false}},
     {"int4_g128_sym", {WeightFormat::int4, 128, true}},
     {"int4_g128_asym", {WeightFormat::int4, 128, false}},
+    {"mxfp4", pack_options("mxfp4", 32, false)},
 };
+
+// The rounding step around v in a group whose values span [lo, hi] (lo <= 0 <= hi): int8
+// and int4 grids are uniform; MXFP4's step is 2^(e-1), 2^e or 2^(e+1) as |v| / 2^e is
+// below 2, below 4, or up to 6, e the smallest exponent with max|w| <= 6 * 2^e.
+double grid_step(const PackOptions& o, double lo, double hi, double v) {
+  const double amax = std::max(-lo, hi);
+  if (o.format == WeightFormat::int8) return amax / 127.0;
+  if (!o.e2m1) return o.symmetric ? amax / 7.0 : (hi - lo) / 15.0;
+  int e = -23;
+  while (amax > std::ldexp(6.0, e)) ++e;
+  const double x = std::abs(v) / std::ldexp(1.0, e);
+  return std::ldexp(x < 2 ? 0.5 : x < 4 ? 1.0 : 2.0, e);
+}
 
 void PrintTo(const FormatCase& f, std::ostream* os) { *os << f.name; }
 
@@ -345,10 +359,8 @@ TEST_P(KernelsInt, QuantizationErrorMatchesTheRoundingModel) {
         lo = std::min(lo, double(w[static_cast<size_t>(j) * k + c2]));
         hi = std::max(hi, double(w[static_cast<size_t>(j) * k + c2]));
       }
-      const double s = opt.format == WeightFormat::int8 ? std::max(-lo, hi) / 127.0
-                       : opt.symmetric                  ? std::max(-lo, hi) / 7.0
-                                                        : (hi - lo) / 15.0;
-      for (int c2 = g0; c2 < g0 + group; ++c2) step[static_cast<size_t>(j) * k + c2] = s;
+      for (int c2 = g0; c2 < g0 + group; ++c2)
+        step[static_cast<size_t>(j) * k + c2] = grid_step(opt, lo, hi, w[static_cast<size_t>(j) * k + c2]);
     }
   double err2 = 0, ref2 = 0, pred2 = 0;
   for (int r = 0; r < m; ++r) {
@@ -461,11 +473,9 @@ TEST(PackInt, DequantizationErrorIsWithinHalfAStep) {
           lo = std::min(lo, w[static_cast<size_t>(j) * k + c]);
           hi = std::max(hi, w[static_cast<size_t>(j) * k + c]);
         }
-        const double step = f.opt.format == WeightFormat::int8 ? std::max(-lo, hi) / 127.0
-                            : f.opt.symmetric                  ? std::max(-lo, hi) / 7.0
-                                                               : (hi - lo) / 15.0;
         for (int c = g0; c < g0 + group; ++c) {
           const size_t i = static_cast<size_t>(j) * k + c;
+          const double step = grid_step(f.opt, lo, hi, w[i]);
           // Half a step, plus the scale's own rounding (fp16: 2^-11 relative) times |q| <= 15.
           ASSERT_LE(std::abs(d[i] - w[i]), 0.5 * step * (1 + 1e-6) + 16 * std::ldexp(step, -11))
               << f.name << " [" << j << "," << c << "]";
@@ -569,6 +579,61 @@ TEST(PackInt, RejectsWhatTheFormatCannotHold) {
             }),
             "pack_gate_up: gate [64 x 32] and up [64 x 64] differ in shape");
   EXPECT_EQ(test::error_of([] { parse_format("q4_0"); }), "unknown weight format 'q4_0' (expected bf16, int8 or int4)");
+}
+
+// MXFP4 packs keep MXFP4 numbers: a block of E2M1 values times 2^s comes back exactly,
+// every code and sign (-0 included), at the exponents a checkpoint holds; the shared
+// exponent is the smallest that holds the block's max without saturating; blocks below
+// 2^-21 round on the step 2^-23; a block beyond 6 * 2^16 is refused.
+TEST(PackInt, Mxfp4KeepsMxfp4Values) {
+  static constexpr float kE2m1[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  std::mt19937_64 rng(test::test_seed());
+  const int n = 70, k = 128;
+  std::vector<float> w(static_cast<size_t>(n) * k);
+  std::uniform_int_distribution<int> code(0, 15), expo(-20, 12);
+  for (int j = 0; j < n; ++j)
+    for (int g = 0; g < k / 32; ++g) {
+      const int s = expo(rng);
+      for (int c = 0; c < 32; ++c) {
+        const int q = code(rng);
+        const float v = std::ldexp(kE2m1[q & 7], s);
+        w[static_cast<size_t>(j) * k + g * 32 + c] = (q & 8) ? -v : v;
+      }
+    }
+  const PackOptions mx = pack_options("mxfp4", 128, true);  // group and zero_point: not mxfp4's
+  EXPECT_TRUE(mx.e2m1 && mx.format == WeightFormat::int4 && mx.group == 32 && mx.symmetric);
+  EXPECT_EQ(format_name(mx), "mxfp4");
+  const PackedWeight p = pack({w.data(), SourceType::f32, n, k}, mx);
+  EXPECT_TRUE(p.e2m1);
+  EXPECT_EQ(p.bytes(), packed_bytes(pack_options("int4", 32, false), n, k));  // no zero bytes
+  const auto d = unpack(p);
+  for (size_t i = 0; i < w.size(); ++i) ASSERT_EQ(d[i], w[i]) << "element " << i;
+  // The shared exponent: max 5 * 2^-3 needs 2^-3 * 6 (5 is not a code: 5 / 6 of the top).
+  std::vector<float> one(64 * 32, 0.0f);
+  one[0] = 5.0f / 8;
+  one[1] = 1.0f / 8;  // 1 * 2^-3: a code
+  one[2] = 0.3f / 8;  // 0.3 -> 0.5 (nearest)
+  one[3] = 2.5f / 8;  // 2.5: a tie between 2 and 3, to the even code (2)
+  const auto od = unpack(pack({one.data(), SourceType::f32, 64, 32}, mx));
+  EXPECT_EQ(od[0], 4.0f / 8);  // 5 is a tie between 4 and 6: to the even code (4)
+  EXPECT_EQ(od[1], 1.0f / 8);
+  EXPECT_EQ(od[2], 0.5f / 8);
+  EXPECT_EQ(od[3], 2.0f / 8);
+  // Tiny blocks: the step is 2^-23 at most fine.
+  std::vector<float> tiny(64 * 32, 0.0f);
+  tiny[5] = std::ldexp(3.0f, -30);
+  tiny[6] = std::ldexp(1.0f, -23);
+  const auto td = unpack(pack({tiny.data(), SourceType::f32, 64, 32}, mx));
+  EXPECT_EQ(td[5], 0.0f);
+  EXPECT_EQ(td[6], std::ldexp(1.0f, -23));
+  std::vector<float> big(64 * 32, 1.0f);
+  big[7] = 1e6f;
+  Errc c{};
+  const std::string msg = test::error_of([&] { pack({big.data(), SourceType::f32, 64, 32}, mx); }, &c);
+  EXPECT_EQ(c, Errc::bad_format);
+  EXPECT_EQ(msg.rfind("pack: weight row 0, group 0: max |w| 1e+06 is beyond mxfp4", 0), 0u) << msg;
+  EXPECT_EQ(test::error_of([] { parse_format("mxfp4"); }),
+            "unknown weight format 'mxfp4' (expected bf16, int8 or int4; mxfp4 is int4 with MXFP4 codes: pack_options)");
 }
 
 TEST(KernelsBf16Input, Fp32InputIsRoundedToBf16) {

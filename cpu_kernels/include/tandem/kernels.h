@@ -54,11 +54,17 @@ void fp32_to_bf16(const float* src, bf16_t* dst, size_t n) noexcept;
 //         bytes whose low nibble holds q for k = 8o + e and high nibble for k = 8o + 4 + e,
 //         then fp16 scale[64], then (asymmetric only) u8 zero[64]; w = scale * (q - zero),
 //         q in [0, 15], zero = 8 for symmetric.
+//         MXFP4 ("mxfp4": an int4 pack with e2m1 set, groups of 32, no zero bytes): each
+//         nibble is an E2M1 code (sign, two exponent bits, one mantissa bit) whose value
+//         times two is kE2m1Lut[q] - 12 (-12..12), and the group's fp16 scale holds
+//         2^(e - 1) for the block's shared exponent e; w = scale * (kE2m1Lut[q] - 12).
 // The integer kernels quantize each activation row on the fly (quantize_activations)
 // and use integer dot products (vpdpbusd / AMX tdpbsud) with fp32 scaling.
 enum class WeightFormat { bf16, int8, int4 };
 std::string_view format_name(WeightFormat f) noexcept;
 WeightFormat parse_format(std::string_view name);  // "bf16", "int8", "int4"
+// E2M1 code -> 12 + twice its value: 0, 0.5, 1, 1.5, 2, 3, 4, 6, then the same negated.
+inline constexpr uint8_t kE2m1Lut[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 
 // Element types a source weight can have. q4_gptq: 4-bit weights quantized in groups along
 // k, as GPTQ checkpoints store them (WeightView::q4).
@@ -164,7 +170,17 @@ struct PackOptions {
   WeightFormat format = WeightFormat::bf16;
   int group = 128;         // int4: k values per scale (32, 64 or 128)
   bool symmetric = true;   // int4: zero point fixed at 8, or one zero point per group
+  bool e2m1 = false;       // int4 as MXFP4 (format "mxfp4"): group 32, symmetric, E2M1 codes
 };
+// The pack options of a format name ("bf16", "int8", "int4", "mxfp4") and int4's keys:
+// "mxfp4" is int4 with e2m1, groups of 32 and no zero points whatever group and
+// zero_point say (as they say nothing for bf16 and int8: the config refuses them there).
+PackOptions pack_options(std::string_view format, int group, bool zero_point);
+// "bf16", "int8", "int4" or "mxfp4".
+std::string_view format_name(const PackOptions& o) noexcept;
+// Whether packs made with a and b are the same: format, and for int4 its group, zero
+// points and MXFP4 codes.
+bool same_packing(const PackOptions& a, const PackOptions& b) noexcept;
 
 inline constexpr int kPanel = 64;  // output rows per packed panel
 
@@ -193,6 +209,7 @@ struct PackedWeight {
   int k_pairs = 0;         // bf16: k_pad / 2
   int group = 0;           // int4: k per group; int8: k_pad (one group)
   bool symmetric = true;   // int4
+  bool e2m1 = false;       // int4: MXFP4 (nibbles are E2M1 codes; see the layouts above)
   bool gate_up = false;    // panels stored as gate 0, up 0, gate 1, up 1, ...
   size_t panel_stride = 0;  // bytes per stored panel, scales included
   size_t group_stride = 0;  // int4: bytes per group inside a panel
@@ -203,6 +220,7 @@ struct PackedWeight {
   const std::byte* panel_data(int p) const { return data.data() + static_cast<size_t>(p) * panel_stride; }
   const bf16_t* panel(int p) const { return reinterpret_cast<const bf16_t*>(panel_data(p)); }
   size_t bytes() const { return data.size; }
+  PackOptions options() const { return {format, group, symmetric, e2m1}; }
 };
 
 // Packs W into opt.format. Parallel over panels (OpenMP) and deterministic: every

@@ -11,7 +11,7 @@
 //   model:
 //     path: /models/Qwen3-30B-A3B     # checkpoint dir/file; relative to this file
 //   cpu:
-//     format: bf16                    # bf16 | int8 | int4 (the routed experts)
+//     format: bf16                    # bf16 | int8 | int4 | mxfp4 (the routed experts)
 //     dense_format: auto              # auto | torch | bf16 | int8 | int4: the other linear
 //                                     # layers that run on the CPU (tandem.load_model)
 //     group_size: 128                 # int4 only (either format): 32 | 64 | 128
