@@ -169,7 +169,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(next());
     else if (!std::strcmp(argv[i], "--experts")) experts = std::atoi(next());
     else if (!std::strcmp(argv[i], "--no-onednn")) onednn = false;
-    else if (!std::strcmp(argv[i], "--format")) opt.format = parse_format(next());
+    else if (!std::strcmp(argv[i], "--format")) { const char* f = next(); opt = pack_options(f, opt.group, !opt.symmetric); }
     else if (!std::strcmp(argv[i], "--group")) opt.group = std::atoi(next());
     else if (!std::strcmp(argv[i], "--asym")) opt.symmetric = false;
     else if (!std::strcmp(argv[i], "--variant")) variant = next();
@@ -184,7 +184,7 @@ int main(int argc, char** argv) {
       std::string known;
       for (const KernelListEntry& k : kernel_list())
         if (k.family == family) known += (known.empty() ? "" : ", ") + std::string(k.name());
-      std::fprintf(stderr, "unknown %s kernel variant '%s'; known: %s\n", std::string(format_name(opt.format)).c_str(),
+      std::fprintf(stderr, "unknown %s kernel variant '%s'; known: %s\n", std::string(format_name(opt)).c_str(),
                    variant.c_str(), known.c_str());
       return 2;
     }
@@ -198,7 +198,7 @@ int main(int argc, char** argv) {
   }
   const FormatKernels& fk = table.of(opt.format);
   std::printf("machine: %s; format: %s%s; kernels: %s (m < %d), %s; threads: %d; %d repetitions, medians\n",
-              machine_line().c_str(), std::string(format_name(opt.format)).c_str(),
+              machine_line().c_str(), std::string(format_name(opt)).c_str(),
               opt.format == WeightFormat::int4 ? (" group " + std::to_string(opt.group) + (opt.symmetric ? " sym" : " asym")).c_str() : "",
               fk.small.name, fk.large_from_m, fk.large.name, threads, reps);
   const PeakChoice peak_small = peak_for_variant(fk.small.name, opt.format),

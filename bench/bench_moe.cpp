@@ -75,7 +75,7 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     auto next = [&] { return i + 1 < argc ? argv[++i] : ""; };
     if (!std::strcmp(argv[i], "--shape")) which = next();
-    else if (!std::strcmp(argv[i], "--format")) opt.format = parse_format(next());
+    else if (!std::strcmp(argv[i], "--format")) { const char* f = next(); opt = pack_options(f, opt.group, !opt.symmetric); }
     else if (!std::strcmp(argv[i], "--group")) opt.group = std::atoi(next());
     else if (!std::strcmp(argv[i], "--tokens")) token_counts = parse_int_list(next());
     else if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(next());
@@ -90,7 +90,7 @@ int main(int argc, char** argv) {
   Pool pool(pool_options(Config::Cpu{}));
   const int threads = pool.total_threads();
   std::printf("machine: %s; format: %s; engine: %d subpool(s), %d threads; %d repetitions, medians\n",
-              machine_line().c_str(), std::string(format_name(opt.format)).c_str(), pool.subpools(), threads, reps);
+              machine_line().c_str(), std::string(format_name(opt)).c_str(), pool.subpools(), threads, reps);
   {  // What a span costs: the engine records one per work item.
     auto span_ns = [](bool on) {
       trace::enable(on);

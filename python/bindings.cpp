@@ -461,6 +461,27 @@ PYBIND11_MODULE(_C, m) {
              d["tokens"] = c.tokens;
              return d;
            }, "Routed (token, expert) pairs of MoE layer i by where they ran (after synchronize).")
+      .def("expert_weights", [](Engine& e, int layer, int expert) {
+             TANDEM_CHECK(0 <= layer && layer < e.moe_layers(), Errc::invalid_argument, "expert_weights: layer ", layer,
+                          " is not one of the engine's ", e.moe_layers());
+             const MoeLayer& l = e.layer(layer);
+             TANDEM_CHECK(0 <= expert && expert < l.shape().experts, Errc::invalid_argument, "expert_weights: expert ",
+                          expert, " is not one of ", l.shape().experts);
+             ExpertWeights w;
+             {
+               py::gil_scoped_release nogil;
+               w = l.dequantized(expert);
+             }
+             const int H = l.shape().hidden, I = l.shape().inter;
+             auto arr = [](const std::vector<float>& v, int r, int c) {
+               py::array_t<float> a({r, c});
+               std::copy(v.begin(), v.end(), a.mutable_data());
+               return a;
+             };
+             return py::make_tuple(arr(w.gate, I, H), arr(w.up, I, H), arr(w.down, H, I));
+           }, py::arg("layer"), py::arg("expert"),
+           "(gate [inter x hidden], up, down [hidden x inter]) fp32: expert `expert` of MoE layer `layer` as its "
+           "packs compute it (the quantized values for int8 / int4 / mxfp4).")
       .def("decode_attention", [](Engine& e, int batch, int q_heads, int kv_heads, int head_dim, int value_dim, int keys,
                                   float scale, uintptr_t q, int64_t q_b, int64_t q_h, uintptr_t k, int64_t k_b, int64_t k_h,
                                   int64_t k_l, uintptr_t v, int64_t v_b, int64_t v_h, int64_t v_l, uintptr_t mask,

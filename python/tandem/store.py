@@ -30,8 +30,8 @@ def _format_of(cfg: dict[str, Any], fmt: str | None, group: int | None, zero_poi
     cpu = cfg["cpu"]
     out = {"format": fmt or cpu["format"], "group_size": group or cpu["group_size"],
            "zero_point": cpu["zero_point"] if zero_point is None else zero_point}
-    if out["format"] not in ("bf16", "int8", "int4"):
-        raise ValueError(f"format {out['format']!r} is not one of: bf16, int8, int4")
+    if out["format"] not in ("bf16", "int8", "int4", "mxfp4"):
+        raise ValueError(f"format {out['format']!r} is not one of: bf16, int8, int4, mxfp4")
     if out["format"] != "int4":
         if group is not None or zero_point:
             raise ValueError(f"--group-size / --zero-point apply to int4 only, not {out['format']}")
@@ -121,7 +121,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint directory (default: the config's model.path, else the built-in demo "
                                    "model)")
     p.add_argument("--config", help="placement YAML whose cpu.format (group_size, zero_point) the store holds")
-    p.add_argument("--format", choices=("bf16", "int8", "int4"), help="the experts' format (default: the config's "
+    p.add_argument("--format", choices=("bf16", "int8", "int4", "mxfp4"), help="the experts' format (default: the config's "
                    "cpu.format)")
     p.add_argument("--group-size", type=int, choices=(32, 64, 128), help="int4: k values per scale (default: the "
                    "config's, 128)")

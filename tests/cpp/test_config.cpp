@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "tandem/config.h"
+#include "tandem/pool_config.h"
 #include "test_util.h"
 
 namespace tandem {
@@ -151,10 +152,14 @@ TEST(Config, RepeatedKey) {
 }
 
 TEST(Config, BadValues) {
-  EXPECT_EQ(err("cpu:\n  format: fp8\n"), "p.yaml:2:11: cpu.format: 'fp8' is not one of: bf16, int8, int4");
+  EXPECT_EQ(err("cpu:\n  format: fp8\n"), "p.yaml:2:11: cpu.format: 'fp8' is not one of: bf16, int8, int4, mxfp4");
   EXPECT_EQ(err("cpu:\n  format: int4\n  group_size: 48\n"), "p.yaml:3:15: cpu.group_size: '48' is not one of: 32, 64, 128");
   EXPECT_EQ(err("cpu:\n  group_size: 64\n"),
             "p.yaml:2:15: cpu.group_size: applies only to format or dense_format int4 (format is bf16, dense_format auto)");
+  // mxfp4 has its own blocks of 32 and no zero points: int4's keys are refused with it.
+  EXPECT_EQ(err("cpu:\n  format: mxfp4\n  group_size: 32\n"),
+            "p.yaml:3:15: cpu.group_size: applies only to format or dense_format int4 (format is mxfp4, dense_format auto)");
+  EXPECT_EQ(pack_options(parse_config("cpu:\n  format: mxfp4\n", "p.yaml").cpu).e2m1, true);
   EXPECT_EQ(err("cpu:\n  dense_format: fp8\n"),
             "p.yaml:2:17: cpu.dense_format: 'fp8' is not one of: auto, torch, bf16, int8, int4");
   EXPECT_EQ(err("cpu:\n  threads: many\n"), "p.yaml:2:12: cpu.threads: expected an integer, got 'many'");

@@ -60,7 +60,7 @@ TEST(Doctor, ValidatesConfig) {
   EXPECT_FALSE(bad.ok);
   auto j = nlohmann::json::parse(bad.json);
   EXPECT_EQ(j["config"]["valid"], false);
-  EXPECT_EQ(j["config"]["error"], (dir / "bad.yaml").string() + ":2:11: cpu.format: 'bf15' is not one of: bf16, int8, int4");
+  EXPECT_EQ(j["config"]["error"], (dir / "bad.yaml").string() + ":2:11: cpu.format: 'bf15' is not one of: bf16, int8, int4, mxfp4");
 
   test::write_file(dir / "misfit.yaml", "cpu:\n  numa_nodes: [0, 7]\nmodel:\n  path: nowhere\n");
   DoctorReport misfit = run_doctor((dir / "misfit.yaml").string(), false);

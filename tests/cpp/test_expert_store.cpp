@@ -44,12 +44,13 @@ std::vector<PackOptions> all_formats() {
   std::vector<PackOptions> f = {{WeightFormat::bf16}, {WeightFormat::int8}};
   for (int g : {32, 64, 128})
     for (bool sym : {true, false}) f.push_back({WeightFormat::int4, g, sym});
+  f.push_back(pack_options("mxfp4", 32, false));
   return f;
 }
 
 std::string name_of(const PackOptions& o) {
-  return std::string(format_name(o.format)) +
-         (o.format == WeightFormat::int4 ? "-g" + std::to_string(o.group) + (o.symmetric ? "" : "-zp") : "");
+  return std::string(format_name(o)) +
+         (o.format == WeightFormat::int4 && !o.e2m1 ? "-g" + std::to_string(o.group) + (o.symmetric ? "" : "-zp") : "");
 }
 
 // ---- column cuts ---------------------------------------------------------------------
@@ -135,8 +136,8 @@ void write_checkpoint(const fs::path& file, const std::vector<test::Entry>& es) 
 }
 
 Config config(const PackOptions& o, int subpools, const std::string& gpu = "") {
-  std::string cpu = "format: " + std::string(format_name(o.format));
-  if (o.format == WeightFormat::int4)
+  std::string cpu = "format: " + std::string(format_name(o));
+  if (o.format == WeightFormat::int4 && !o.e2m1)
     cpu += ", group_size: " + std::to_string(o.group) + ", zero_point: " + (o.symmetric ? "false" : "true");
   return parse_config("version: 1\ncpu: {" + cpu + ", virtual_subpools: " + std::to_string(subpools) +
                           ", threads: 1}\ngpu: {device: none" + gpu + "}\n",

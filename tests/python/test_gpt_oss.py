@@ -29,6 +29,9 @@ LAYER_BOUND = {"bf16": 1.6e-2, "int8": 6e-2, "int4": 0.35}
 # Whole-model logits on tokens whose routing matched (test_hf_inference's LOGIT_BOUND;
 # measured here: fp32 <= 6.8e-3, bf16 <= 1.5e-2 (MXFP4 experts included)).
 LOGIT_BOUND = {torch.float32: 1.5e-2, torch.bfloat16: 4e-2}
+# The same with the experts' activations quantized to int8 per row (int4 / mxfp4 kernels:
+# test_adapters' and test_gptq's integer-format bound; measured here 4.0e-2).
+QUANT_ACT_LOGIT_BOUND = 6e-2
 # LoRA: PEFT targets on the experts; one layer's gradients in fp32 against stock PEFT
 # (test_lora_hf's GRAD_BOUND["fp32"]: relative L2, max relative; measured here <= 3.5e-3).
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -230,6 +233,43 @@ def test_load_model_reads_gpt_oss_checkpoints(checkpoint, tmp_path, layout):
     err = ((b.double() - a.double()).abs().amax(-1)[clean].max() / a.double().abs().max()).item()
     print(f"load_model {layout}: clean tokens {clean.sum().item()}/{clean.numel()}, max rel err {err:.2e}")
     assert err <= LOGIT_BOUND[dtype]
+
+
+def test_mxfp4_experts_stay_mxfp4(checkpoint, tmp_path):
+    """cpu.format mxfp4 on gpt-oss's MXFP4 checkpoint: every expert the engine computes with
+    equals the checkpoint's own MXFP4 values exactly (E2M1 codes times 2^(scale - 127)), and
+    the logits match transformers within the integer formats' bound (int8 activations)."""
+    from safetensors.torch import load_file
+    from tandem.oai_checkpoint import mxfp4_dequantize
+
+    path = mxfp4_checkpoint(checkpoint(torch.bfloat16), tmp_path / "mxfp4")
+    model = tandem.load_model(path, {"version": 1, "cpu": {"format": "mxfp4", "virtual_subpools": 2},
+                                     "gpu": {"device": "none"}}, progress=False)
+    engine = model.tandem_engine
+    assert engine.format == "mxfp4"
+    sd = load_file(path / "model.safetensors")
+    experts, inter, hidden = sd["model.layers.0.mlp.experts.down_proj_blocks"].shape[0], *engine.expert_weights(0, 0)[0].shape
+    # 4.25 bits a weight (nibbles and one fp16 scale per 32), not bf16's 16
+    assert engine.cpu_bytes <= len(model.model.layers) * experts * 3 * hidden * inter * (4.5 / 8)
+    for i in range(len(model.model.layers)):
+        want = {proj: mxfp4_dequantize(sd[f"model.layers.{i}.mlp.experts.{proj}_blocks"],
+                                       sd[f"model.layers.{i}.mlp.experts.{proj}_scales"]).float()
+                for proj in ("gate_up_proj", "down_proj")}  # [E, out, in]
+        for e in range(want["down_proj"].shape[0]):
+            gate, up, down = (torch.from_numpy(a) for a in engine.expert_weights(i, e))
+            gu = want["gate_up_proj"][e]  # gpt-oss interleaves gate and up rows
+            assert torch.equal(gate, gu[0::2]) and torch.equal(up, gu[1::2]), (i, e)
+            assert torch.equal(down, want["down_proj"][e]), (i, e)
+    ref = load(path, torch.bfloat16)
+    ids = tokens(4)
+    ra, rb = record_routing(ref), record_routing(model)
+    with torch.no_grad():
+        a, b = ref(ids).logits, model(ids).logits
+    clean = clean_tokens(ra, rb, *ids.shape)
+    assert clean.float().mean() >= 0.25
+    err = ((b.double() - a.double()).abs().amax(-1)[clean].max() / a.double().abs().max()).item()
+    print(f"load_model mxfp4 as mxfp4: clean tokens {clean.sum().item()}/{clean.numel()}, max rel err {err:.2e}")
+    assert err <= QUANT_ACT_LOGIT_BOUND
 
 
 def test_broken_gpt_oss_checkpoints_are_refused_naming_the_tensor(checkpoint, tmp_path):
