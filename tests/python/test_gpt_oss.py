@@ -201,6 +201,20 @@ def mxfp4_checkpoint(src, out, seed: int = 1):
     return out
 
 
+def logit_error(ref, model, label: str) -> float:
+    """Max |logit difference| over tokens whose routing matched in every layer, relative to
+    the reference's largest |logit| (at least a quarter of the tokens must match)."""
+    ids = tokens(4)
+    ra, rb = record_routing(ref), record_routing(model)
+    with torch.no_grad():
+        a, b = ref(ids).logits, model(ids).logits
+    clean = clean_tokens(ra, rb, *ids.shape)
+    assert clean.float().mean() >= 0.25
+    err = ((b.double() - a.double()).abs().amax(-1)[clean].max() / a.double().abs().max()).item()
+    print(f"{label}: clean tokens {clean.sum().item()}/{clean.numel()}, max rel err {err:.2e}")
+    return err
+
+
 @pytest.mark.parametrize("layout", ["dense-fp32", "dense-bf16", "mxfp4"])
 def test_load_model_reads_gpt_oss_checkpoints(checkpoint, tmp_path, layout):
     """load_model on a gpt-oss checkpoint against from_pretrained on the same directory: the
@@ -224,15 +238,7 @@ def test_load_model_reads_gpt_oss_checkpoints(checkpoint, tmp_path, layout):
                 assert torch.equal(mine, getattr(ex, proj).data), key
     model = tandem.load_model(path, cfg(), progress=False)
     assert model.model.layers[0].mlp.experts.math.activation == "clamped_swiglu"
-    ids = tokens(4)
-    ra, rb = record_routing(ref), record_routing(model)
-    with torch.no_grad():
-        a, b = ref(ids).logits, model(ids).logits
-    clean = clean_tokens(ra, rb, *ids.shape)
-    assert clean.float().mean() >= 0.25
-    err = ((b.double() - a.double()).abs().amax(-1)[clean].max() / a.double().abs().max()).item()
-    print(f"load_model {layout}: clean tokens {clean.sum().item()}/{clean.numel()}, max rel err {err:.2e}")
-    assert err <= LOGIT_BOUND[dtype]
+    assert logit_error(ref, model, f"load_model {layout}") <= LOGIT_BOUND[dtype]
 
 
 def test_mxfp4_experts_stay_mxfp4(checkpoint, tmp_path):
@@ -261,15 +267,7 @@ def test_mxfp4_experts_stay_mxfp4(checkpoint, tmp_path):
             assert torch.equal(gate, gu[0::2]) and torch.equal(up, gu[1::2]), (i, e)
             assert torch.equal(down, want["down_proj"][e]), (i, e)
     ref = load(path, torch.bfloat16)
-    ids = tokens(4)
-    ra, rb = record_routing(ref), record_routing(model)
-    with torch.no_grad():
-        a, b = ref(ids).logits, model(ids).logits
-    clean = clean_tokens(ra, rb, *ids.shape)
-    assert clean.float().mean() >= 0.25
-    err = ((b.double() - a.double()).abs().amax(-1)[clean].max() / a.double().abs().max()).item()
-    print(f"load_model mxfp4 as mxfp4: clean tokens {clean.sum().item()}/{clean.numel()}, max rel err {err:.2e}")
-    assert err <= QUANT_ACT_LOGIT_BOUND
+    assert logit_error(ref, model, "load_model mxfp4 as mxfp4") <= QUANT_ACT_LOGIT_BOUND
 
 
 def test_broken_gpt_oss_checkpoints_are_refused_naming_the_tensor(checkpoint, tmp_path):
