@@ -72,7 +72,7 @@ Weights random_weights(const Case& c, std::mt19937_64& rng) {
 
 void check_case(const Case& c, uint64_t seed) {
   SCOPED_TRACE(testing::Message() << "experts " << c.experts << " hidden " << c.hidden << " inter " << c.inter << " top_k "
-                                  << c.top_k << " tokens " << c.tokens << " format " << format_name(c.fmt.format)
+                                  << c.top_k << " tokens " << c.tokens << " format " << format_name(c.fmt)
                                   << " subpools " << c.subpools << " seed " << seed);
   std::mt19937_64 rng(seed);
   auto pool = make_pool(c.subpools);
@@ -263,7 +263,8 @@ TEST_P(MoeEngine, MatchesTheFp64ReferenceOverRandomConfigs) {
 // gpt-oss's experts (clamped SwiGLU, biases on gate, up and down) in every format.
 TEST_P(MoeEngine, GptOssExpertsMatchTheFp64Reference) {
   const uint64_t seed = test::test_seed();
-  const PackOptions formats[] = {{WeightFormat::bf16}, {WeightFormat::int8}, {WeightFormat::int4, 32, false}};
+  const PackOptions formats[] = {{WeightFormat::bf16}, {WeightFormat::int8}, {WeightFormat::int4, 32, false},
+                                 pack_options("mxfp4", 32, false)};
   const std::array<int, 5> shapes[] = {{16, 128, 96, 4, 37}, {3, 64, 64, 2, 600}, {128, 64, 64, 8, 5}};
   int i = 0;
   for (const auto& f : formats)
