@@ -393,22 +393,22 @@ void mxfp4_block(const float* v, int g, uint8_t* q, uint16_t& s16, const char* w
   for (int c = 0; c < g; ++c) amax = std::max(amax, std::fabs(v[c]));
   int e = -23;
   if (amax > 0.0f) {
-    e = std::max(-23, static_cast<int>(std::ceil(std::log2(amax / 6.0f))));
-    while (e > -23 && amax <= std::ldexp(6.0f, e - 1)) --e;
-    while (amax > std::ldexp(6.0f, e)) ++e;
+    int ex;  // amax / 6 = m * 2^ex, m in [0.5, 1): the smallest e with amax <= 6 * 2^e
+    const float m = std::frexp(amax / 6.0f, &ex);
+    e = std::max(-23, m == 0.5f ? ex - 1 : ex);
+    while (amax > std::ldexp(6.0f, e)) ++e;  // amax / 6 rounded down in the division
   }
   TANDEM_CHECK(e <= 16, Errc::bad_format, "pack: ", what, " row ", r, ", group ", gi, ": max |w| ", amax,
                " is beyond mxfp4 (6 * 2^16)");
   s16 = fp32_to_fp16(std::ldexp(1.0f, e - 1));
   const float inv = std::ldexp(1.0f, -e);  // exact: a power of two
   for (int c = 0; c < g; ++c) {
-    // |v| / 2^e in [0, 6]: steps of 0.5 below 2 (codes 0-4), 1 below 4 (4-6), 2 above (6, 7);
-    // nearbyint's ties to even are ties to the even code.
+    // The code of |v| / 2^e in [0, 6] counts the midpoints between the levels 0, 0.5, 1,
+    // 1.5, 2, 3, 4, 6 that it passes; on a midpoint it goes to the even code (a midpoint
+    // above an even code is not passed, one above an odd code is).
     const float x = std::fabs(v[c]) * inv;
-    const int code = x < 2.0f ? static_cast<int>(std::nearbyint(2.0f * x))
-                     : x < 4.0f ? static_cast<int>(std::nearbyint(x)) + 2
-                                : static_cast<int>(std::nearbyint(0.5f * x)) + 4;
-    q[c] = static_cast<uint8_t>(code | (std::signbit(v[c]) && code ? 8 : 0));
+    const int code = (x > 0.25f) + (x >= 0.75f) + (x > 1.25f) + (x >= 1.75f) + (x > 2.5f) + (x >= 3.5f) + (x > 5.0f);
+    q[c] = static_cast<uint8_t>(code | (v[c] < 0.0f && code ? 8 : 0));
   }
 }
 
