@@ -4,6 +4,7 @@
 // result does not depend on the thread count.
 #include <omp.h>
 #include <sys/mman.h>
+#include <xmmintrin.h>
 
 #include <algorithm>
 #include <array>
@@ -305,6 +306,10 @@ PackedWeight layout(const PackOptions& o, int n, int k, int stored_per_panel) {
   return p;
 }
 
+// Rounds to nearest, ties to even (the current rounding mode, as std::nearbyint does), inline:
+// cvtss2si is baseline SSE, where nearbyintf is a libm call per value. For |x| < 2^31.
+inline float round_even(float x) { return static_cast<float>(_mm_cvtss_si32(_mm_set_ss(x))); }
+
 [[noreturn]] void non_finite(const WeightView& w, const char* what, int r, const float* row) {
   int c = 0;
   while (c < w.k && std::isfinite(row[c])) ++c;
@@ -347,7 +352,7 @@ void write_int8(const PackedWeight& p, std::byte* dst, const float* rows, int va
     scale[j] = amax / 127.0f;
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     for (int c = 0; c < p.k; ++c) {
-      const float q = std::clamp(std::nearbyint(row[c] * inv), -127.0f, 127.0f);
+      const float q = std::clamp(round_even(row[c] * inv), -127.0f, 127.0f);
       d[(static_cast<size_t>(c / 4) * kPanel + j) * 4 + c % 4] = static_cast<uint8_t>(static_cast<int>(q) + 128);
     }
   }
@@ -430,9 +435,9 @@ void write_int4(const PackedWeight& p, std::byte* dst, const float* rows, int va
     TANDEM_CHECK(std::isfinite(s), Errc::bad_format, "pack: ", what, " row ", r0 + j, ", group ", gi, ": scale ", want,
                  " overflows fp16 (int4 needs |w| < 458,000)");
     const float inv = s > 0.0f ? 1.0f / s : 0.0f;
-    if (!p.symmetric) z = static_cast<int>(std::clamp(std::nearbyint(-lo * inv), 0.0f, 15.0f));
+    if (!p.symmetric) z = static_cast<int>(std::clamp(round_even(-lo * inv), 0.0f, 15.0f));
     for (int c = 0; c < g; ++c)
-      q[c] = static_cast<uint8_t>(std::clamp(std::nearbyint(v[c] * inv) + static_cast<float>(z), 0.0f, 15.0f));
+      q[c] = static_cast<uint8_t>(std::clamp(round_even(v[c] * inv) + static_cast<float>(z), 0.0f, 15.0f));
   });
 }
 
