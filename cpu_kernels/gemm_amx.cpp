@@ -304,7 +304,7 @@ struct Int4Fmt {
     for (int b = 0; b < 4; ++b) {
       scale[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 16 * b)));
       // each output's zero point in all 4 bytes of its k-quad (zero <= 15: no carries)
-      zero[b] = w->symmetric ? _mm512_set1_epi8(static_cast<char>(int4_zero(*w)))
+      zero[b] = w->symmetric ? _mm512_set1_epi8(static_cast<char>(w->fixed_zero()))
                              : _mm512_mullo_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zp + 16 * b))),
                                                   _mm512_set1_epi32(0x01010101));
     }

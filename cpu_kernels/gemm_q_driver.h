@@ -97,8 +97,6 @@ inline const std::byte* int4_group(const PackedWeight& w, const std::byte* panel
 inline const uint16_t* int4_scales(const PackedWeight& w, const std::byte* group) {
   return reinterpret_cast<const uint16_t*>(group + static_cast<size_t>(w.group) * kPanel / 2);
 }
-// The zero point of a pack without zero bytes: 8, or 12 for MXFP4 (its code table's 0).
-inline int int4_zero(const PackedWeight& w) { return w.e2m1 ? 12 : 8; }
 inline const uint8_t* int4_zeros(const PackedWeight& w, const std::byte* group) {
   return reinterpret_cast<const uint8_t*>(group + static_cast<size_t>(w.group) * kPanel / 2 + kPanel * 2);
 }

@@ -38,9 +38,9 @@ struct Int4Ref {
           for (int c = 0; c < w.group; ++c) {
             const uint8_t b = nib[(static_cast<size_t>(c / 8) * kPanel + j) * 4 + c % 4];
             const int q = (c % 8) < 4 ? (b & 15) : (b >> 4);
-            acc += (w.e2m1 ? kE2m1Lut[q] : q) * a[gi * w.group + c];
+            acc += w.nibble_value(q) * a[gi * w.group + c];
           }
-          const int z = w.symmetric ? int4_zero(w) : int4_zeros(w, gb)[j];
+          const int z = w.symmetric ? w.fixed_zero() : int4_zeros(w, gb)[j];
           acc -= z * in.sums[static_cast<size_t>(r0 + r) * in.groups + gi];
           f += static_cast<float>(acc) * fp16_to_fp32(int4_scales(w, gb)[j]);
         }

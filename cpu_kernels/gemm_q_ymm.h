@@ -66,7 +66,7 @@ struct Int4Ymm {
 #pragma GCC unroll 8
       for (int b = 0; b < 8; ++b) {
         const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 8 * b)));
-        const __m256i z = w.symmetric ? _mm256_set1_epi32(int4_zero(w))
+        const __m256i z = w.symmetric ? _mm256_set1_epi32(w.fixed_zero())
                                       : _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zp + 8 * b)));
         const __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(as_m256i(acc[b]), _mm256_mullo_epi32(z, sum)));
         _mm256_store_ps(t + 8 * b, _mm256_fmadd_ps(v, s, _mm256_load_ps(t + 8 * b)));

@@ -74,7 +74,7 @@ struct Int4Zmm {
 #pragma GCC unroll 4
       for (int b = 0; b < 4; ++b) {
         const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 16 * b)));
-        const __m512i z = w.symmetric ? _mm512_set1_epi32(int4_zero(w))
+        const __m512i z = w.symmetric ? _mm512_set1_epi32(w.fixed_zero())
                                       : _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zp + 16 * b)));
 #pragma GCC unroll 8
         for (int r = 0; r < MR; ++r) {

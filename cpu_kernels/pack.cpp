@@ -706,9 +706,8 @@ float panel_value(const PackedWeight& w, const std::byte* panel, int j, int c) {
       const uint8_t b = reinterpret_cast<const uint8_t*>(base)[(static_cast<size_t>(o) * kPanel + j) * 4 + e % 4];
       const int q = e < 4 ? (b & 15) : (b >> 4);
       const float s = fp16_to_fp32(reinterpret_cast<const uint16_t*>(base + static_cast<size_t>(w.group) * kPanel / 2)[j]);
-      if (w.e2m1) return s * static_cast<float>(kE2m1Lut[q] - 12);
-      const int z = w.symmetric ? 8 : reinterpret_cast<const uint8_t*>(base + static_cast<size_t>(w.group) * kPanel / 2 + kPanel * 2)[j];
-      return s * static_cast<float>(q - z);
+      const int z = w.symmetric ? w.fixed_zero() : reinterpret_cast<const uint8_t*>(base + static_cast<size_t>(w.group) * kPanel / 2 + kPanel * 2)[j];
+      return s * static_cast<float>(w.nibble_value(q) - z);
     }
   }
   return 0;

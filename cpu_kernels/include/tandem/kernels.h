@@ -221,6 +221,10 @@ struct PackedWeight {
   const bf16_t* panel(int p) const { return reinterpret_cast<const bf16_t*>(panel_data(p)); }
   size_t bytes() const { return data.size; }
   PackOptions options() const { return {format, group, symmetric, e2m1}; }
+  // int4: the zero point of a pack without zero bytes (8, or 12 for MXFP4: its code
+  // table's 0), and the value a nibble stands for before it (the code table's for MXFP4).
+  int fixed_zero() const { return e2m1 ? 12 : 8; }
+  int nibble_value(int q) const { return e2m1 ? kE2m1Lut[q] : q; }
 };
 
 // Packs W into opt.format. Parallel over panels (OpenMP) and deterministic: every
