@@ -94,6 +94,8 @@ std::string_view source_type_name(SourceType t) noexcept {
     case SourceType::f16: return "f16";
     case SourceType::f8_e4m3: return "f8_e4m3";
     case SourceType::q4_gptq: return "q4_gptq";
+    case SourceType::ggml_q8_0: return "ggml_q8_0";
+    case SourceType::ggml_q4_1: return "ggml_q4_1";
   }
   return "?";
 }
@@ -144,6 +146,11 @@ int64_t row_stride(const WeightView& w) { return w.ld ? w.ld : w.k; }
 }  // namespace
 
 float Q4Source::scale(int g, int r) const {
+  if (layout == Layout::ggml_q4_0) {  // the fp16 d at the start of the block
+    uint16_t b;
+    std::memcpy(&b, q40_block(r, g * 32), 2);
+    return fp16_to_fp32(b);
+  }
   const size_t i = layout == Layout::packed_rows ? static_cast<size_t>(r) * (k / group) + g : static_cast<size_t>(g) * n + r;
   switch (scale_type) {
     case Scale::f16: {
@@ -180,8 +187,17 @@ std::string_view q4_layout_name(Q4Source::Layout l) noexcept {
     case Q4Source::Layout::gptq: return "GPTQ";
     case Q4Source::Layout::awq: return "AWQ";
     case Q4Source::Layout::packed_rows: return "compressed-tensors";
+    case Q4Source::Layout::ggml_q4_0: return "GGUF Q4_0";
   }
   return "?";
+}
+
+int ggml_block_bytes(SourceType t) noexcept {
+  switch (t) {
+    case SourceType::ggml_q8_0: return 34;
+    case SourceType::ggml_q4_1: return 20;
+    default: return 0;
+  }
 }
 
 void decode_rows(const WeightView& w, int r0, int rows, float* out) {
@@ -190,6 +206,30 @@ void decode_rows(const WeightView& w, int r0, int rows, float* out) {
     const size_t src = static_cast<size_t>(r0 + r) * ld;
     float* o = out + static_cast<size_t>(r) * w.k;
     switch (w.type) {
+      case SourceType::ggml_q8_0:  // per block: fp16 d, 32 x int8
+        for (int b = 0; b < w.k / kGgmlBlock; ++b) {
+          const std::byte* blk = static_cast<const std::byte*>(w.data) + (src / kGgmlBlock + b) * 34;
+          uint16_t d16;
+          std::memcpy(&d16, blk, 2);
+          const float d = fp16_to_fp32(d16);
+          for (int j = 0; j < kGgmlBlock; ++j)
+            o[b * kGgmlBlock + j] = d * static_cast<float>(static_cast<int8_t>(blk[2 + j]));
+        }
+        break;
+      case SourceType::ggml_q4_1:  // per block: fp16 d, fp16 m, 16 bytes of nibbles
+        for (int b = 0; b < w.k / kGgmlBlock; ++b) {
+          const std::byte* blk = static_cast<const std::byte*>(w.data) + (src / kGgmlBlock + b) * 20;
+          uint16_t d16, m16;
+          std::memcpy(&d16, blk, 2);
+          std::memcpy(&m16, blk + 2, 2);
+          const float d = fp16_to_fp32(d16), m = fp16_to_fp32(m16);
+          for (int j = 0; j < kGgmlBlock; ++j) {
+            const auto byte = static_cast<uint8_t>(blk[4 + j % 16]);
+            const int q = j < 16 ? (byte & 15) : (byte >> 4);
+            o[b * kGgmlBlock + j] = std::fma(d, static_cast<float>(q), m);
+          }
+        }
+        break;
       case SourceType::f32:
         std::memcpy(o, static_cast<const float*>(w.data) + src, sizeof(float) * w.k);
         break;
@@ -230,7 +270,8 @@ namespace {
 void check_view(const char* what, const WeightView& w) {
   if (w.type == SourceType::q4_gptq) {
     TANDEM_CHECK(w.q4 && w.q4->qweight && w.q4->scales &&
-                     (w.q4->qzeros || w.q4->layout == Q4Source::Layout::packed_rows),
+                     (w.q4->qzeros || w.q4->layout == Q4Source::Layout::packed_rows ||
+                      (w.q4->layout == Q4Source::Layout::ggml_q4_0 && w.q4->group == kGgmlBlock)),
                  Errc::invalid_argument, "pack: ", what, " is a 4-bit quantized weight without its tensors");
     const Q4Source& q = *w.q4;
     TANDEM_CHECK(q.n % 8 == 0 && q.k % 8 == 0 && q.group > 0 && q.k % q.group == 0, Errc::invalid_argument, "pack: ",
@@ -242,6 +283,11 @@ void check_view(const char* what, const WeightView& w) {
     return;
   }
   TANDEM_CHECK(w.data != nullptr, Errc::invalid_argument, "pack: ", what, " pointer is null");
+  if (ggml_block_bytes(w.type)) {
+    TANDEM_CHECK(w.k % kGgmlBlock == 0 && row_stride(w) % kGgmlBlock == 0, Errc::invalid_argument, "pack: ", what,
+                 " is a ", source_type_name(w.type), " weight of [", w.n, " x ", w.k, "] (row stride ", row_stride(w),
+                 "): its rows must be whole blocks of ", kGgmlBlock);
+  }
   TANDEM_CHECK(w.n > 0 && w.k > 0, Errc::invalid_argument, "pack: ", what, " shape [", w.n, " x ", w.k,
                "] must be positive");
   TANDEM_CHECK(row_stride(w) >= w.k, Errc::invalid_argument, "pack: ", what, " leading dimension ", w.ld,
@@ -668,11 +714,18 @@ WeightView sub_view(const WeightView& w, int r0, int rows, int c0, int cols) {
     v.col0 = w.col0 + c0;
     return v;
   }
-  size_t elem = 4;
-  if (w.type == SourceType::bf16 || w.type == SourceType::f16) elem = 2;
-  if (w.type == SourceType::f8_e4m3) elem = 1;
   WeightView v = w;
-  v.data = static_cast<const std::byte*>(w.data) + (static_cast<size_t>(r0) * row_stride(w) + c0) * elem;
+  const size_t first = static_cast<size_t>(r0) * row_stride(w) + c0;  // in weights
+  if (const int bb = ggml_block_bytes(w.type)) {
+    TANDEM_CHECK(c0 % kGgmlBlock == 0 && cols % kGgmlBlock == 0, Errc::invalid_argument, "sub_view: columns [", c0,
+                 ", ", c0 + cols, ") of a ", source_type_name(w.type), " weight must be whole blocks of ", kGgmlBlock);
+    v.data = static_cast<const std::byte*>(w.data) + first / kGgmlBlock * bb;
+  } else {
+    size_t elem = 4;
+    if (w.type == SourceType::bf16 || w.type == SourceType::f16) elem = 2;
+    if (w.type == SourceType::f8_e4m3) elem = 1;
+    v.data = static_cast<const std::byte*>(w.data) + first * elem;
+  }
   v.ld = row_stride(w);
   v.n = rows;
   v.k = cols;

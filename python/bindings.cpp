@@ -232,6 +232,27 @@ PYBIND11_MODULE(_C, m) {
              return Checkpoint::open(p);
            }),
            py::arg("path"))
+      .def_static("from_tables",
+                  [](const std::filesystem::path& root, const std::vector<std::filesystem::path>& files,
+                     const std::vector<std::vector<py::tuple>>& tables, const std::string& format) {
+                    std::vector<std::vector<TensorInfo>> infos(tables.size());
+                    for (size_t i = 0; i < tables.size(); ++i)
+                      for (const py::tuple& e : tables[i]) {
+                        TensorInfo t;
+                        t.name = e[0].cast<std::string>();
+                        t.dtype = parse_gguf_dtype(e[1].cast<std::string>());
+                        t.shape = e[2].cast<std::vector<int64_t>>();
+                        t.begin = e[3].cast<uint64_t>();
+                        t.end = e[4].cast<uint64_t>();
+                        infos[i].push_back(std::move(t));
+                      }
+                    py::gil_scoped_release nogil;
+                    return std::make_unique<Checkpoint>(Checkpoint::from_tables(root, files, std::move(infos), format));
+                  },
+                  py::arg("root"), py::arg("files"), py::arg("tables"), py::arg("format"),
+                  "A checkpoint of files in another format (GGUF) from the tables its reader made: per file, "
+                  "(name, dtype, shape, begin, end) with byte offsets from the file's start; dtype F32, F16, BF16, "
+                  "Q4_0, Q4_1, Q8_0 or GGML (bytes tandem's C++ side never decodes).")
       .def("names", &Checkpoint::names)
       .def("__contains__", [](const Checkpoint& c, const std::string& n) { return c.contains(n); })
       .def("__len__", [](const Checkpoint& c) { return c.names().size(); })

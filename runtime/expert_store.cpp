@@ -120,8 +120,8 @@ PackSizes pack_sizes(const StoreSpec& s) {
 uint64_t layer_file_size(const StoreSpec& s) { return kAlign + uint64_t{pack_sizes(s).stride} * s.shape.experts; }
 
 // The source checkpoint's files: name (relative to the checkpoint's directory), size,
-// modification time and a hash of the safetensors header (tensor names, dtypes, shapes,
-// offsets). Cheap: no tensor data is read.
+// modification time and a hash of the file's header (safetensors' or GGUF's: tensor names,
+// dtypes, shapes, offsets; GGUF's metadata). Cheap: no tensor data is read.
 json source_files(const Checkpoint& ckpt) {
   const fs::path base = fs::is_directory(ckpt.root()) ? ckpt.root() : ckpt.root().parent_path();
   json files = json::array();
@@ -132,7 +132,7 @@ json source_files(const Checkpoint& ckpt) {
                  std::strerror(errno));
     Fd fd(::open(f.path().c_str(), O_RDONLY | O_CLOEXEC));
     TANDEM_CHECK(fd.fd >= 0, Errc::io, "store: cannot open ", f.path().string(), ": ", std::strerror(errno));
-    std::vector<std::byte> head(f.header().data_offset);
+    std::vector<std::byte> head(f.header().header_bytes);
     pread_all(fd.fd, head.data(), head.size(), 0, f.path());
     Hasher h;
     h.update(head.data(), head.size());
@@ -162,8 +162,9 @@ std::string files_key(const json& files) {
 // Adds one expert's tensors as they are in the checkpoint (block scales and quantization
 // tensors included) to a layer's source hash, and gives their pages back.
 void hash_expert_source(const Checkpoint& ckpt, const StoreSpec& s, int model_layer, int e, Hasher& h) {
-  if (s.naming.fused()) {  // expert e's slice of the layer's fused gate_up and down tensors
-    for (const std::string* p : {&s.naming.gate, &s.naming.down}) {
+  if (s.naming.fused()) {  // expert e's slice of the layer's fused gate_up (or gate and up) and down tensors
+    for (const std::string* p : {&s.naming.gate, &s.naming.up, &s.naming.down}) {
+      if (p == &s.naming.up && s.naming.up == s.naming.gate) continue;
       const std::string n = ExpertNaming::name(*p, model_layer, e);
       const TensorView t = ckpt.tensor(n);
       const size_t per = t.nbytes / s.shape.experts;

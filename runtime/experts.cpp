@@ -256,7 +256,7 @@ WeightView checkpoint_view(const Checkpoint& ckpt, const std::string& name, int 
 // Rows [row0, row0 + n) of expert e in a fused tensor [experts x rows x k] (transformers v5's
 // experts.gate_up_proj [E, 2I, H] and experts.down_proj [E, H, I]), read in place.
 WeightView fused_view(const Checkpoint& ckpt, const std::string& name, int experts, int e, int rows, int row0, int n,
-                      int k) {
+                      int k, std::vector<std::shared_ptr<const Q4Source>>& keep) {
   TANDEM_CHECK(ckpt.contains(name), Errc::bad_format, "checkpoint ", ckpt.root().string(), " has no tensor ", name);
   const TensorView t = ckpt.tensor(name);
   const auto& sh = t.info->shape;
@@ -264,20 +264,41 @@ WeightView fused_view(const Checkpoint& ckpt, const std::string& name, int exper
                shape_str(sh), ", the layer's fused experts need [", experts, ", ", rows, ", ", k,
                "] (a transposed layout is not supported)");
   WeightView v;
+  v.n = n;
+  v.k = k;
+  v.name = t.info->name.c_str();
+  v.file = ckpt.file_of(name).path().c_str();
+  const size_t first = (static_cast<size_t>(e) * rows + row0) * static_cast<size_t>(k);  // in weights
   size_t elem = 0;
   switch (t.info->dtype) {
     case Dtype::F32: v.type = SourceType::f32; elem = 4; break;
     case Dtype::BF16: v.type = SourceType::bf16; elem = 2; break;
     case Dtype::F16: v.type = SourceType::f16; elem = 2; break;
+    case Dtype::Q8_0:
+    case Dtype::Q4_1:
+      v.type = t.info->dtype == Dtype::Q8_0 ? SourceType::ggml_q8_0 : SourceType::ggml_q4_1;
+      v.data = t.data + first / kGgmlBlock * static_cast<size_t>(ggml_block_bytes(v.type));
+      return v;  // (the table's check: k, the last dimension, is whole blocks)
+    case Dtype::Q4_0: {  // the expert's rows as a 4-bit source of their own (int4 keeps its numbers)
+      auto q = std::make_shared<Q4Source>();
+      q->layout = Q4Source::Layout::ggml_q4_0;
+      q->scale_type = Q4Source::Scale::f16;
+      q->qweight = q->scales = t.data + first / kGgmlBlock * Q4Source::kQ40Bytes;
+      q->n = n;
+      q->k = k;
+      q->group = kGgmlBlock;
+      v.type = SourceType::q4_gptq;
+      v.data = q->qweight;
+      v.q4 = q.get();
+      keep.push_back(std::move(q));
+      return v;
+    }
     default:
-      TANDEM_FAIL(Errc::unsupported, name, " has dtype ", dtype_name(t.info->dtype),
-                  "; fused expert tensors must be F32, BF16 or F16 (FP8 and 4-bit experts are read per expert)");
+      TANDEM_FAIL(Errc::unsupported, name, " (file ", ckpt.file_of(name).path().string(), ") has type ",
+                  dtype_name(t.info->dtype), "; fused expert tensors must be F32, BF16 or F16, or GGUF's Q8_0, Q4_0 or "
+                  "Q4_1 (FP8 and 4-bit experts of safetensors checkpoints are read per expert)");
   }
-  v.data = t.data + (static_cast<size_t>(e) * rows + row0) * static_cast<size_t>(k) * elem;
-  v.n = n;
-  v.k = k;
-  v.name = t.info->name.c_str();
-  v.file = ckpt.file_of(name).path().c_str();
+  v.data = t.data + first * elem;
   return v;
 }
 
@@ -286,9 +307,9 @@ WeightView fused_view(const Checkpoint& ckpt, const std::string& name, int exper
 bool ExpertNaming::fused() const {
   const bool g = gate.find("{E}") == std::string::npos, u = up.find("{E}") == std::string::npos,
              d = down.find("{E}") == std::string::npos;
-  TANDEM_CHECK(g == u && u == d && (!g || gate == up), Errc::invalid_argument, "expert naming (", gate, ", ", up, ", ",
-               down, "): either every pattern names one expert ({E}), or gate and up name the same fused gate_up "
-               "tensor and down the fused down tensor (no {E})");
+  TANDEM_CHECK(g == u && u == d, Errc::invalid_argument, "expert naming (", gate, ", ", up, ", ", down,
+               "): either every pattern names one expert ({E}), or none does (fused tensors: gate and up naming one "
+               "gate_up tensor or a gate and an up tensor, down the down tensor)");
   return g;
 }
 
@@ -298,9 +319,14 @@ ExpertSource checkpoint_expert(const Checkpoint& ckpt, int layer, int e, const E
     TANDEM_CHECK(e >= 0 && e < shape.experts, Errc::invalid_argument, "expert ", e, " is outside [0, ", shape.experts, ")");
     const std::string gu = expand(naming.gate, layer, e), dn = expand(naming.down, layer, e);
     const int E = shape.experts, H = shape.hidden, I = shape.inter;
-    s.gate = fused_view(ckpt, gu, E, e, 2 * I, 0, I, H);  // transformers' chunk(2): gate first
-    s.up = fused_view(ckpt, gu, E, e, 2 * I, I, I, H);
-    s.down = fused_view(ckpt, dn, E, e, H, 0, H, I);
+    if (naming.gate == naming.up) {
+      s.gate = fused_view(ckpt, gu, E, e, 2 * I, 0, I, H, s.keep);  // transformers' chunk(2): gate first
+      s.up = fused_view(ckpt, gu, E, e, 2 * I, I, I, H, s.keep);
+    } else {  // a gate and an up tensor, [E, I, H] each (GGUF's ffn_gate_exps / ffn_up_exps)
+      s.gate = fused_view(ckpt, gu, E, e, I, 0, I, H, s.keep);
+      s.up = fused_view(ckpt, expand(naming.up, layer, e), E, e, I, 0, I, H, s.keep);
+    }
+    s.down = fused_view(ckpt, dn, E, e, H, 0, H, I, s.keep);
     return s;
   }
   s.gate = checkpoint_view(ckpt, expand(naming.gate, layer, e), shape.inter, shape.hidden, s.keep);

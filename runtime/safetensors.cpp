@@ -116,14 +116,35 @@ std::string nearest_name(std::string_view want, const std::vector<std::string>& 
 
 }  // namespace
 
+constexpr DtypeInfo kGgufOnly[] = {{Dtype::Q4_0, "Q4_0", 18}, {Dtype::Q4_1, "Q4_1", 20}, {Dtype::Q8_0, "Q8_0", 34},
+                                    {Dtype::GGML, "GGML", 0}};  // size: bytes per block of 32
+
 std::string_view dtype_name(Dtype d) noexcept {
   for (const auto& i : kDtypes)
+    if (i.dtype == d) return i.name;
+  for (const auto& i : kGgufOnly)
     if (i.dtype == d) return i.name;
   return "?";
 }
 
+Dtype parse_gguf_dtype(std::string_view name) {
+  for (Dtype d : {Dtype::F32, Dtype::F16, Dtype::BF16})
+    if (name == dtype_name(d)) return d;
+  for (const auto& i : kGgufOnly)
+    if (name == i.name) return i.dtype;
+  TANDEM_FAIL(Errc::invalid_argument, "GGUF table: unknown dtype '", name, "' (F32, F16, BF16, Q4_0, Q4_1, Q8_0, GGML)");
+}
+
+bool block_bytes(Dtype d, uint64_t row, uint64_t numel, uint64_t& bytes) noexcept {
+  for (const auto& i : kGgufOnly) {
+    if (i.dtype != d || !i.size || row == 0 || row % 32 || numel % row) continue;
+    return !__builtin_mul_overflow(numel / 32, static_cast<uint64_t>(i.size), &bytes);
+  }
+  return false;
+}
+
 size_t dtype_size(Dtype d) noexcept {
-  for (const auto& i : kDtypes)
+  for (const auto& i : kDtypes)  // (kGgufOnly's sizes are per block: 0 here)
     if (i.dtype == d) return i.size;
   return 0;
 }
@@ -164,7 +185,7 @@ SafetensorsHeader parse_safetensors_header(std::span<const std::byte> file, std:
   TANDEM_CHECK(j.is_object(), Errc::bad_format, origin, ": header must be a JSON object");
 
   SafetensorsHeader h;
-  h.data_offset = 8 + n;
+  h.data_offset = h.header_bytes = 8 + n;
   const uint64_t data_size = size - h.data_offset;
   for (auto& [key, v] : j.items()) {
     if (key == "__metadata__") {
@@ -244,7 +265,65 @@ SafetensorsHeader parse_safetensors_header(std::span<const std::byte> file, std:
 }
 
 SafetensorsFile::SafetensorsFile(const std::filesystem::path& path) : path_(path) {
+  map();
   const std::string p = path.string();
+  try {
+    header_ = parse_safetensors_header({base_, size_}, p);
+  } catch (...) {
+    if (base_) ::munmap(const_cast<std::byte*>(base_), size_);
+    throw;
+  }
+  for (size_t i = 0; i < header_.tensors.size(); ++i) index_.emplace(header_.tensors[i].name, i);
+}
+
+SafetensorsFile::SafetensorsFile(const std::filesystem::path& path, std::vector<TensorInfo> tensors,
+                                 std::string_view format)
+    : path_(path) {
+  map();
+  const std::string p = path.string();
+  try {
+    std::sort(tensors.begin(), tensors.end(), [](const TensorInfo& a, const TensorInfo& b) {
+      return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+    });
+    uint64_t cursor = 0;
+    const TensorInfo* prev = nullptr;
+    for (const auto& t : tensors) {
+      TANDEM_CHECK(!t.name.empty(), Errc::bad_format, p, ": a ", format, " tensor has an empty name");
+      TANDEM_CHECK(t.begin <= t.end && t.end <= size_, Errc::bad_format, p, ": ", format, " tensor '", t.name,
+                   "' at bytes [", t.begin, ", ", t.end, ") runs past the end of the file (", size_,
+                   " bytes); the file is truncated or corrupt");
+      uint64_t numel = 1;
+      for (int64_t d : t.shape)
+        TANDEM_CHECK(d >= 0 && !__builtin_mul_overflow(numel, static_cast<uint64_t>(d), &numel), Errc::bad_format, p,
+                     ": ", format, " tensor '", t.name, "' has shape ", shape_str(t.shape));
+      if (t.dtype != Dtype::GGML) {
+        uint64_t want = 0;
+        const bool ok = dtype_size(t.dtype)
+                            ? !__builtin_mul_overflow(numel, dtype_size(t.dtype), &want)
+                            : block_bytes(t.dtype, t.shape.empty() ? 0 : static_cast<uint64_t>(t.shape.back()), numel, want);
+        TANDEM_CHECK(ok && want == t.nbytes(), Errc::bad_format, p, ": ", format, " tensor '", t.name, "': shape ",
+                     shape_str(t.shape), " of ", dtype_name(t.dtype), " needs ", ok ? str_cat(want) : "whole blocks of 32",
+                     " bytes, the file gives it ", t.nbytes());
+      }
+      TANDEM_CHECK(t.begin >= cursor, Errc::bad_format, p, ": ", format, " tensors '", prev ? prev->name : "", "' and '",
+                   t.name, "' overlap (bytes ", t.begin, "..", cursor, ")");
+      cursor = t.end;
+      prev = &t;
+    }
+    header_.data_offset = 0;
+    header_.header_bytes = tensors.empty() ? size_ : tensors.front().begin;
+    header_.tensors = std::move(tensors);
+    for (size_t i = 0; i < header_.tensors.size(); ++i)
+      TANDEM_CHECK(index_.emplace(header_.tensors[i].name, i).second, Errc::bad_format, p, ": ", format, " tensor '",
+                   header_.tensors[i].name, "' appears twice");
+  } catch (...) {
+    if (base_) ::munmap(const_cast<std::byte*>(base_), size_);
+    throw;
+  }
+}
+
+void SafetensorsFile::map() {
+  const std::string p = path_.string();
   // O_NONBLOCK: opening a FIFO must not wait for a writer (it is rejected just below).
   int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   TANDEM_CHECK(fd >= 0, Errc::io, "cannot open '", p, "': ", std::strerror(errno));
@@ -268,13 +347,6 @@ SafetensorsFile::SafetensorsFile(const std::filesystem::path& path) : path_(path
   } else {
     ::close(fd);
   }
-  try {
-    header_ = parse_safetensors_header({base_, size_}, p);
-  } catch (...) {
-    if (base_) ::munmap(const_cast<std::byte*>(base_), size_);
-    throw;
-  }
-  for (size_t i = 0; i < header_.tensors.size(); ++i) index_.emplace(header_.tensors[i].name, i);
 }
 
 SafetensorsFile::~SafetensorsFile() {
@@ -396,6 +468,23 @@ Checkpoint Checkpoint::open(const std::filesystem::path& path) {
         TANDEM_CHECK(added, Errc::bad_format, "tensor '", t.name, "' appears in both '",
                      c.files_[it->second]->path().string(), "' and '", s.string(), "'");
       }
+    }
+  }
+  return c;
+}
+
+Checkpoint Checkpoint::from_tables(const std::filesystem::path& root, const std::vector<std::filesystem::path>& files,
+                                   std::vector<std::vector<TensorInfo>> tables, std::string_view format) {
+  TANDEM_CHECK(files.size() == tables.size() && !files.empty(), Errc::invalid_argument, "Checkpoint::from_tables: ",
+               files.size(), " files with ", tables.size(), " tables");
+  Checkpoint c;
+  c.root_ = root;
+  for (size_t i = 0; i < files.size(); ++i) {
+    c.files_.push_back(std::make_unique<SafetensorsFile>(files[i], std::move(tables[i]), format));
+    for (const auto& t : c.files_.back()->header().tensors) {
+      auto [it, added] = c.where_.emplace(t.name, i);
+      TANDEM_CHECK(added, Errc::bad_format, "tensor '", t.name, "' appears in both '", c.files_[it->second]->path().string(),
+                   "' and '", files[i].string(), "'");
     }
   }
   return c;

@@ -175,9 +175,8 @@ def run(args: argparse.Namespace) -> int:
     from .cli_checks import check_device, describe
 
     import torch
-    from transformers import AutoTokenizer
-
     import tandem
+    from tandem.gguf_checkpoint import load_tokenizer
     from tandem import demo
 
     check_device(args.device, sel, train=False)
@@ -185,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     print(describe(sel, model_dir), flush=True)
     model = tandem.load_model(model_dir, sel.config, device=args.device, store=args.store, progress=not args.no_progress,
                               adapter=args.adapter)
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok = load_tokenizer(model_dir)
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample)
     if args.sample:
         gen.update(temperature=args.temperature, top_p=args.top_p)

@@ -18,7 +18,8 @@ patterns -> a fused tensor). `CheckpointNames` runs them backwards:
   loader takes them (the converters' per-expert patterns, else the common ``gate_proj /
   up_proj / down_proj`` and ``w1 / w3 / w2`` namings), checked against the checkpoint; or,
   for experts stored fused (transformers v5's ``experts.gate_up_proj`` / ``down_proj``),
-  (gate_up, gate_up, down) patterns without ``{E}`` (``is_fused``).
+  (gate_up, gate_up, down) patterns without ``{E}`` (``is_fused``), or (gate, up, down)
+  without ``{E}`` for one tensor per projection of all experts (a GGUF model's).
 
 No hand list per family: a model type transformers has rules for gets them.
 """
@@ -34,6 +35,8 @@ _COMMON_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"
 # Names of fused experts tensors (transformers v5 saved with save_original_format=False,
 # or families that store them fused).
 _FUSED = ("gate_up_proj", "down_proj")
+# All experts' gate, up and down, one tensor each (a GGUF file's, as gguf_checkpoint names them).
+_SEPARATE = ("gate_proj", "up_proj", "down_proj")
 
 
 def _literal(pattern: str) -> str | None:
@@ -170,6 +173,11 @@ class CheckpointNames:
                 if all(_present(self.ckpt, _C.expert_key(a, layer, 0)) for a in alts):
                     return alts
                 tried.append(_C.expert_key(alts[0], layer, 0))
+        # A gate, an up and a down tensor of all experts ([experts, rows, k]: GGUF's layout,
+        # named so by tandem.gguf_checkpoint).
+        separate = [f"{module_path}.{p}" for p in _SEPARATE]
+        if all(n in self.ckpt for n in separate):
+            return tuple(n.replace(marker, "layers.{L}.", 1) for n in separate)
         # Fused: transformers v5's layout (save_original_format=False; some families store it).
         gate_up, down = (self.candidates(f"{module_path}.{part}") for part in _FUSED)
         for gu, dn in zip(gate_up, down):

@@ -121,11 +121,12 @@ def dequantize_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.T
 class TensorReader:
     """Tensors by name from a (sharded) safetensors checkpoint, read with the safetensors library."""
 
-    def __init__(self, ckpt: _C.Checkpoint):
+    def __init__(self, ckpt: _C.Checkpoint, gguf: Any = None):
         from safetensors import safe_open
 
         self._open = safe_open
         self.ckpt = ckpt
+        self.gguf = gguf  # a gguf_checkpoint.GGUFModel when ckpt is its table: tensors read (dequantized) by it
         self._files: dict[str, Any] = {}
 
     def file(self, name: str) -> str:
@@ -159,9 +160,12 @@ class TensorReader:
 
     def get(self, name: str) -> torch.Tensor:
         file = self.file(name)
-        if file not in self._files:
-            self._files[file] = self._open(file, framework="pt")
-        t = self._files[file].get_tensor(name)
+        if self.gguf is not None:
+            t = self.gguf.read(name, self.ckpt.info(name)[1])
+        else:
+            if file not in self._files:
+                self._files[file] = self._open(file, framework="pt")
+            t = self._files[file].get_tensor(name)
         if t.dtype in _FP8:
             # Without its block scales an FP8 weight is off by the scale: never use it unscaled.
             kind = "F8_E4M3" if t.dtype == torch.float8_e4m3fn else "F8_E5M2"

@@ -83,13 +83,18 @@ def select_model_and_config(args: argparse.Namespace) -> Selection:
         cfg = tandem.load_config(config)
     if model is not None:
         p = Path(model)
+        from tandem.gguf_checkpoint import is_gguf
+
         if not p.exists():
             raise InputError(f"{source}: {model}: no such directory (no config.json)")
-        if not p.is_dir():
+        if p.is_file() and p.suffix == ".gguf":
+            pass  # a GGUF model (tandem.gguf_checkpoint)
+        elif not p.is_dir():
             raise InputError(f"{source}: {model}: not a directory (tandem needs a transformers checkpoint "
-                             "directory: config.json, tokenizer, *.safetensors)")
-        if not (p / "config.json").is_file():
-            raise InputError(f"{source}: {model}: no config.json (expected a transformers checkpoint directory)")
+                             "directory: config.json, tokenizer, *.safetensors; or a .gguf file)")
+        elif not (p / "config.json").is_file() and not is_gguf(p):
+            raise InputError(f"{source}: {model}: no config.json (expected a transformers checkpoint directory "
+                             "or a GGUF model)")
     return Selection(model, source, config, cfg)
 
 
@@ -97,7 +102,7 @@ def select_model_and_config(args: argparse.Namespace) -> Selection:
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """--model, --config, --device: which model, placed how (select_model_and_config, check_device)."""
-    p.add_argument("--model", help="checkpoint directory (default: the config's model.path, else the built-in "
+    p.add_argument("--model", help="checkpoint directory or .gguf file (default: the config's model.path, else the built-in "
                                    "demo model)")
     p.add_argument("--config", help="placement YAML (default: configs/demo.yaml for the demo model, else the "
                                     "defaults)")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -34,6 +35,7 @@ from .dense import replace_dense, replace_norms
 from .discovery import PLAIN, ExpertMath, expert_shape, find_moe_blocks, oai_math
 from .engine import make_engine, make_lora_layers, share_cpu_with_torch
 from .experts_check import check_experts
+from .gguf_checkpoint import GGUFModel, check_expert_types, check_experts_present, expert_size_note, is_gguf
 from .modules import ExpertsSource, TandemExperts, TandemLoraExperts
 from .oai_checkpoint import OaiExpertsReader, load_oai_layer
 from .peft_glue import watch_block
@@ -74,6 +76,7 @@ class ModelExperts:
     names: CheckpointNames
     naming: tuple[str, str, str] | None  # gate, up, down patterns ({L}, {E}); None: gpt-oss (math)
     math: ExpertMath = PLAIN             # what the experts compute
+    gguf: GGUFModel | None = None        # a GGUF model's files (ckpt is their table)
 
 
 def open_model_experts(path: str | os.PathLike, dtype: torch.dtype | None = None) -> ModelExperts:
@@ -82,23 +85,34 @@ def open_model_experts(path: str | os.PathLike, dtype: torch.dtype | None = None
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"{path}: no config.json (expected a transformers checkpoint directory)")
-    try:
-        hf_config = AutoConfig.from_pretrained(path)
-    except Exception as e:  # noqa: BLE001 (any failure to read it is about config.json: one line naming it)
-        raise ValueError(f"{path / 'config.json'}: {type(e).__name__}: {_first_line(e)}") from e
-    _check_quantization(path, hf_config)
+    g = None
+    if is_gguf(path):  # llama.cpp's format: config and names from the file (tandem.gguf_checkpoint)
+        g = GGUFModel(path)
+        path, where, hf_config = g.path, g.path, g.config()
+        check_expert_types(g, str(path))
+        _check_config_sizes(where, hf_config)
+    else:
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path}: no config.json (expected a transformers checkpoint directory or a .gguf file)")
+        where = path / "config.json"
+        try:
+            hf_config = AutoConfig.from_pretrained(path)
+        except Exception as e:  # noqa: BLE001 (any failure to read it is about config.json: one line naming it)
+            raise ValueError(f"{path / 'config.json'}: {type(e).__name__}: {_first_line(e)}") from e
+        _check_quantization(path, hf_config)
+        ckpt = _C.Checkpoint(str(path))
+        _check_config_against_checkpoint(path, hf_config, ckpt)
     if dtype is None:
         dtype = _config_dtype(hf_config)
-    ckpt = _C.Checkpoint(str(path))
-    _check_config_against_checkpoint(path, hf_config, ckpt)
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     except (ValueError, TypeError, KeyError, AttributeError, IndexError, RuntimeError) as e:
-        raise ValueError(f"{path / 'config.json'}: transformers cannot build the model from it: "
+        raise ValueError(f"{where}: transformers cannot build the model from it: "
                          f"{type(e).__name__}: {_first_line(e)}") from e
+    if g is not None:
+        ckpt = g.checkpoint(model)
+        _check_config_against_checkpoint(path, hf_config, ckpt, where)
     try:
         blocks = find_moe_blocks(model)
     except ValueError as e:
@@ -114,11 +128,13 @@ def open_model_experts(path: str | os.PathLike, dtype: torch.dtype | None = None
     _check_mxfp4(path, hf_config, math)
     E, H, I = expert_shape(blocks[0].experts)
     layers = [b.layer for b in blocks]
+    if g is not None:
+        check_experts_present(g, layers)
     names = CheckpointNames(hf_config.model_type, ckpt, str(path))
     # gpt-oss's experts are read layer by layer in Python (oai_checkpoint), not by pattern.
     oai = oai_math(blocks[0].experts) is not None
     naming = None if oai else tuple(names.experts(blocks[0].path, layers[0]))
-    return ModelExperts(path, hf_config, ckpt, model, blocks, (E, H, I), layers, names, naming, math)
+    return ModelExperts(path, hf_config, ckpt, model, blocks, (E, H, I), layers, names, naming, math, g)
 
 
 def _check_mxfp4(path: Path, hf_config: Any, math: ExpertMath) -> None:
@@ -256,6 +272,11 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
     device = _pick_device(cfg_json, device)
     me = open_model_experts(path, dtype)
     path, hf_config, ckpt, model, blocks = me.path, me.hf_config, me.ckpt, me.model, me.blocks
+    if me.gguf is not None and (train or adapter is not None):
+        raise ValueError(f"{path}: a GGUF model loads for inference only: LoRA training and adapters need a "
+                         "safetensors checkpoint (the original model's)")
+    if me.gguf is not None and store is None and (note := expert_size_note(me.gguf, cfg_json["cpu"])):
+        warnings.warn(note, stacklevel=2)
     dtype = dtype if dtype is not None else _config_dtype(hf_config)
     (E, H, I), layers, names, naming = me.shape, me.layers, me.names, me.naming
     what = f"{path}: this model's experts compute {me.math.describe()}"
@@ -313,7 +334,7 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
         expert_keys = oai_keys
 
     # Everything else: torch tensors on `device`.
-    reader = TensorReader(ckpt)
+    reader = TensorReader(ckpt, me.gguf)
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
     used: set[str] = set()
     params = dict(model.named_parameters())
@@ -504,9 +525,15 @@ def _first_line(e: BaseException) -> str:
 # the billions would otherwise make transformers build (or try to) a model that size.
 
 
-def _check_config_against_checkpoint(path: Path, hf_config: Any, ckpt: _C.Checkpoint) -> None:
-    """config.json's sizes within sane bounds, and its layer count the checkpoint's."""
-    where = path / "config.json"
+def _check_config_against_checkpoint(path: Path, hf_config: Any, ckpt: _C.Checkpoint, where: Path | None = None) -> None:
+    """config.json's sizes within sane bounds, and its layer count the checkpoint's. where:
+    what the config came from (default: config.json in `path`)."""
+    where = where or path / "config.json"
+    _check_config_sizes(where, hf_config)
+    _check_layers(path, where, hf_config, ckpt)
+
+
+def _check_config_sizes(where: Path, hf_config: Any) -> None:
     for key, (lo, hi) in _C.config_size_bounds().items():  # the bounds tandem doctor applies too
         try:
             v = getattr(hf_config, key, None)
@@ -522,6 +549,9 @@ def _check_config_against_checkpoint(path: Path, hf_config: Any, ckpt: _C.Checkp
     for e in experts:
         if e is not None and top_k is not None and top_k > e:
             raise ValueError(f"{where}: num_experts_per_tok = {top_k} is more than the {e} experts")
+
+
+def _check_layers(path: Path, where: Path, hf_config: Any, ckpt: _C.Checkpoint) -> None:
     layers = {int(m.group(1)) for k in ckpt.names() if (m := re.match(r"model\.layers\.(\d+)\.", k))}
     if not layers:
         first = min(ckpt.names(), default="(none)")

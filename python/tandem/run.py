@@ -121,9 +121,8 @@ def run(args: argparse.Namespace) -> int:
         check_output_file(trace_path, f"{sel.config}: trace.path")
 
     import torch
-    from transformers import AutoTokenizer
-
     import tandem
+    from tandem.gguf_checkpoint import load_tokenizer
     from tandem import demo
     from tandem.dense import describe_dense
     from tandem.loader import skipped_summary
@@ -139,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     tandem.trace.enable(was_tracing)
     load_s = time.perf_counter() - t0
     engine = model.tandem_engine
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok = load_tokenizer(model_dir)
     enc = tok(args.prompt, return_tensors="pt").to(model.device)
     if enc["input_ids"].shape[1] == 0:
         raise InputError(f"--prompt {args.prompt!r} is no tokens for this tokenizer")

@@ -949,22 +949,21 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         raise InputError(f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e})") from None
     import uvicorn
-    from transformers import AutoTokenizer
-
     import tandem
+    from tandem.gguf_checkpoint import load_tokenizer
     from tandem import demo
 
     model_dir = sel.model or str(demo.ensure_demo_model(progress=not args.no_progress))
     print(describe(sel, model_dir), flush=True)
     if args.batch_context is not None:  # before minutes of loading
-        from transformers import AutoConfig
+        from tandem.gguf_checkpoint import load_config
 
-        model_ctx = model_context(AutoConfig.from_pretrained(model_dir))
+        model_ctx = model_context(load_config(model_dir))
         if model_ctx and args.batch_context > model_ctx:
             raise InputError(f"--batch-context {args.batch_context}: above the model's context of {model_ctx} tokens")
     model = tandem.load_model(model_dir, sel.config, device=args.device, store=args.store, progress=not args.no_progress,
                               adapter=args.adapter)
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok = load_tokenizer(model_dir)
     model_id = args.served_model_name or os.path.basename(os.path.normpath(model_dir))
     if args.chat_template is None and not tok.chat_template:
         print("note: this tokenizer has no chat template; chat turns are rendered as 'role: content' lines "

@@ -42,8 +42,11 @@ def _format_of(cfg: dict[str, Any], fmt: str | None, group: int | None, zero_poi
 
 
 def default_store(model: str | os.PathLike, fmt: dict[str, Any]) -> Path:
-    """Where `tandem convert` writes by default: <model>/tandem-<format>[-g<group>[-zp]]."""
-    return Path(model) / _C.store_dir_name(fmt["format"], fmt["group_size"], fmt["zero_point"])
+    """Where `tandem convert` writes by default: <model>/tandem-<format>[-g<group>[-zp]], or for
+    a GGUF file <dir>/<file name without .gguf>.tandem-<format>... beside it."""
+    name = _C.store_dir_name(fmt["format"], fmt["group_size"], fmt["zero_point"])
+    p = Path(model)
+    return p.with_name(f"{p.name.removesuffix('.gguf')}.{name}") if p.is_file() else p / name
 
 
 def convert(model: str | os.PathLike, config: ConfigLike = None, *, format: str | None = None,
@@ -118,7 +121,7 @@ def _check_space(out: Path, need: int) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="checkpoint directory (default: the config's model.path, else the built-in demo "
+    p.add_argument("--model", help="checkpoint directory or .gguf file (default: the config's model.path, else the built-in demo "
                                    "model)")
     p.add_argument("--config", help="placement YAML whose cpu.format (group_size, zero_point) the store holds")
     p.add_argument("--format", choices=("bf16", "int8", "int4", "mxfp4"), help="the experts' format (default: the config's "
@@ -142,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(str(e)) from None
     model_dir = sel.model or str(demo.ensure_demo_model(progress=not args.no_progress))
     if args.out is None:
-        target = Path(model_dir)
+        target = Path(model_dir) if Path(model_dir).is_dir() else Path(model_dir).parent
         if not os.access(target, os.W_OK | os.X_OK):
             raise InputError(f"{model_dir} is not writable: choose where the store goes with --out DIR")
     r = convert(model_dir, sel.config, format=args.format, group_size=args.group_size, zero_point=args.zero_point,

@@ -67,8 +67,16 @@ WeightFormat parse_format(std::string_view name);  // "bf16", "int8", "int4"
 inline constexpr uint8_t kE2m1Lut[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 
 // Element types a source weight can have. q4_gptq: 4-bit weights quantized in groups along
-// k, as GPTQ checkpoints store them (WeightView::q4).
-enum class SourceType { f32, bf16, f16, f8_e4m3, q4_gptq };
+// k, as GPTQ checkpoints store them (WeightView::q4). ggml_q8_0 / ggml_q4_1: GGUF's block
+// types, each row k / 32 blocks of 32 weights (k and the view's column offset multiples of
+// 32; ld, in weights, too): q8_0 = fp16 d, 32 x int8 q, w = d * q (34 bytes); q4_1 = fp16 d,
+// fp16 m, 16 bytes of nibbles (weight j of the block: low nibble of byte j for j < 16, else
+// the high nibble of byte j - 16), w = d * q + m (20 bytes). (GGUF's Q4_0 is a Q4Source.)
+enum class SourceType { f32, bf16, f16, f8_e4m3, q4_gptq, ggml_q8_0, ggml_q4_1 };
+std::string_view source_type_name(SourceType t) noexcept;
+// ggml block types: weights per block (32) and bytes per block (34, 20); 0 for other types.
+inline constexpr int kGgmlBlock = 32;
+int ggml_block_bytes(SourceType t) noexcept;
 std::string_view source_type_name(SourceType t) noexcept;
 
 // A 4-bit weight W [n x k] quantized in groups of `group` along k, as the common formats store
@@ -82,11 +90,16 @@ std::string_view source_type_name(SourceType t) noexcept;
 //   packed_rows (compressed-tensors pack-quantized): weight_packed int32 [n, k / 8], q = nibble
 //        c % 8 of word [r][c / 8] (the signed value + 8); zero = 8 when symmetric, else nibble
 //        r % 8 of weight_zero_point int32 [n / 8, k / group] at [r / 8][g]; scales [n, k / group]
+//   ggml_q4_0 (GGUF's Q4_0): qweight holds each row's k / 32 blocks of 18 bytes: fp16 scale
+//        d, then 16 bytes of nibbles (weight j of the block: low nibble of byte j for j < 16,
+//        else the high nibble of byte j - 16); group 32, zero 8, scales read from the blocks
+//        (`scales` points at qweight)
 //   w(r, c) = scale(g, r) * (q(r, c) - zero(g, r)), scales fp16, bf16 or fp32.
 // Groups run along k in order (no act-order permutation: the loaders refuse one). The tensors
 // may sit unaligned in their file: they are read bytewise.
 struct Q4Source {
-  enum class Layout { gptq, awq, packed_rows };
+  enum class Layout { gptq, awq, packed_rows, ggml_q4_0 };
+  static constexpr int kQ40Bytes = 18;  // ggml_q4_0: bytes per block of 32
   enum class Scale { f16, bf16, f32 };
   Layout layout = Layout::gptq;
   Scale scale_type = Scale::f16;
@@ -100,6 +113,11 @@ struct Q4Source {
   uint8_t q(int r, int c) const {
     switch (layout) {
       case Layout::awq: return nibble(qweight, static_cast<size_t>(c) * (n / 8) + r / 8, kAwqSlot[r % 8]);
+      case Layout::ggml_q4_0: {
+        const int j = c % 32;
+        const auto b = static_cast<uint8_t>(q40_block(r, c)[2 + j % 16]);
+        return j < 16 ? (b & 15) : (b >> 4);
+      }
       default: return nibble(qweight, row_word(r, c), c % 8);
     }
   }
@@ -113,12 +131,23 @@ struct Q4Source {
       case Layout::awq: return nibble(qzeros, static_cast<size_t>(g) * (n / 8) + r / 8, kAwqSlot[r % 8]);
       case Layout::packed_rows:
         return qzeros ? nibble(qzeros, static_cast<size_t>(r / 8) * (k / group) + g, r % 8) : 8;
+      case Layout::ggml_q4_0: return 8;
     }
     return 8;
+  }
+  // ggml_q4_0: the block holding (r, c).
+  const std::byte* q40_block(int r, int c) const {
+    return qweight + (static_cast<size_t>(r) * (k / 32) + c / 32) * kQ40Bytes;
   }
   // q(r, c + i) for i < 8 into out (c a multiple of 8): one word for gptq and packed_rows,
   // which hold 8 consecutive k of a row per word.
   void octet(int r, int c, uint8_t* out) const {
+    if (layout == Layout::ggml_q4_0) {  // bytes j % 16 .. + 7 of the block, low or high nibbles
+      const std::byte* qs = q40_block(r, c) + 2 + c % 16;
+      const int shift = c % 32 < 16 ? 0 : 4;
+      for (int i = 0; i < 8; ++i) out[i] = static_cast<uint8_t>((static_cast<uint8_t>(qs[i]) >> shift) & 15);
+      return;
+    }
     if (layout == Layout::awq) {
       for (int i = 0; i < 8; ++i) out[i] = q(r, c + i);
       return;
@@ -136,7 +165,7 @@ struct Q4Source {
     return static_cast<uint8_t>((v >> (4 * i)) & 15);
   }
 };
-std::string_view q4_layout_name(Q4Source::Layout l) noexcept;  // "GPTQ", "AWQ", "compressed-tensors"
+std::string_view q4_layout_name(Q4Source::Layout l) noexcept;  // "GPTQ", "AWQ", "compressed-tensors", "GGUF Q4_0"
 
 // A weight matrix W [n x k] as it sits in a checkpoint. FP8 E4M3 weights may carry
 // block scales the way DeepSeek-V3 ships them (weight_scale_inv): element (r, c) is

@@ -30,11 +30,20 @@ enum class Dtype : uint8_t {
   F8_E8M0,  // MX block scales
   C64,      // complex64
   // (sub-byte F4/F6 types are not accepted: tandem does not read them)
+  // GGUF's block types, in tables made from GGUF files only (parse_dtype does not accept
+  // them): blocks of 32 weights along the last dimension (kernels.h: SourceType, Q4Source).
+  // GGML: any other GGUF type; tandem's C++ side holds its bytes but never decodes them.
+  Q4_0, Q4_1, Q8_0, GGML,
 };
-std::string_view dtype_name(Dtype d) noexcept;  // the safetensors spelling: "BF16"
-size_t dtype_size(Dtype d) noexcept;             // bytes per element
-// Throws tandem::Error (bad_format) listing the known names.
+std::string_view dtype_name(Dtype d) noexcept;  // the safetensors spelling: "BF16"; "Q4_0", "GGML"
+size_t dtype_size(Dtype d) noexcept;             // bytes per element; 0 for the GGUF block types
+// Throws tandem::Error (bad_format) listing the known names (safetensors' dtypes).
 Dtype parse_dtype(std::string_view name);
+// A GGUF table's dtype: "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", or "GGML" (another type).
+Dtype parse_gguf_dtype(std::string_view name);
+// Bytes of `numel` weights of a block type (Q4_0 / Q4_1 / Q8_0), whose last dimension is
+// `row` (a multiple of 32: false otherwise, or for another dtype).
+bool block_bytes(Dtype d, uint64_t row, uint64_t numel, uint64_t& bytes) noexcept;
 
 struct TensorInfo {
   std::string name;
@@ -46,7 +55,8 @@ struct TensorInfo {
 };
 
 struct SafetensorsHeader {
-  uint64_t data_offset = 0;  // 8 + header length: where the data section starts
+  uint64_t data_offset = 0;  // 8 + header length: where the data section starts (0 for a table's file)
+  uint64_t header_bytes = 0;  // the file's bytes before its tensors (its format's header)
   std::map<std::string, std::string> metadata;  // "__metadata__"
   std::vector<TensorInfo> tensors;              // in data order (ascending begin)
 };
@@ -65,10 +75,15 @@ struct TensorView {
   size_t nbytes = 0;
 };
 
-// One mapped, validated .safetensors file.
+// One mapped, validated .safetensors file, or a file of another format (GGUF) mapped with
+// the tensor table its format's reader made (see Checkpoint::from_tables).
 class SafetensorsFile {
  public:
   explicit SafetensorsFile(const std::filesystem::path& path);
+  // `tensors`' byte ranges are from the start of the file; each is checked: inside the
+  // file, the size its dtype and shape need (any size for GGML), no two overlapping. Gaps
+  // are allowed (GGUF aligns its tensors).
+  SafetensorsFile(const std::filesystem::path& path, std::vector<TensorInfo> tensors, std::string_view format);
   ~SafetensorsFile();
   SafetensorsFile(const SafetensorsFile&) = delete;
   SafetensorsFile& operator=(const SafetensorsFile&) = delete;
@@ -86,6 +101,7 @@ class SafetensorsFile {
   void release(std::string_view name) const;
 
  private:
+  void map();
   std::filesystem::path path_;
   const std::byte* base_ = nullptr;
   uint64_t size_ = 0;
@@ -99,6 +115,11 @@ class SafetensorsFile {
 class Checkpoint {
  public:
   static Checkpoint open(const std::filesystem::path& path);
+  // A checkpoint of files in another format (`format`, e.g. "GGUF") whose tensor tables a
+  // reader of that format made (names as the model calls them): files[i] with tables[i].
+  // A name in two tables is an error.
+  static Checkpoint from_tables(const std::filesystem::path& root, const std::vector<std::filesystem::path>& files,
+                                std::vector<std::vector<TensorInfo>> tables, std::string_view format);
 
   const std::filesystem::path& root() const { return root_; }
   bool contains(std::string_view name) const;
