@@ -145,27 +145,28 @@ namespace {
 int64_t row_stride(const WeightView& w) { return w.ld ? w.ld : w.k; }
 }  // namespace
 
-float Q4Source::scale(int g, int r) const {
-  if (layout == Layout::ggml_q4_0) {  // the fp16 d at the start of the block
-    uint16_t b;
-    std::memcpy(&b, q40_block(r, g * 32), 2);
-    return fp16_to_fp32(b);
-  }
+const std::byte* Q4Source::scale_at(int g, int r) const {
+  if (layout == Layout::ggml_q4_0) return q40_block(r, g * 32);  // the fp16 d at the start of the block
   const size_t i = layout == Layout::packed_rows ? static_cast<size_t>(r) * (k / group) + g : static_cast<size_t>(g) * n + r;
+  return scales + i * (scale_type == Scale::f32 ? 4 : 2);
+}
+
+float Q4Source::scale(int g, int r) const {
+  const std::byte* at = scale_at(g, r);
   switch (scale_type) {
     case Scale::f16: {
       uint16_t b;
-      std::memcpy(&b, scales + 2 * i, 2);
+      std::memcpy(&b, at, 2);
       return fp16_to_fp32(b);
     }
     case Scale::bf16: {
       uint16_t b;
-      std::memcpy(&b, scales + 2 * i, 2);
+      std::memcpy(&b, at, 2);
       return bf16_to_fp32(b);
     }
     case Scale::f32: {
       float f;
-      std::memcpy(&f, scales + 4 * i, 4);
+      std::memcpy(&f, at, 4);
       return f;
     }
   }
@@ -173,6 +174,10 @@ float Q4Source::scale(int g, int r) const {
 }
 
 bool Q4Source::scale_fp16(int g, int r, uint16_t& bits) const {
+  if (scale_type == Scale::f16) {  // the bits as they are (no conversion round trip)
+    std::memcpy(&bits, scale_at(g, r), 2);
+    return true;
+  }
   const float s = scale(g, r);
   bits = fp32_to_fp16(s);
   return fp16_to_fp32(bits) == s || (std::isnan(s) && std::isnan(fp16_to_fp32(bits)));
@@ -503,11 +508,13 @@ void write_int4_q4(const PackedWeight& p, std::byte* dst, int valid, const Weigh
   write_int4_rows(p, dst, valid, [&](int gi, int j, uint8_t* q, uint16_t& s16, int& z) {
     const int R = w.row0 + r0 + j, G = (w.col0 + gi * g) / g;
     const bool exact = s.scale_fp16(G, R, s16);
-    const float sv = s.scale(G, R);
-    TANDEM_CHECK(std::isfinite(sv), Errc::bad_format, "tensor ", name, of, file, ": row ", R, ", group ", G,
-                 " has scale ", sv, "; non-finite weights are refused");
-    TANDEM_CHECK(exact, Errc::unsupported, "tensor ", name, of, file, ": row ", R, ", group ", G, " has scale ", sv,
-                 ", which int4's fp16 scales cannot hold exactly; load it as int8 or bf16 (cpu.format)");
+    if (!exact || (s16 & 0x7c00) == 0x7c00) {  // inexact, or fp16 Inf / NaN: the value named
+      const float sv = s.scale(G, R);
+      TANDEM_CHECK(std::isfinite(sv), Errc::bad_format, "tensor ", name, of, file, ": row ", R, ", group ", G,
+                   " has scale ", sv, "; non-finite weights are refused");
+      TANDEM_FAIL(Errc::unsupported, "tensor ", name, of, file, ": row ", R, ", group ", G, " has scale ", sv,
+                  ", which int4's fp16 scales cannot hold exactly; load it as int8 or bf16 (cpu.format)");
+    }
     z = s.zero(G, R);
     TANDEM_CHECK(!p.symmetric || z == 8, Errc::unsupported, "tensor ", name, of, file, ": row ", R, ", group ", G,
                  " has zero point ", z, "; symmetric int4 holds zero point 8 only: pack this ",

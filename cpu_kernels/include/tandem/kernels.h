@@ -157,6 +157,7 @@ struct Q4Source {
     for (int i = 0; i < 8; ++i) out[i] = static_cast<uint8_t>((v >> (4 * i)) & 15);
   }
   float scale(int g, int r) const;
+  const std::byte* scale_at(int g, int r) const;  // where scale(g, r) is stored
   // The scale as fp16 bits; false when fp16 cannot hold it exactly.
   bool scale_fp16(int g, int r, uint16_t& bits) const;
   static uint8_t nibble(const std::byte* p, size_t word, int i) {
