@@ -58,8 +58,9 @@ def write_gguf(model, path, experts: Q, others: Q = Q.F32, arch: str = "qwen3moe
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_expert_count(c.num_experts)
@@ -80,7 +81,18 @@ def write_gguf(model, path, experts: Q, others: Q = Q.F32, arch: str = "qwen3moe
         w.add_tensor(name, data, raw_dtype=kind)
         return torch.from_numpy(gguf.quants.dequantize(data, kind).astype(np.float32)).reshape(t.shape)
 
+    if c.model_type == "qwen2_moe":
+        w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+        names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2MOE, c.num_hidden_layers)
+
+        def to_gguf(name: str) -> str:
+            stem, suffix = name.rsplit(".", 1)
+            return names.get_name(stem) + "." + suffix
+    else:
+        to_gguf = gguf_name
     for name, t in model.state_dict().items():
+        if name.endswith("shared_expert_gate.weight"):
+            t = t.reshape(-1)  # [1, H] in the model, [H] in llama.cpp's files
         if name.endswith("mlp.experts.gate_up_proj"):
             L = name.split(".")[2]
             i = t.shape[1] // 2
@@ -92,8 +104,8 @@ def write_gguf(model, path, experts: Q, others: Q = Q.F32, arch: str = "qwen3moe
         elif name.endswith("mlp.experts.down_proj"):
             L = name.split(".")[2]
             held[name] = add(f"blk.{L}.ffn_down_exps.weight", t, experts)
-        elif gguf_name(name) != drop:
-            held[name] = add(gguf_name(name), t, others)
+        elif to_gguf(name) != drop:
+            held[name] = add(to_gguf(name), t, others).reshape(model.state_dict()[name].shape)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -267,3 +279,38 @@ def test_packing_experts_far_larger_than_the_file_is_warned(gguf_model, recwarn)
     recwarn.clear()
     tandem.load_model(path, cfg("int4"), progress=False)
     assert not [w for w in recwarn if "cpu.format" in str(w.message)]
+
+
+def test_a_qwen2_moe_gguf_with_shared_experts_and_biases(tmp_path, seed):
+    """qwen2moe: attention biases, a shared expert and its sigmoid gate ([H] in the file, [1, H]
+    in the model), its width read from expert_shared_feed_forward_length."""
+    import copy
+
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfgm = Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                          shared_expert_intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, initializer_range=0.08,
+                          max_position_embeddings=512)
+    torch.manual_seed(seed)
+    src = Qwen2MoeForCausalLM(cfgm).eval()
+    with torch.no_grad():
+        for n, p in src.named_parameters():
+            if n.endswith(".bias"):
+                p.normal_(0, 0.05)
+    path = tmp_path / "qwen2moe.gguf"
+    held = write_gguf(src, path, Q.Q4_0, Q.Q8_0, arch="qwen2moe")
+    ref = copy.deepcopy(src)
+    ref.load_state_dict(held, strict=True)
+    ours = tandem.load_model(path, cfg("int4"), dtype=torch.float32, progress=False)
+    assert ours.config.shared_expert_intermediate_size == 96 and ours.config.moe_intermediate_size == 64
+    ids = torch.randint(0, VOCAB, (8, 8), generator=torch.Generator().manual_seed(seed))
+    ra, rb = record_routing(ref), record_routing(ours)
+    with torch.no_grad():
+        want, got = ref(input_ids=ids).logits, ours(input_ids=ids).logits
+    clean = clean_tokens(ra, rb, *ids.shape)
+    assert clean.float().mean() >= 0.25
+    err = max_rel(got, want, clean)
+    print(f"qwen2moe Q4_0 as int4: clean {clean.sum().item()}/{clean.numel()}, max rel err {err:.2e}")
+    assert err <= 6e-2
+    assert torch.equal(ours.model.layers[1].mlp.shared_expert_gate.weight, ref.model.layers[1].mlp.shared_expert_gate.weight)
