@@ -182,9 +182,9 @@ def run(args: argparse.Namespace) -> int:
     check_device(args.device, sel, train=False)
     model_dir = sel.model or str(demo.ensure_demo_model(progress=not args.no_progress))
     print(describe(sel, model_dir), flush=True)
+    tok = load_tokenizer(model_dir)  # first: a model without a usable tokenizer fails before the load
     model = tandem.load_model(model_dir, sel.config, device=args.device, store=args.store, progress=not args.no_progress,
                               adapter=args.adapter)
-    tok = load_tokenizer(model_dir)
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample)
     if args.sample:
         gen.update(temperature=args.temperature, top_p=args.top_p)

@@ -130,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
     check_device(args.device, sel, train=False)
     model_dir = sel.model or str(demo.ensure_demo_model(progress=not args.no_progress))
     print(describe(sel, model_dir), flush=True)
+    tok = load_tokenizer(model_dir)  # first: a model without a usable tokenizer fails before the load
     t0 = time.perf_counter()
     was_tracing = tandem.trace.enabled()  # TANDEM_TRACE=path records everything
     model = tandem.load_model(model_dir, sel.config, device=args.device, store=args.store, progress=not args.no_progress,
@@ -138,7 +139,6 @@ def run(args: argparse.Namespace) -> int:
     tandem.trace.enable(was_tracing)
     load_s = time.perf_counter() - t0
     engine = model.tandem_engine
-    tok = load_tokenizer(model_dir)
     enc = tok(args.prompt, return_tensors="pt").to(model.device)
     if enc["input_ids"].shape[1] == 0:
         raise InputError(f"--prompt {args.prompt!r} is no tokens for this tokenizer")

@@ -961,9 +961,9 @@ def run(args: argparse.Namespace) -> int:
         model_ctx = model_context(load_config(model_dir))
         if model_ctx and args.batch_context > model_ctx:
             raise InputError(f"--batch-context {args.batch_context}: above the model's context of {model_ctx} tokens")
+    tok = load_tokenizer(model_dir)  # first: a model without a usable tokenizer fails before the load
     model = tandem.load_model(model_dir, sel.config, device=args.device, store=args.store, progress=not args.no_progress,
                               adapter=args.adapter)
-    tok = load_tokenizer(model_dir)
     model_id = args.served_model_name or os.path.basename(os.path.normpath(model_dir))
     if args.chat_template is None and not tok.chat_template:
         print("note: this tokenizer has no chat template; chat turns are rendered as 'role: content' lines "

@@ -314,3 +314,21 @@ def test_a_qwen2_moe_gguf_with_shared_experts_and_biases(tmp_path, seed):
     print(f"qwen2moe Q4_0 as int4: clean {clean.sum().item()}/{clean.numel()}, max rel err {err:.2e}")
     assert err <= 6e-2
     assert torch.equal(ours.model.layers[1].mlp.shared_expert_gate.weight, ref.model.layers[1].mlp.shared_expert_gate.weight)
+
+
+def test_the_cli_takes_a_gguf_file(gguf_model, tmp_path, capsys):
+    """tandem convert writes the store beside the file; tandem run refuses a file without a
+    tokenizer before loading the model, naming the file."""
+    import shutil
+
+    from tandem import cli
+
+    src, _ = gguf_model(Q.Q4_0)
+    path = tmp_path / "m.gguf"
+    shutil.copy(src, path)
+    assert cli.main(["convert", "--no-progress", "--model", str(path), "--format", "int4", "--group-size", "32"]) == 0
+    assert (tmp_path / "m.tandem-int4-g32" / "manifest.json").is_file()
+    capsys.readouterr()
+    assert cli.main(["run", "--no-progress", "--model", str(path), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert f"tandem: error: {path}: transformers cannot build a tokenizer from the GGUF file's vocabulary" in err, err
