@@ -35,25 +35,46 @@ QWEN3_30B = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4
                  max_position_embeddings=4096, norm_topk_prob=True, tie_word_embeddings=False)
 
 
+# DeepSeek-V2-Lite's shapes: MLA attention (kv_lora_rank 512), a dense first layer, 64 routed
+# experts (top 6, softmax, no renormalization) and 2 shared experts. Its queries are compressed
+# as DeepSeek-V2's are (q_lora_rank 1536; the Lite model has none): llama.cpp's quantizer
+# (llama-cpp-python 0.3.36) refuses a deepseek2 GGUF without deepseek2.attention.q_lora_rank.
+DEEPSEEK_V2_LITE = dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=1536,
+                        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                        n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, moe_intermediate_size=1408,
+                        intermediate_size=10944, first_k_dense_replace=1, topk_method="greedy", norm_topk_prob=False,
+                        routed_scaling_factor=1.0, vocab_size=102400, max_position_embeddings=4096,
+                        tie_word_embeddings=False)
+SHAPES = ("qwen3-30b-a3b", "deepseek-v2-lite")
+
+
 def model_dir(name: str, layers: int, vocab: int | None = None) -> Path:
-    """The demo checkpoint, or a random Qwen3-30B-A3B-shaped one with `layers` layers (and a
-    smaller vocabulary when `vocab` is given), built once into tandem's cache."""
+    """The demo checkpoint, or a random Qwen3-30B-A3B- or DeepSeek-V2-Lite-shaped one (`name`)
+    with `layers` layers (and a smaller vocabulary when `vocab` is given), built once into
+    tandem's cache."""
     import torch
 
     from tandem import demo
 
     if name == "demo":
         return demo.ensure_demo_model()
-    out = demo.cache_dir() / (f"bench-qwen3-30b-a3b-{layers}l" + (f"-v{vocab}" if vocab else ""))
+    if name not in SHAPES:
+        raise ValueError(f"model {name!r}: one of demo, {', '.join(SHAPES)}")
+    out = demo.cache_dir() / (f"bench-{name}-{layers}l" + (f"-v{vocab}" if vocab else ""))
     if (out / "model.safetensors.index.json").is_file() or (out / "model.safetensors").is_file():
         return out
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     print(f"building a random {name} checkpoint with {layers} layers in {out} (once)", flush=True)
     torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(num_hidden_layers=layers, **dict(QWEN3_30B, **({"vocab_size": vocab} if vocab else {})))
+    if name == "deepseek-v2-lite":
+        cls, cfg = DeepseekV2ForCausalLM, DeepseekV2Config(
+            num_hidden_layers=layers, **dict(DEEPSEEK_V2_LITE, **({"vocab_size": vocab} if vocab else {})))
+    else:
+        cls, cfg = Qwen3MoeForCausalLM, Qwen3MoeConfig(
+            num_hidden_layers=layers, **dict(QWEN3_30B, **({"vocab_size": vocab} if vocab else {})))
     with torch.device("cpu"):
-        m = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
+        m = cls(cfg).to(torch.bfloat16)
     tmp = out.with_name(out.name + ".tmp")
     m.save_pretrained(tmp)
     tmp.rename(out)
@@ -103,7 +124,8 @@ def run_variant(args) -> dict:
     n_moe = sum(1 for layer in model.model.layers if hasattr(layer.mlp, "experts"))
     expert_bytes = 3 * c.hidden_size * c.moe_intermediate_size * 2  # transformers: bf16
     if args.variant.startswith("tandem"):  # the packed format's bytes (scales included)
-        expert_bytes = model.tandem_engine.cpu_bytes / (model.tandem_engine.moe_layers * c.num_experts)
+        experts = getattr(c, "num_experts", None) or c.n_routed_experts
+        expert_bytes = model.tandem_engine.cpu_bytes / (model.tandem_engine.moe_layers * experts)
     non_expert = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".mlp.experts." not in n)
     non_expert += sum(m.packed_bytes for m in model.modules() if hasattr(m, "packed_bytes"))  # tandem.dense layers
     # Decode reads every non-expert weight except the embedding table (one row) per token,

@@ -188,7 +188,9 @@ def main() -> int:
                    help="directory llama-cpp-python was installed into (pip install --target); or LLAMA_CPP_PATH")
     p.add_argument("--llama-src", default=os.environ.get("LLAMA_CPP_SRC"),
                    help="llama.cpp source directory with convert_hf_to_gguf.py and gguf-py; or LLAMA_CPP_SRC")
-    p.add_argument("--layers", type=int, default=4, help="layers of the Qwen3-30B-A3B-shaped checkpoint (default 4)")
+    p.add_argument("--model", default="qwen3-30b-a3b", choices=("qwen3-30b-a3b", "deepseek-v2-lite"),
+                   help="whose shapes the random checkpoint has (default qwen3-30b-a3b)")
+    p.add_argument("--layers", type=int, default=4, help="layers of the random checkpoint (default 4)")
     p.add_argument("--vocab", type=int, default=32768, help="its vocabulary (default 32768)")
     p.add_argument("--pairs", default="bf16/auto:bf16,int8/int8:q8_0,int4/int4:q4_0",
                    help="tandem-format/dense-format:gguf-type, comma-separated")
@@ -222,7 +224,7 @@ def main() -> int:
     import bench_hf
     from transformers import AutoConfig
 
-    ckpt = bench_hf.model_dir("qwen3-30b-a3b", args.layers, args.vocab)
+    ckpt = bench_hf.model_dir(args.model, args.layers, args.vocab)
     cfg = AutoConfig.from_pretrained(ckpt)
     ceil = bench_hf.ceilings()
     bw = ceil.get("read_gbs")
@@ -239,7 +241,8 @@ def main() -> int:
         if r.returncode:
             sys.exit(f"bench_llama: llama.cpp {gtype} failed:\n{r.stderr[-3000:]}")
         lc = json.loads(r.stdout.strip().splitlines()[-1])
-        lc["decode_bytes"] = gguf_decode_bytes(args, gguf_path, cfg.num_experts_per_tok, cfg.num_experts)
+        experts = getattr(cfg, "num_experts", None) or cfg.n_routed_experts
+        lc["decode_bytes"] = gguf_decode_bytes(args, gguf_path, cfg.num_experts_per_tok, experts)
         td["variant"] = f"tandem {fmt}, dense {dense}"
         rows.append((td, lc))
         print(f"  {td['variant']}: decode {td['decode_tps']:.2f} tok/s; {lc['variant']}: {lc['decode_tps']:.2f}",

@@ -261,6 +261,8 @@ PYBIND11_MODULE(_C, m) {
         const TensorInfo& t = c.info(n);
         return py::make_tuple(std::string(dtype_name(t.dtype)), t.shape, c.file_of(n).path().string());
       }, "(dtype name, shape, file) of a tensor")
+      .def("nbytes", [](const Checkpoint& c, const std::string& n) { return c.info(n).nbytes(); },
+           "Bytes a tensor holds in its file")
       .def("read_bytes", [](const Checkpoint& c, const std::string& n) {
         TensorView v = c.tensor(n);
         return py::bytes(reinterpret_cast<const char*>(v.data), v.nbytes);

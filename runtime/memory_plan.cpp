@@ -133,6 +133,11 @@ const std::vector<ConfigSizeBound>& config_size_bounds() {
 
 ModelInfo read_model_info(const fs::path& model_path) {
   ModelInfo m;
+  // A GGUF model's sizes are in its file's metadata, which only the Python side reads (the gguf
+  // package): never plan from a config.json that happens to sit beside it.
+  TANDEM_CHECK(model_path.extension() != ".gguf", Errc::unsupported, model_path.string(),
+               ": a GGUF model; the memory plan reads a checkpoint directory's config.json (load the model, or "
+               "point model.path at the original checkpoint, to see its memory)");
   const fs::path dir = fs::is_directory(model_path) ? model_path : model_path.parent_path();
   m.config_json = dir / "config.json";
   std::ifstream in(m.config_json);

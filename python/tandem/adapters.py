@@ -143,10 +143,10 @@ def repack(te: nn.Module, lora: LoraTensors | None) -> None:
                          "without biases only")
     if te.source is None:
         raise ValueError(f"{where}: merging an adapter into tandem's packs re-reads the base weights from their "
-                         "checkpoint, and this model's experts were offloaded from memory (tandem.offload), which "
-                         "keeps no copy of them. Merge before offloading (PeftModel.merge_and_unload() on the "
-                         "transformers model, then tandem.offload), or load with tandem.load_model(path, config, "
-                         "adapter=DIR)")
+                         "checkpoint, and this model's experts were offloaded from memory (tandem.offload) or "
+                         "loaded from a GGUF file, which keep no safetensors checkpoint to re-read. Merge before "
+                         "offloading (PeftModel.merge_and_unload() on the transformers model, then tandem.offload), "
+                         "or load the safetensors checkpoint with tandem.load_model(path, config, adapter=DIR)")
     ckpt = _C.Checkpoint(te.source.checkpoint)
     tensors = merged_layer_weights(ckpt, te.source.naming, te.layer, (te.num_experts, te.hidden_dim,
                                                                        te.intermediate_dim), lora, where)

@@ -41,6 +41,10 @@ _EXTRA_CONFIG = {
     "qwen2moe": {"expert_feed_forward_length": "moe_intermediate_size",
                  "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
 }
+# What llama.cpp computes for these architectures whatever the metadata says (its graphs:
+# qwen3moe renormalizes the top-k routing weights, qwen2moe does not); set here rather than
+# left to the transformers version's GGUF defaults.
+_FIXED_CONFIG = {"qwen3moe": {"norm_topk_prob": True}, "qwen2moe": {"norm_topk_prob": False}}
 # Types the C++ table knows by name; any other is "GGML" (bytes only).
 _TABLE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
 EXPERT_TYPES = _TABLE_TYPES
@@ -81,7 +85,9 @@ def gguf_files(path: str | Path) -> list[Path]:
     m = _SPLIT.match(p.name)
     if not m:
         return [p]
-    n = int(m["n"])
+    n, i = int(m["n"]), int(m["i"])
+    if not 1 <= i <= n:
+        raise ValueError(f"{p}: a split GGUF file's name says part {i} of {n}")
     files = [p.with_name(f"{m['stem']}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
     missing = [f.name for f in files if not f.is_file()]
     if missing:
@@ -103,6 +109,10 @@ class GGUFModel:
                 self.readers.append(gguf.GGUFReader(str(f)))
             except Exception as e:  # noqa: BLE001 (any failure to parse is about the file: one line naming it)
                 raise ValueError(f"{f}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+        for f, r in zip(self.files, self.readers):
+            if r.byte_order != "I":  # the C++ side reads the experts' bytes as they are: little-endian
+                raise ValueError(f"{f}: a big-endian GGUF file; tandem reads little-endian ones (convert it again "
+                                 "without --bigendian)")
         self.arch = self._field("general.architecture")
         if self.arch not in ARCHITECTURES:
             raise ValueError(f"{self.path}: GGUF architecture {self.arch!r} is not supported (tandem reads "
@@ -148,6 +158,7 @@ class GGUFModel:
             v = self._field(f"{self.arch}.{suffix}", None)
             if v is not None:
                 cfg[key] = int(v)
+        cfg.update(_FIXED_CONFIG[self.arch])
         # transformers looks for output.weight in the first file only; a split model may hold
         # it in another (then tying lm_head to the embeddings would drop it).
         cfg["tie_word_embeddings"] = "output.weight" not in self.tensors
@@ -242,8 +253,10 @@ def load_config(model: str | Path) -> Any:
 
 
 # The cpu.format that holds a GGUF expert type's values at about its size.
-_KEEPS = {"Q4_0": "int4 (group_size 32)", "Q4_1": "int4 (group_size 32, zero_point) or int8", "Q8_0": "int8",
-          "F16": "bf16", "BF16": "bf16", "F32": "bf16"}
+_KEEPS = {"Q4_0": "int4 with group_size 32 keeps their values exactly",
+          "Q4_1": "int4 with group_size 32 and zero_point holds them at their size (quantized again)",
+          "Q8_0": "int8 holds them at their size (quantized again, one scale per row)",
+          "F16": "bf16 holds them at their size", "BF16": "bf16 keeps them", "F32": "bf16 holds them at half their size"}
 _BITS = {"Q4_0": 4.5, "Q4_1": 5.0, "Q8_0": 8.5, "F16": 16, "BF16": 16, "F32": 32}
 _FORMAT_BITS = {"bf16": 16, "int8": 8, "mxfp4": 4.25}
 
@@ -260,6 +273,7 @@ def expert_size_note(g: GGUFModel, cpu: dict) -> str | None:
     if bits <= 1.5 * src:
         return None
     kind = sorted(types, key=lambda t: _BITS.get(t, 16))[-1]
+    if kind == "Q4_1" and fmt == "int8":
+        return None  # the accurate choice for Q4_1 (int4's integer zero points cannot hold its offsets)
     return (f"{g.path}: its experts are {kind} ({src:g} bits a weight) and cpu.format {fmt} packs them at {bits:g} "
-            f"bits ({bits / src:.1f}x the memory); cpu.format {_KEEPS.get(kind, 'int8')} keeps their values at "
-            "about their size")
+            f"bits ({bits / src:.1f}x the memory); cpu.format {_KEEPS.get(kind, 'int8 holds them at their size')}")

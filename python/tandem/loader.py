@@ -322,7 +322,8 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
             b.block.experts = TandemLoraExperts(layer, b.layer, True, dtype, device, interleaved=naming is None)
             watch_block(b.block, b.block.experts)
     else:
-        source = ExpertsSource(str(path), tuple(naming)) if naming else None
+        # (what merging an adapter re-reads: a safetensors checkpoint; GGUF models refuse adapters)
+        source = ExpertsSource(str(path), tuple(naming)) if naming and me.gguf is None else None
         for i, b in enumerate(blocks):
             b.block.experts = TandemExperts(engine, i, b.layer, "silu", fused=True, dtype=dtype,
                                             device=device, source=source, math=me.math, interleaved=naming is None)

@@ -96,15 +96,8 @@ def convert(model: str | os.PathLike, config: ConfigLike = None, *, format: str 
     return report
 
 
-_ELEMENT_BYTES = {"F32": 4, "I32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1}
-
-
 def _tensor_bytes(ckpt: _C.Checkpoint, name: str) -> int:
-    dtype, shape, _ = ckpt.info(name)
-    n = _ELEMENT_BYTES.get(dtype, 1)
-    for d in shape:
-        n *= d
-    return n
+    return ckpt.nbytes(name)
 
 
 def _check_space(out: Path, need: int) -> None:

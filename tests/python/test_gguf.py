@@ -161,6 +161,7 @@ def test_a_gguf_model_computes_the_values_its_file_holds(gguf_model, experts, fm
     path, ref = gguf_model(experts, Q.Q8_0)
     ours = tandem.load_model(path, cfg(fmt), dtype=torch.float32, progress=False)
     assert ours.config.moe_intermediate_size == ref.config.moe_intermediate_size  # (transformers' mapping misses it)
+    assert ours.config.norm_topk_prob is True
     ids = torch.randint(0, VOCAB, (8, 8), generator=torch.Generator().manual_seed(seed))
     ra, rb = record_routing(ref), record_routing(ours)
     with torch.no_grad():
@@ -266,6 +267,22 @@ def test_what_cannot_be_read_is_refused(source, gguf_model, tmp_path):
     with pytest.raises(ValueError, match=r"gone\.gguf: model layer 2 is a MoE layer, but the GGUF model has no "
                                          r"'blk\.2\.ffn_gate_exps\.weight'"):
         tandem.load_model(gone, cfg("int4"), progress=False)
+    # A big-endian file (the C++ side reads the experts' bytes as they are) and a split name that
+    # cannot be.
+    big = tmp_path / "big.gguf"
+    w = gguf.GGUFWriter(str(big), "qwen3moe", endianess=gguf.GGUFEndian.BIG)
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"big\.gguf: a big-endian GGUF file"):
+        tandem.load_model(big, cfg("int4"), progress=False)
+    odd = tmp_path / "m-00003-of-00002.gguf"
+    odd.write_bytes(good.read_bytes())
+    with pytest.raises(ValueError, match=r"m-00003-of-00002\.gguf: a split GGUF file's name says part 3 of 2"):
+        tandem.load_model(odd, cfg("int4"), progress=False)
     # Training and adapters need the safetensors checkpoint.
     with pytest.raises(ValueError, match=r"a GGUF model loads for inference only"):
         tandem.load_model(good, cfg("int4"), train=True, progress=False)
@@ -274,7 +291,7 @@ def test_what_cannot_be_read_is_refused(source, gguf_model, tmp_path):
 def test_packing_experts_far_larger_than_the_file_is_warned(gguf_model, recwarn):
     path, _ = gguf_model(Q.Q4_0)
     with pytest.warns(UserWarning, match=r"its experts are Q4_0 \(4\.5 bits a weight\) and cpu\.format bf16 packs them "
-                                         r"at 16 bits \(3\.6x the memory\); cpu\.format int4 \(group_size 32\) keeps"):
+                                         r"at 16 bits \(3\.6x the memory\); cpu\.format int4 with group_size 32 keeps their values exactly"):
         tandem.load_model(path, cfg("bf16"), progress=False)
     recwarn.clear()
     tandem.load_model(path, cfg("int4"), progress=False)
@@ -304,6 +321,7 @@ def test_a_qwen2_moe_gguf_with_shared_experts_and_biases(tmp_path, seed):
     ref.load_state_dict(held, strict=True)
     ours = tandem.load_model(path, cfg("int4"), dtype=torch.float32, progress=False)
     assert ours.config.shared_expert_intermediate_size == 96 and ours.config.moe_intermediate_size == 64
+    assert ours.config.norm_topk_prob is False  # llama.cpp's qwen2moe graph (and qwen3moe's True, below)
     ids = torch.randint(0, VOCAB, (8, 8), generator=torch.Generator().manual_seed(seed))
     ra, rb = record_routing(ref), record_routing(ours)
     with torch.no_grad():

@@ -77,7 +77,6 @@ std::string_view source_type_name(SourceType t) noexcept;
 // ggml block types: weights per block (32) and bytes per block (34, 20); 0 for other types.
 inline constexpr int kGgmlBlock = 32;
 int ggml_block_bytes(SourceType t) noexcept;
-std::string_view source_type_name(SourceType t) noexcept;
 
 // A 4-bit weight W [n x k] quantized in groups of `group` along k, as the common formats store
 // it (element (r, c); g = c / group; "nibble i of a word" is bits 4i..4i+3):
