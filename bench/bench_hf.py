@@ -100,7 +100,10 @@ def run_variant(args) -> dict:
     torch.manual_seed(0)
     t0 = time.perf_counter()
     if args.variant.startswith("tandem"):
-        cfg = {"version": 1, "cpu": {"format": args.format, "dense_format": args.variant.split("/")[1]},
+        cpu = {"format": args.format, "dense_format": args.variant.split("/")[1]}
+        if "int4" in (cpu["format"], cpu["dense_format"]):
+            cpu["group_size"] = args.group_size
+        cfg = {"version": 1, "cpu": cpu,
                "gpu": {"device": "auto"}}
         model = tandem.load_model(args.dir, cfg, progress=False)
     else:
@@ -157,6 +160,8 @@ def main() -> int:
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--format", default="bf16")
+    p.add_argument("--group-size", type=int, default=128, help="int4's group (DeepSeek-V2-Lite's dense MLP, k = 10944, "
+                   "needs 64)")
     p.add_argument("--dense", default="torch,auto", help="cpu.dense_format values, one tandem variant each")
     p.add_argument("--variant", help=argparse.SUPPRESS)
     p.add_argument("--dir", help=argparse.SUPPRESS)
@@ -178,7 +183,8 @@ def main() -> int:
         dense = args.dense.split(",")
         for variant in ["transformers"] + [f"tandem/{d}" for d in dense] + [f"tandem-t{cores}/{dense[0]}"]:
             cmd = [sys.executable, __file__, "--variant", variant, "--dir", str(d), "--prompt", str(args.prompt),
-                   "--new", str(args.new), "--repeat", str(args.repeat), "--format", args.format]
+                   "--new", str(args.new), "--repeat", str(args.repeat), "--format", args.format,
+                   "--group-size", str(args.group_size)]
             env = dict(os.environ)
             if not variant.startswith("tandem/"):  # tandem-tN: torch keeps N threads next to the pool
                 env["TANDEM_TORCH_THREADS"] = str(cores)

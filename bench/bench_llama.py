@@ -175,7 +175,8 @@ def llama_variant(args) -> dict:
 
 def tandem_variant(args, ckpt: Path, fmt: str, dense: str) -> dict:
     cmd = [sys.executable, str(ROOT / "bench" / "bench_hf.py"), "--variant", f"tandem/{dense}", "--dir", str(ckpt),
-           "--prompt", str(args.prompt), "--new", str(args.new), "--repeat", str(args.repeat), "--format", fmt]
+           "--prompt", str(args.prompt), "--new", str(args.new), "--repeat", str(args.repeat), "--format", fmt,
+           "--group-size", str(args.group_size)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode:
         sys.exit(f"bench_llama: tandem {fmt}/{dense} failed:\n{r.stderr[-3000:]}")
@@ -194,6 +195,8 @@ def main() -> int:
     p.add_argument("--vocab", type=int, default=32768, help="its vocabulary (default 32768)")
     p.add_argument("--pairs", default="bf16/auto:bf16,int8/int8:q8_0,int4/int4:q4_0",
                    help="tandem-format/dense-format:gguf-type, comma-separated")
+    p.add_argument("--group-size", type=int, default=128, help="tandem's int4 group (64 for deepseek-v2-lite: its "
+                   "dense MLP's k = 10944)")
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--repeat", type=int, default=3)
