@@ -29,6 +29,17 @@ script that calls ``model.generate`` itself can do the same:
         model.generate(...)
 
 torch's backend flags are process-wide while the context is open (not per thread).
+
+**MLA decode without re-expanding the cache.** transformers' DeepSeek-V2 / V3 attention (and
+the models built on it) caches the compressed latents and, at every step, expands the whole
+cache through ``kv_b_proj`` into per-head keys and values (``expand_kv``): a decode step's cost
+grows with the context (at 160 cached tokens on DeepSeek-V2-Lite's shapes most of a token's
+time). ``use_mla_absorption`` (with the pool attention above) computes a one-token step from the
+latents instead, the weight-absorbed form llama.cpp and vLLM run: q_lat = q_nope W_UK per head,
+scores = q_lat . latent + q_rope . k_rope, out = (softmax . latent) W_UV^T, where W_UK / W_UV
+are ``kv_b_proj``'s key and value rows (kept a torch bf16 layer for this, whatever
+``cpu.dense_format``). The same math as the expansion, rounded differently (scores and the
+softmax in fp32). Prefill, other masks and gradients expand as transformers does.
 """
 from __future__ import annotations
 
@@ -58,6 +69,12 @@ def pool_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Te
     """transformers' attention-function contract (query [B, Hq, Lq, D], key / value
     [B, Hkv, L, D] / [B, Hkv, L, Dv] -> ([B, Lq, Hq, Dv], None)): one-token CPU decode
     on the engine's pool, everything else through SDPA (see the module docstring)."""
+    latent = module.__dict__.pop("tandem_latent", None)
+    if latent is not None:  # MLA, one token: the latents stand in for key / value (use_mla_absorption)
+        out = _mla_decode(module, query, latent, attention_mask, dropout, scaling, kwargs)
+        if out is not None:
+            return out, None
+        key, value = module.__dict__["tandem_expand_kv"](*latent)
     engine = module.__dict__.get("tandem_attention_engine")
     B, Hq, Lq, D = query.shape
     if (engine is None or Lq != 1 or query.device.type != "cpu" or dropout
@@ -88,6 +105,78 @@ def pool_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Te
                             0 if mask is None or mask.shape[0] == 1 else mask.stride(0),
                             out.data_ptr(), Hq * Dv, Dv)
     return out, None
+
+
+def is_mla(mod: nn.Module) -> bool:
+    """A transformers MLA attention module whose cache holds the latents (DeepSeek-V2 / V3's)."""
+    return (isinstance(getattr(mod, "kv_b_proj", None), nn.Linear) and callable(getattr(mod, "expand_kv", None))
+            and all(isinstance(getattr(mod, a, None), int)
+                    for a in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")))
+
+
+def _mla_decode(module: nn.Module, query: torch.Tensor, latent: tuple[torch.Tensor, torch.Tensor],
+                attention_mask: torch.Tensor | None, dropout: float, scaling: float | None,
+                kwargs: dict) -> torch.Tensor | None:
+    """One-token MLA attention from the cached latents (the module docstring's absorbed form):
+    [B, 1, H, v_head_dim] bf16, or None for a call it does not take (expanded instead)."""
+    kv, k_rope = latent  # [B, 1, S, r], [B, 1, S, rope]
+    B, H, Lq, _ = query.shape
+    nope, rope, v_dim, r = module.qk_nope_head_dim, module.qk_rope_head_dim, module.v_head_dim, module.kv_lora_rank
+    S = kv.shape[2]
+    if (Lq != 1 or dropout or query.shape[3] != nope + rope or kv.shape[3] != r or k_rope.shape[3] != rope
+            or any(v is not None and v is not False and k not in _HARMLESS for k, v in kwargs.items())):
+        return None
+    mask = None
+    if attention_mask is not None:
+        m = attention_mask
+        if m.dim() != 4 or m.shape[-1] != S or m.shape[1] != 1 or m.shape[2] != 1 or m.shape[0] not in (1, B):
+            return None
+        mask = m if m.dtype == torch.bool else None
+        if mask is None and not m.is_floating_point():
+            return None
+    w = module.kv_b_proj.weight.view(H, nope + v_dim, r)
+    if w.dtype != query.dtype:
+        return None
+    q_nope, q_rope = query[..., :nope], query[..., nope:]
+    q_lat = torch.matmul(q_nope, w[:, :nope, :]).float()                       # [B, H, 1, r]
+    scores = torch.matmul(q_lat, kv.float().transpose(-1, -2))                 # [B, H, 1, S]
+    scores += torch.matmul(q_rope.float(), k_rope.float().transpose(-1, -2))
+    scores *= float(scaling) if scaling is not None else (nope + rope) ** -0.5
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    elif attention_mask is not None:
+        scores += attention_mask.float()
+    probs = torch.softmax(scores, dim=-1)
+    o_lat = torch.matmul(probs, kv.float()).to(query.dtype)                    # [B, H, 1, r]
+    out = torch.matmul(o_lat, w[:, nope:, :].transpose(-1, -2))               # [B, H, 1, v]
+    return out.transpose(1, 2).contiguous()
+
+
+def use_mla_absorption(model: nn.Module) -> int:
+    """Makes `model`'s MLA attention modules (``is_mla``) decode from their latents (the
+    module docstring) while the model uses the pool attention; returns how many."""
+    n = 0
+    for mod in model.modules():
+        if not is_mla(mod) or "tandem_expand_kv" in mod.__dict__:
+            continue
+        expand = mod.expand_kv  # the bound method: prefill and every other call
+
+        def deferred(kv, k_rope, mod=mod, expand=expand):
+            if (mod.__dict__.get("tandem_lq") == 1 and kv.device.type == "cpu" and not torch.is_grad_enabled()
+                    and getattr(mod.config, "_attn_implementation", None) == ATTENTION_NAME):
+                mod.__dict__["tandem_latent"] = (kv, k_rope)
+                return kv, k_rope  # placeholders: pool_attention_forward reads the latents
+            return expand(kv, k_rope)
+
+        def seq_length(m, args, kwargs):
+            h = kwargs.get("hidden_states", args[0] if args else None)
+            m.__dict__["tandem_lq"] = h.shape[1] if isinstance(h, torch.Tensor) and h.dim() == 3 else None
+
+        mod.__dict__["tandem_expand_kv"] = expand
+        mod.expand_kv = deferred
+        mod.register_forward_pre_hook(seq_length, with_kwargs=True)
+        n += 1
+    return n
 
 
 def _register() -> None:

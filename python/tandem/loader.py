@@ -30,7 +30,7 @@ from .adapters import merge_for_inference, peft_for_training, read_adapter_confi
 from .checkpoint_reader import TensorReader
 from .config import ConfigLike, config_json
 from .checkpoint_names import CheckpointNames
-from .attention import use_pool_attention
+from .attention import is_mla, use_mla_absorption, use_pool_attention
 from .dense import replace_dense, replace_norms
 from .discovery import PLAIN, ExpertMath, expert_shape, find_moe_blocks, oai_math
 from .engine import make_engine, make_lora_layers, share_cpu_with_torch
@@ -423,12 +423,17 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
         # The other linear layers on tandem's kernels (cpu.dense_format); the routers and
         # shared-expert gates (direct children of a MoE block) stay in torch.
         keep = {id(m) for b in blocks for m in b.block.children() if isinstance(m, nn.Linear)}
+        # MLA's kv_b_proj stays a torch bf16 layer: one-token steps use its rows directly
+        # (tandem.attention.use_mla_absorption), prefill expands the latents with it.
+        mla = [m for m in model.modules() if is_mla(m)] if cfg_json["cpu"].get("dense_format", "auto") != "torch" else []
+        keep |= {id(m.kv_b_proj) for m in mla}
         model.tandem_dense = replace_dense(model, engine, cfg_json["cpu"], keep)
         # Their RMSNorms too, where the fused kernel computes what they do (checked per kind).
         if cfg_json["cpu"].get("dense_format", "auto") != "torch":
             model.tandem_norms = replace_norms(model)
             # One-token attention (generation) on the pool too: tandem.attention.
             model.tandem_attention = use_pool_attention(model, engine)
+            model.tandem_mla = use_mla_absorption(model) if model.tandem_attention else 0
     share_cpu_with_torch(engine, device)
     apply_config(cfg_json)  # trace.enabled: record from now on, write trace.path at exit
     model.tandem_engine = engine

@@ -147,3 +147,70 @@ def test_left_alone_with_dense_torch_or_eager(ckpt):
 
     eager = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager")
     assert ta.use_pool_attention(eager, None) == 0 and eager.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("dense", ["auto", "int8"])
+def test_mla_decodes_from_the_latents_and_matches_the_expansion(ckpt, monkeypatch, dense):
+    """DeepSeek-V3's MLA: each decode step's attention runs from the cached latents (kv_b_proj's
+    rows absorbed; no expansion of the cache; kv_b_proj kept a torch layer whatever the dense
+    format). With bf16 dense layers the logits are within the bound of the test above of the
+    same model expanding the cache through SDPA, while both generated alike. (int8 dense layers
+    quantize every layer's input again, which magnifies any one-rounding difference between two
+    attention paths, the pool attention on expanded keys as much as this one: the attention
+    itself is checked against fp64 in the next test.)"""
+    path = ckpt("deepseek_v3", "bf16")
+    model = tandem.load_model(path, {"version": 1, "cpu": {"dense_format": dense}, "gpu": {"device": "none"}},
+                              progress=False)
+    assert model.tandem_mla == model.config.num_hidden_layers
+    assert type(model.model.layers[0].self_attn.kv_b_proj) is torch.nn.Linear
+    absorbed, expanded = [], []
+    real_mla, real_sdpa = ta._mla_decode, ta._sdpa
+    monkeypatch.setattr(ta, "_mla_decode", lambda *a: absorbed.append(1) or real_mla(*a))
+    monkeypatch.setattr(ta, "_sdpa", lambda *a, **k: expanded.append(a[1].shape[2]) or real_sdpa(*a, **k))
+    prompt = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(5))
+    gen = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.inference_mode():
+        a = model.generate(prompt, **gen)
+        layers = model.config.num_hidden_layers
+        assert expanded == [10] * layers and len(absorbed) == 5 * layers  # the prompt expanded, 5 steps absorbed
+        if dense != "auto":
+            return
+        model.set_attn_implementation("sdpa")
+        b = model.generate(prompt, **gen)
+    n = prompt.shape[1]
+    for row in range(2):
+        for s in range(6):
+            want, got = b.logits[s][row].float(), a.logits[s][row].float()
+            assert ((got - want).norm() / want.norm()).item() < 2e-2, f"row {row}, step {s}"
+            if a.sequences[row, n + s] != b.sequences[row, n + s]:
+                break
+
+
+def test_mla_absorbed_attention_matches_fp64(ckpt, seed):
+    """One MLA decode step from random latents, against the expansion in fp64. The absorbed
+    form rounds three products to bf16 (q W_UK, the softmax-weighted latent, the output), each a
+    relative error of at most 2^-9 per element: a relative L2 error under 3 x 2^-9 plus the fp32
+    sums' (negligible); transformers' expansion rounds as many times (its keys, values, output)."""
+    path = ckpt("deepseek_v3", "bf16")
+    model = tandem.load_model(path, {"version": 1, "gpu": {"device": "none"}}, progress=False)
+    mod = model.model.layers[1].self_attn
+    nope, rope, v, r, H = mod.qk_nope_head_dim, mod.qk_rope_head_dim, mod.v_head_dim, mod.kv_lora_rank, \
+        mod.config.num_attention_heads
+    g = torch.Generator().manual_seed(seed)
+    B, S = 3, 37
+    q = torch.randn(B, H, 1, nope + rope, generator=g).bfloat16()
+    kv = torch.randn(B, 1, S, r, generator=g).bfloat16()
+    k_rope = torch.randn(B, 1, S, rope, generator=g).bfloat16()
+    mask = torch.rand(B, 1, 1, S, generator=g) > 0.2
+    mask[..., 0] = True
+    got = ta._mla_decode(mod, q, (kv, k_rope), mask, 0.0, mod.scaling, {}).double()   # [B, 1, H, v]
+    w = mod.kv_b_proj.weight.double().view(H, nope + v, r)
+    k = torch.einsum("bsr,hnr->bhsn", kv[:, 0].double(), w[:, :nope])
+    val = torch.einsum("bsr,hvr->bhsv", kv[:, 0].double(), w[:, nope:])
+    scores = (torch.einsum("bhn,bhsn->bhs", q[:, :, 0, :nope].double(), k)
+              + torch.einsum("bhe,bse->bhs", q[:, :, 0, nope:].double(), k_rope[:, 0].double())) * mod.scaling
+    scores = scores.masked_fill(~mask[:, 0], float("-inf"))
+    want = torch.einsum("bhs,bhsv->bhv", torch.softmax(scores, -1), val)[:, None]
+    err = ((got - want).norm() / want.norm()).item()
+    print(f"absorbed MLA vs fp64: relative L2 {err:.2e}")
+    assert err < 3 * 2.0 ** -9
