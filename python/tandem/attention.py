@@ -57,6 +57,11 @@ _HARMLESS = frozenset({"sliding_window", "position_ids", "cache_position", "use_
                        "layer_idx", "is_causal"})
 
 
+def _unknown_kwargs(kwargs: dict) -> bool:
+    """Whether a call passes a keyword (set) that may change a one-token decode's math."""
+    return any(v is not None and v is not False and k not in _HARMLESS for k, v in kwargs.items())
+
+
 def _sdpa(module, query, key, value, attention_mask, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -80,7 +85,7 @@ def pool_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Te
     if (engine is None or Lq != 1 or query.device.type != "cpu" or dropout
             or query.dtype != torch.bfloat16 or key.dtype != torch.bfloat16 or value.dtype != torch.bfloat16
             or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))
-            or any(v is not None and v is not False and k not in _HARMLESS for k, v in kwargs.items())):
+            or _unknown_kwargs(kwargs)):
         return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     Hkv, L = key.shape[1], key.shape[2]
     Dv = value.shape[3]
@@ -124,7 +129,7 @@ def _mla_decode(module: nn.Module, query: torch.Tensor, latent: tuple[torch.Tens
     nope, rope, v_dim, r = module.qk_nope_head_dim, module.qk_rope_head_dim, module.v_head_dim, module.kv_lora_rank
     S = kv.shape[2]
     if (Lq != 1 or dropout or query.shape[3] != nope + rope or kv.shape[3] != r or k_rope.shape[3] != rope
-            or any(v is not None and v is not False and k not in _HARMLESS for k, v in kwargs.items())):
+            or _unknown_kwargs(kwargs)):
         return None
     mask = None
     if attention_mask is not None:

@@ -141,9 +141,6 @@ class GGUFModel:
         v = f.contents()
         return v
 
-    def type_name(self, gguf_name: str) -> str:
-        return self.tensors[gguf_name].tensor_type.name
-
     def config(self) -> Any:
         """The transformers config of the model: transformers' own reading of the metadata, plus
         the sizes its mapping misses for this architecture (the experts' width)."""
@@ -210,7 +207,7 @@ class GGUFModel:
         return torch.from_numpy(w.copy()).reshape(shape)
 
 
-def check_expert_types(g: GGUFModel, path: str) -> None:
+def check_expert_types(g: GGUFModel) -> None:
     """Refuses expert tensors of a type the C++ packers do not read, naming the first."""
     for name, t in g.tensors.items():
         if _EXPERTS.fullmatch(name) and t.tensor_type.name not in EXPERT_TYPES:

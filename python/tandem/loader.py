@@ -89,7 +89,7 @@ def open_model_experts(path: str | os.PathLike, dtype: torch.dtype | None = None
     if is_gguf(path):  # llama.cpp's format: config and names from the file (tandem.gguf_checkpoint)
         g = GGUFModel(path)
         path, where, hf_config = g.path, g.path, g.config()
-        check_expert_types(g, str(path))
+        check_expert_types(g)
         _check_config_sizes(where, hf_config)
     else:
         if not (path / "config.json").is_file():

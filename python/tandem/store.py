@@ -82,7 +82,7 @@ def convert(model: str | os.PathLike, config: ConfigLike = None, *, format: str 
             bar(None)
     report["seconds"] = time.perf_counter() - t0
     report["path"] = str(out)
-    report["source_bytes"] = sum(_tensor_bytes(me.ckpt, t) for t in {  # a set: fused tensors serve every expert
+    report["source_bytes"] = sum(me.ckpt.nbytes(t) for t in {  # a set: fused tensors serve every expert
         t for L in me.layers for e in range(E) for p in me.naming
         for t in _C.expert_tensor_names(me.ckpt, _C.expert_key(p, L, e))})
     if verify:
@@ -94,10 +94,6 @@ def convert(model: str | os.PathLike, config: ConfigLike = None, *, format: str 
             if vbar:
                 vbar(None)
     return report
-
-
-def _tensor_bytes(ckpt: _C.Checkpoint, name: str) -> int:
-    return ckpt.nbytes(name)
 
 
 def _check_space(out: Path, need: int) -> None:
