@@ -242,3 +242,12 @@ def rel_errors(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     g, w = got.double(), want.double()
     assert w.abs().max() > 0
     return ((g - w).norm() / w.norm()).item(), ((g - w).abs().max() / w.abs().max()).item()
+
+
+def max_rel(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = None) -> float:
+    """The largest |a - b| over the positions in `mask` (all when None), relative to max |b|."""
+    d = (a.double() - b.double()).abs().amax(-1)
+    if mask is not None:
+        d = d[mask]
+    return (d.max() / b.double().abs().max()).item()
+

@@ -23,7 +23,7 @@ import json
 
 import pytest
 import torch
-from hf_models import KINDS, VOCAB, build, clean_tokens, record_routing
+from hf_models import KINDS, VOCAB, build, clean_tokens, max_rel, record_routing
 
 import tandem
 
@@ -42,11 +42,6 @@ def tokens(seed: int) -> torch.Tensor:
     # Short rows: a near-tie in a router (int8 activations, bf16 models) spoils the rest of
     # its row for the comparison (hf_models.clean_tokens), so many rows keep enough tokens.
     return torch.randint(0, VOCAB, (8, 8), generator=torch.Generator().manual_seed(seed))
-
-
-def max_rel(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
-    d = (a.double() - b.double()).abs().amax(-1)[mask]
-    return (d.max() / b.double().abs().max()).item()
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import torch
 
 import tandem
 
-from hf_models import VOCAB, build, clean_tokens, record_routing
+from hf_models import VOCAB, build, clean_tokens, max_rel, record_routing
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -144,11 +144,6 @@ def cfg(fmt: str) -> dict:
     if fmt == "int4":
         cpu.update(group_size=32)
     return {"version": 1, "cpu": cpu, "gpu": {"device": "none"}}
-
-
-def max_rel(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
-    d = (a.double() - b.double()).abs().amax(-1)[mask]
-    return (d.max() / b.double().abs().max()).item()
 
 
 # Bounds on the max relative logit error over tokens routed alike, as in test_gptq.py: Q4_0 as

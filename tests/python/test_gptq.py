@@ -21,7 +21,7 @@ import torch
 import tandem
 from tandem.checkpoint_reader import dequantize_awq, dequantize_gptq, dequantize_packed
 
-from hf_models import VOCAB, build, clean_tokens, record_routing
+from hf_models import VOCAB, build, clean_tokens, max_rel, record_routing
 
 QUANTIZED = re.compile(r"\.(self_attn\.[qkvo]_proj|mlp\.experts\.\d+\.(gate|up|down)_proj)\.weight$")
 GROUP = 32
@@ -134,11 +134,6 @@ def cfg(fmt: str, zero_point: bool = False) -> dict:
     if fmt == "int4":
         cpu.update(group_size=GROUP, zero_point=zero_point)
     return {"version": 1, "cpu": cpu, "gpu": {"device": "none"}}
-
-
-def max_rel(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
-    d = (a.double() - b.double()).abs().amax(-1)[mask]
-    return (d.max() / b.double().abs().max()).item()
 
 
 def test_the_readers_match_the_writers(seed):

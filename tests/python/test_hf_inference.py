@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 from torch import nn
-from hf_models import (KINDS, VOCAB, DeferralReference, V4Block, build, clean_tokens, expert_fp64, moe_experts,
+from hf_models import (KINDS, VOCAB, max_rel, DeferralReference, V4Block, build, clean_tokens, expert_fp64, moe_experts,
                        record_routing)
 
 import tandem
@@ -62,13 +62,6 @@ def models(tmp_path_factory):
         return path, AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
 
     return get
-
-
-def max_rel(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = None) -> float:
-    d = (a.double() - b.double()).abs().amax(-1)
-    if mask is not None:
-        d = d[mask]
-    return (d.max() / b.double().abs().max()).item()
 
 
 @pytest.mark.parametrize("seed", [1, 2])
