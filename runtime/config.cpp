@@ -565,7 +565,7 @@ Config parse_config(std::string_view yaml, std::string_view origin, const fs::pa
     fail(c, doc.second_root, "top level", str_cat("a config is one YAML document; this holds ", doc.documents));
   Config cfg;
   cfg.source = c.origin;
-  Section top(doc.root, "", c, {"version", "model", "cpu", "gpu", "buffers", "trace", "train"});
+  Section top(doc.root, "", c, {"version", "model", "cpu", "gpu", "buffers", "trace", "train", "distributed"});
   if (auto n = top.value("version"); present(n)) cfg.version = static_cast<int>(read_int(c, n, "version", 1, 1));
 
   Section model(top.get("model"), "model", c, {"path"});
@@ -594,6 +594,15 @@ Config parse_config(std::string_view yaml, std::string_view origin, const fs::pa
   Section train(top.get("train"), "train", c, {"backward_format"});
   if (auto n = train.value("backward_format"); present(n))
     cfg.train.backward_format = read_choice(c, n, "train.backward_format", {"bf16", "int8"});
+
+  Section dist(top.get("distributed"), "distributed", c, {"cpu_experts", "comm", "alltoall_from_tokens"});
+  if (auto n = dist.value("cpu_experts"); present(n))
+    cfg.distributed.cpu_experts = read_choice(c, n, "distributed.cpu_experts", {"auto", "shared", "per_rank"});
+  if (auto n = dist.value("comm"); present(n))
+    cfg.distributed.comm = read_choice(c, n, "distributed.comm", {"auto", "allgather", "alltoall"});
+  if (auto n = dist.value("alltoall_from_tokens"); present(n))
+    cfg.distributed.alltoall_from_tokens =
+        static_cast<int>(read_int(c, n, "distributed.alltoall_from_tokens", 1, 1 << 24));
   return cfg;
 }
 
@@ -650,6 +659,9 @@ std::string Config::to_json() const {
   j["buffers"] = {{"pinned_slots", buffers.pinned_slots}, {"max_tokens", buffers.max_tokens}};
   j["trace"] = {{"path", trace.path.string()}, {"enabled", trace.enabled}};
   j["train"] = {{"backward_format", train.backward_format}};
+  j["distributed"] = {{"cpu_experts", distributed.cpu_experts},
+                      {"comm", distributed.comm},
+                      {"alltoall_from_tokens", distributed.alltoall_from_tokens}};
   // Replace invalid UTF-8 (a path with odd bytes) instead of throwing.
   return j.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
 }

@@ -68,6 +68,10 @@ trace:
   enabled: yes
 train:
   backward_format: int8
+distributed:
+  cpu_experts: shared
+  comm: alltoall
+  alltoall_from_tokens: 16
 )", "p.yaml", "/cfg");
   EXPECT_EQ(c.model.path, "/cfg/ckpt/qwen3");
   EXPECT_EQ(c.cpu.store, "/cfg/ckpt/qwen3/tandem-int4-g64-zp");  // relative to the file, as model.path
@@ -90,6 +94,9 @@ train:
   EXPECT_EQ(c.train.backward_format, "int8");
   auto j = nlohmann::json::parse(c.to_json());
   EXPECT_EQ(j["train"]["backward_format"], "int8");
+  EXPECT_EQ(c.distributed.cpu_experts, "shared");
+  EXPECT_EQ(j["distributed"]["comm"], "alltoall");
+  EXPECT_EQ(j["distributed"]["alltoall_from_tokens"], 16);
   EXPECT_EQ(j["gpu"]["hot_experts"]["policy"], "statistics");
   EXPECT_EQ(j["cpu"]["numa_nodes"], nlohmann::json({0, 1}));
 }
@@ -141,7 +148,7 @@ TEST(Config, HotExpertForms) {
 TEST(Config, UnknownKeys) {
   EXPECT_EQ(err("cpu:\n  formt: int8\n"),
             "p.yaml:2:3: cpu.formt: unknown key; allowed here: format, dense_format, group_size, zero_point, numa_nodes, virtual_subpools, threads, isa, store");
-  EXPECT_EQ(err("cpus: {}\n"), "p.yaml:1:1: cpus: unknown key; allowed here: version, model, cpu, gpu, buffers, trace, train");
+  EXPECT_EQ(err("cpus: {}\n"), "p.yaml:1:1: cpus: unknown key; allowed here: version, model, cpu, gpu, buffers, trace, train, distributed");
   EXPECT_EQ(err("gpu:\n  hot_experts:\n    cnt: 3\n"),
             "p.yaml:3:5: gpu.hot_experts.cnt: unknown key; allowed here: count, statistics, layers, dynamic, "
             "rebalance_steps, hysteresis");
@@ -174,6 +181,11 @@ TEST(Config, BadValues) {
   EXPECT_EQ(err("trace:\n  enabled: maybe\n"), "p.yaml:2:12: trace.enabled: expected true or false, got 'maybe'");
   EXPECT_EQ(err("train:\n  backward_format: int4\n"),
             "p.yaml:2:20: train.backward_format: 'int4' is not one of: bf16, int8");
+  // A method that is not built is refused when the config is read, not at the first forward.
+  EXPECT_EQ(err("distributed:\n  comm: ring\n"),
+            "p.yaml:2:9: distributed.comm: 'ring' is not one of: auto, allgather, alltoall");
+  EXPECT_EQ(err("distributed:\n  cpu_experts: node\n"),
+            "p.yaml:2:16: distributed.cpu_experts: 'node' is not one of: auto, shared, per_rank");
   EXPECT_EQ(err("version: 2\n"), "p.yaml:1:10: version: 2 is outside the allowed range [1, 1]");
   EXPECT_EQ(err("model:\n  path: [a]\n"), "p.yaml:2:9: model.path: expected a non-empty string, got a list");
 }
@@ -207,7 +219,7 @@ TEST(Config, HotExpertConflicts) {
 }
 
 TEST(Config, StructureErrors) {
-  EXPECT_EQ(err("- a\n- b\n"), "p.yaml:1:1: top level: expected a mapping with keys version, model, cpu, gpu, buffers, trace, train, got a list");
+  EXPECT_EQ(err("- a\n- b\n"), "p.yaml:1:1: top level: expected a mapping with keys version, model, cpu, gpu, buffers, trace, train, distributed, got a list");
   EXPECT_EQ(err("cpu: bf16\n"),
             "p.yaml:1:6: cpu: expected a mapping with keys format, dense_format, group_size, zero_point, numa_nodes, virtual_subpools, threads, isa, store, got 'bf16'");
   std::string syntax = err("cpu:\n  format: [bf16\n");
@@ -453,7 +465,7 @@ TEST(ConfigHostile, LimitsComeFromTheEnvironment) {
 TEST(ConfigHostile, BytesThatAreNotUtf8PassThrough) {
   EXPECT_EQ(parse_config("model:\n  path: /m/a\xff\xfe" "b\n").model.path, "/m/a\xff\xfe" "b");
   EXPECT_EQ(parse_config("model:\n  path: \"/m/\xc3\xa9\xc3\"\n").model.path, "/m/\xc3\xa9\xc3");
-  EXPECT_EQ(err("\xff: 1\n"), "p.yaml:1:1: \xff: unknown key; allowed here: version, model, cpu, gpu, buffers, trace, train");
+  EXPECT_EQ(err("\xff: 1\n"), "p.yaml:1:1: \xff: unknown key; allowed here: version, model, cpu, gpu, buffers, trace, train, distributed");
   // The characters that carry such bytes through libyaml are refused when written.
   EXPECT_EQ(err("model:\n  path: \xf4\x8f\xbf\xbf\n"), "p.yaml:2:9: YAML syntax error: character U+10FFFF is not allowed in a config");
   EXPECT_EQ(err("cpu:\n  format: b\x01\n"), "p.yaml:2:12: YAML syntax error: control characters are not allowed (character 1)");

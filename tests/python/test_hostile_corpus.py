@@ -27,7 +27,7 @@ CONFIG_ERRORS = {
     "alias_undefined": "cpu: YAML aliases are not supported (*settings)",
     "big_numbers": "cpu.threads: 99999999999999999999 is outside the allowed range [1, 4096]",
     "bom_crlf": "YAML syntax error: did not find expected <document start>",
-    "complex_key": ": unknown key; allowed here: version, model, cpu, gpu, buffers, trace, train",
+    "complex_key": ": unknown key; allowed here: version, model, cpu, gpu, buffers, trace, train, distributed",
     "control_chars": "YAML syntax error: control characters are not allowed",
     "deep_block": "nested more than 32 levels deep, over the limit (TANDEM_CONFIG_MAX_DEPTH raises it)",
     "deep_flow_map": "nested more than 32 levels deep",

@@ -117,6 +117,18 @@ struct Config {
     std::string backward_format = "bf16";
   } train;
 
+  // Several ranks (torch.distributed) on one machine; read by the Python side.
+  struct Distributed {
+    // "auto" (shared when a machine runs several ranks), "shared" (one rank per machine
+    // holds the CPU experts and its pool; the others send their tokens to it) or "per_rank"
+    // (every rank packs its own copy and runs its own pool).
+    std::string cpu_experts = "auto";
+    // How tokens reach the experts' owner: "auto" (by token count), "allgather" (all-gather,
+    // then reduce-scatter) or "alltoall".
+    std::string comm = "auto";
+    int alltoall_from_tokens = 64;  // auto: all-to-all from this many tokens on the busiest rank
+  } distributed;
+
   // -1 for "none", -2 for "auto", else the CUDA device index.
   int gpu_index() const;
   // The kernel level this config runs: select_isa(cpu.isa) (lowered by TANDEM_ISA,

@@ -1,0 +1,270 @@
+"""Several ranks (torch.distributed) on one machine, one copy of the CPU experts.
+
+Without this, every rank of a data-parallel job packs its own copy of the routed experts and
+runs its own pool on the same cores (N copies of a 235B model's experts, N pools fighting
+for the cores). With ``distributed.cpu_experts: shared`` (or ``auto`` when a machine runs
+several ranks), the machine's first rank is the experts' **owner**: it alone packs them and
+runs the pool; every rank of the machine sends the tokens its router sent to CPU experts
+to the owner and gets their weighted sums back (KTransformers' pattern). The transport is
+torch.distributed (gloo on CPU, NCCL on GPUs), in a process group of the machine's ranks of
+its own, so that its collectives never interleave with DDP's or FSDP's.
+
+The exchange (``ExpertExchange``) is written for any map from experts to owning ranks, so
+that experts held on several GPUs (expert parallel) can use it; today's owner map puts
+every expert on the machine's owner. Its steps are the MoE runners' of vLLM:
+
+- prepare: which rank each (token, expert) pair goes to; one small all-gather of the
+  per-rank token and row counts, so every rank knows every count (and picks the same method);
+- dispatch: either **allgather** (every rank gets every token; cheap for a few tokens: two
+  collectives) or **alltoall** (each token goes only to the ranks that own one of its
+  experts, once per rank, with the routing weights of that rank's experts);
+- run: the owner runs its experts on what it received (the weighted sum per row);
+- combine: reduce-scatter (allgather) or the reverse all-to-all (alltoall);
+- finalize: the rows summed into each token's output (the shared experts' sum stays in the
+  model's code, outside the experts module, as for one process).
+
+Training: every collective is torch's differentiable one
+(``torch.distributed._functional_collectives``), so backward runs the reverse exchange; the
+owner's LoRA tensors receive the gradient of every rank's tokens, the other ranks' LoRA
+tensors a zero gradient (they stay in the graph, so DDP's reducer sees them used), and DDP's
+average of the two is the gradient of one process on the combined batch. A rank with no work
+in a call still takes part in every collective of it, forward and backward: the output is
+made to depend on what it received (times zero), so its backward runs the same collectives
+as the others'.
+"""
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+METHODS = ("allgather", "alltoall")
+
+Local = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _machine_id() -> str:
+    """Ranks with the same id share a machine (its memory and cores): the host name and the
+    kernel's boot id (containers on one host may share a name; two boots never an id)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+@dataclass
+class MachineGroup:
+    """This machine's ranks: ``group`` (a process group of them alone), ``ranks`` (their
+    global ranks, ascending), ``rank`` (this process's index in ``ranks``), ``owner`` (the
+    index of the rank that holds the CPU experts), and the config's comm method."""
+    group: Any
+    ranks: list[int]
+    rank: int
+    owner: int = 0
+    comm: str = "auto"
+    alltoall_from_tokens: int = 64
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def is_owner(self) -> bool:
+        return self.rank == self.owner
+
+    def describe(self) -> str:
+        return (f"rank {self.ranks[self.rank]} of {self.size} on this machine; CPU experts held by rank "
+                f"{self.ranks[self.owner]}; comm {self.comm}")
+
+
+def machine_group(cfg_json: dict) -> MachineGroup | None:
+    """The machine's ranks when its CPU experts are shared (config ``distributed``), else None.
+
+    ``cpu_experts: per_rank`` -> None. ``auto`` -> shared when torch.distributed is initialized
+    and this machine runs more than one rank. ``shared`` -> the same, and an error when
+    torch.distributed is not initialized (the config asks for something that cannot be).
+    Every rank of the job must call this at the same point (it runs collectives)."""
+    d = cfg_json.get("distributed", {})
+    mode = d.get("cpu_experts", "auto")
+    if mode == "per_rank":
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        if mode == "shared":
+            raise ValueError("distributed.cpu_experts is 'shared' but torch.distributed is not initialized: call "
+                             "torch.distributed.init_process_group (or start under torchrun / accelerate launch) "
+                             "before tandem.load_model, or set distributed.cpu_experts to per_rank")
+        return None
+    world = dist.get_world_size()
+    if world == 1:
+        return None
+    ids: list[str | None] = [None] * world
+    dist.all_gather_object(ids, _machine_id())
+    machines: dict[str, list[int]] = {}
+    for r, m in enumerate(ids):
+        machines.setdefault(m, []).append(r)
+    me = dist.get_rank()
+    mine = None
+    for ranks in machines.values():  # every rank creates every group, in the same order
+        g = dist.new_group(ranks)
+        if me in ranks:
+            mine = MachineGroup(g, ranks, ranks.index(me), 0, d.get("comm", "auto"),
+                                int(d.get("alltoall_from_tokens", 64)))
+    assert mine is not None
+    return mine if mine.size > 1 else None
+
+
+def _pad_rows(t: torch.Tensor, rows: int, value: float = 0) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    pad = t.new_full((rows - t.shape[0],) + tuple(t.shape[1:]), value)
+    return torch.cat([t, pad])
+
+
+class ExpertExchange:
+    """Runs one layer's routed experts across the machine's ranks (see the module docstring).
+
+    ``owners``: [experts] -> index of the owning rank in ``mg.ranks`` (default: all on the
+    owner). Call it as ``exchange(x [T, H], ids [T, K], weights [T, K], local, keep)``: ``local``
+    runs this rank's experts (rows whose ids it does not own are -1) and returns the weighted
+    sum per row, or is None on a rank that owns none; ``keep``: tensors (this rank's LoRA
+    tensors) that must stay in the autograd graph with a zero gradient where ``local`` does not
+    use them. Returns [T, H] in x's dtype."""
+
+    def __init__(self, mg: MachineGroup, experts: int, owners: Sequence[int] | torch.Tensor | None = None):
+        self.mg = mg
+        if owners is None:
+            owners = [mg.owner] * experts
+        self.owners = torch.as_tensor(owners, dtype=torch.int64)
+        if self.owners.shape != (experts,) or int(self.owners.min()) < 0 or int(self.owners.max()) >= mg.size:
+            raise ValueError(f"expert owners {self.owners.tolist()}: need one rank in [0, {mg.size}) per expert "
+                             f"({experts})")
+        self.calls = {m: 0 for m in METHODS}  # how often each method ran (auto's choices)
+
+    def method_for(self, busiest: int) -> str:
+        c = self.mg.comm
+        if c == "auto":
+            return "alltoall" if busiest >= self.mg.alltoall_from_tokens else "allgather"
+        return c
+
+    def _comm_device(self, dev: torch.device) -> torch.device:
+        import torch.distributed as dist
+
+        backend = str(dist.get_backend(self.mg.group))
+        return dev if "nccl" in backend or dev.type == "cpu" else torch.device("cpu")
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, local: Local | None,
+                 keep: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+        import torch.distributed as dist
+
+        mg, N, me = self.mg, self.mg.size, self.mg.rank
+        T, H = x.shape
+        K = ids.shape[1]
+        out_dtype, home = x.dtype, x.device
+        dev = self._comm_device(home)
+        x, ids, w = x.to(dev), ids.to(dev, torch.int64), w.to(dev)
+        grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or any(t.requires_grad for t in keep))
+        owners = self.owners.to(dev)
+        dest = torch.where(ids >= 0, owners[ids.clamp(min=0)], -1)                       # [T, K]
+        goes = torch.stack([(dest == d).any(1) for d in range(N)])                         # [N, T]
+        # prepare: every rank's token count and rows per destination, on every rank
+        head = torch.cat([torch.tensor([T], device=dev), goes.sum(1)]).to(torch.int64)
+        table = torch.empty(N * (N + 1), dtype=torch.int64, device=dev)
+        dist.all_gather_into_tensor(table, head, group=mg.group)
+        table = table.view(N, N + 1).cpu()
+        method = self.method_for(int(table[:, 0].max()))
+        self.calls[method] += 1
+        # Weights and sums in fp32 at least (fp64 stays fp64).
+        acc = torch.promote_types(torch.promote_types(x.dtype, w.dtype), torch.float32)
+        if method == "allgather":
+            Tm = int(table[:, 0].max())
+            xp, wp, ip = _pad_rows(x, Tm), _pad_rows(w.to(acc), Tm), _pad_rows(ids, Tm, -1)
+            xg, wg = self._gather(xp, wp, grad, acc)
+            ig = torch.empty((N * Tm, K), dtype=torch.int64, device=dev)
+            dist.all_gather_into_tensor(ig, ip, group=mg.group)
+            mine = (ig >= 0) & (owners[ig.clamp(min=0)] == me)
+            y = self._run(xg, torch.where(mine, ig, -1), torch.where(mine, wg, 0), local, keep, acc)
+            out = self._reduce_scatter(y, grad)[:T]
+        else:
+            send = [int(v) for v in table[me, 1:]]          # rows this rank sends to each rank
+            recv = [int(v) for v in table[:, 1 + me]]        # rows each rank sends here
+            rows = torch.cat([goes[d].nonzero().flatten() for d in range(N)])               # token of each row
+            to = torch.repeat_interleave(torch.arange(N, device=dev), torch.tensor(send, device=dev))
+            mask = dest[rows] == to[:, None]
+            xs, ws = x[rows], torch.where(mask, w[rows].to(acc), 0)
+            is_ = torch.where(mask, ids[rows], -1)
+            xr, wr = self._all_to_all(xs, ws, recv, send, grad, acc)
+            ir = torch.empty((sum(recv), K), dtype=torch.int64, device=dev)
+            dist.all_to_all_single(ir, is_, recv, send, group=mg.group)
+            y = self._run(xr, ir, wr, local, keep, acc)
+            back = self._a2a(y, send, recv, grad)
+            out = torch.zeros((T, H), dtype=acc, device=dev).index_add(0, rows, back)
+        return out.to(home, out_dtype)
+
+    # ---- pieces ------------------------------------------------------------------------
+
+    def _run(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, local: Local | None,
+             keep: Sequence[torch.Tensor], acc: torch.dtype) -> torch.Tensor:
+        """This rank's part: the weighted sum of its experts per row (fp32), or zeros that
+        depend on what it received (and on `keep`), so its backward runs the same collectives."""
+        if local is not None and bool((ids >= 0).any()):
+            return local(x, ids, w).to(acc)
+        y = x.to(acc) * 0 + (w.sum(1, keepdim=True) * 0)
+        for t in keep:
+            if t.requires_grad:
+                y = y + t.sum() * 0
+        return y
+
+    def _gather(self, x: torch.Tensor, w: torch.Tensor, grad: bool, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch.distributed as dist
+
+        g, N = self.mg.group, self.mg.size
+        if grad:  # one differentiable collective for both (one fixed order of backward collectives)
+            import torch.distributed._functional_collectives as fc
+
+            both = torch.cat([x.to(acc), w], 1)
+            both = fc.wait_tensor(fc.all_gather_tensor_autograd(both, 0, g))
+            return both[:, :x.shape[1]].to(x.dtype), both[:, x.shape[1]:]
+        xg = torch.empty((N * x.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
+        wg = torch.empty((N * w.shape[0], w.shape[1]), dtype=w.dtype, device=w.device)
+        dist.all_gather_into_tensor(xg, x.contiguous(), group=g)
+        dist.all_gather_into_tensor(wg, w.contiguous(), group=g)
+        return xg, wg
+
+    def _reduce_scatter(self, y: torch.Tensor, grad: bool) -> torch.Tensor:
+        import torch.distributed as dist
+
+        g, N = self.mg.group, self.mg.size
+        if grad:
+            import torch.distributed._functional_collectives as fc
+
+            return fc.wait_tensor(fc.reduce_scatter_tensor_autograd(y.contiguous(), "sum", 0, g))
+        out = torch.empty((y.shape[0] // N, y.shape[1]), dtype=y.dtype, device=y.device)
+        dist.reduce_scatter_tensor(out, y.contiguous(), group=g)
+        return out
+
+    def _a2a(self, t: torch.Tensor, out_rows: list[int], in_rows: list[int], grad: bool) -> torch.Tensor:
+        """all_to_all_single of rows: sends in_rows[d] rows to rank d, receives out_rows[s] from s."""
+        import torch.distributed as dist
+
+        g = self.mg.group
+        if grad:
+            import torch.distributed._functional_collectives as fc
+
+            return fc.wait_tensor(fc.all_to_all_single_autograd(t.contiguous(), out_rows, in_rows, g))
+        out = t.new_empty((sum(out_rows),) + tuple(t.shape[1:]))
+        dist.all_to_all_single(out, t.contiguous(), out_rows, in_rows, group=g)
+        return out
+
+    def _all_to_all(self, x: torch.Tensor, w: torch.Tensor, recv: list[int], send: list[int],
+                    grad: bool, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if grad:
+            both = self._a2a(torch.cat([x.to(acc), w], 1), recv, send, True)
+            return both[:, :x.shape[1]].to(x.dtype), both[:, x.shape[1]:]
+        return self._a2a(x, recv, send, False), self._a2a(w, recv, send, False)
+
