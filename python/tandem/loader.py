@@ -33,6 +33,7 @@ from .checkpoint_names import CheckpointNames
 from .attention import is_mla, use_mla_absorption, use_pool_attention
 from .dense import replace_dense, replace_norms
 from .discovery import PLAIN, ExpertMath, expert_shape, find_moe_blocks, oai_math
+from .distributed import ExpertExchange, machine_group
 from .engine import make_engine, make_lora_layers, share_cpu_with_torch
 from .experts_check import check_experts
 from .gguf_checkpoint import GGUFModel, check_expert_types, check_experts_present, expert_size_note, is_gguf
@@ -287,9 +288,23 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
         raise ValueError(f"{what}; adapters are merged into experts in transformers' standard layouts only")
     expert_store = open_store(store, me, cfg_json["cpu"], progress) if store is not None else None
 
+    # Several ranks on this machine: one of them holds the CPU experts (tandem.distributed).
+    mg = machine_group(cfg_json)
+    if mg is not None and adapter is not None and not train:
+        raise ValueError(f"adapter {adapter}: merging an adapter into experts shared by this machine's ranks "
+                         f"({mg.describe()}) is not supported; merge it into a checkpoint first (tandem merge) and "
+                         "load that, or set distributed.cpu_experts: per_rank")
+    holds = mg is None or mg.is_owner
+    exchange = [ExpertExchange(mg, E) for _ in blocks] if mg is not None else [None] * len(blocks)
+    if mg is not None and not holds:
+        expert_store = None  # read by the owner
+
     # Routed experts: the C++ loader, straight from the mapped files (or the store).
-    bar = progress_bar(progress, E * len(layers), "loading experts" + (" from the store" if expert_store else ""))
-    if train:
+    bar = progress_bar(progress and holds, E * len(layers),
+                       "loading experts" + (" from the store" if expert_store else ""))
+    if not holds:
+        engine = None
+    elif train:
         engine = make_lora_layers(config, (E, H, I), layers,
                                   backward_format or cfg_json.get("train", {}).get("backward_format", "bf16"), me.math)
     else:
@@ -298,35 +313,37 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
     # Both engines check every expert tensor first, then pack layer by layer, giving each
     # layer's checkpoint pages back once it is packed. With an adapter, inference packs
     # wait for it (below): the layers it changes are packed merged, once.
-    if expert_store is not None:
-        engine.load_store(expert_store, ckpt, naming, progress=(lambda d, t: bar(d)) if bar else None)
-        if bar:
-            bar(None)
-    elif naming is None:  # gpt-oss: each layer read (dequantized from MXFP4) and packed in turn
+    if naming is None:  # gpt-oss: each layer read (dequantized from MXFP4) and packed in turn
         oai = OaiExpertsReader(TensorReader(ckpt), str(path), (E, H, I))
         oai_keys = set()
         for i, b in enumerate(blocks):
             prefix = names.key(b.path + ".gate_up_proj_bias")
             prefix = prefix.removesuffix(".gate_up_proj_bias") if prefix else b.path
             oai_keys.update(oai.keys(prefix))
-            load_oai_layer(engine, i, oai.layer(prefix),
-                           progress=(lambda d, t, base=i * E: bar(base + d)) if bar else None)
-        if bar:
-            bar(None)
-    elif train or adapter is None:
+            if engine is not None and expert_store is None:
+                load_oai_layer(engine, i, oai.layer(prefix),
+                               progress=(lambda d, t, base=i * E: bar(base + d)) if bar else None)
+    if engine is None:
+        pass
+    elif expert_store is not None:
+        engine.load_store(expert_store, ckpt, naming, progress=(lambda d, t: bar(d)) if bar else None)
+    elif naming is not None and (train or adapter is None):
         engine.load_checkpoint(ckpt, naming, progress=(lambda d, t: bar(d)) if bar else None)
-        if bar:
-            bar(None)
+    if bar:
+        bar(None)
     if train:
-        for b, layer in zip(blocks, engine.layers):
-            b.block.experts = TandemLoraExperts(layer, b.layer, True, dtype, device, interleaved=naming is None)
+        for i, b in enumerate(blocks):
+            layer = engine.layers[i] if engine is not None else None
+            b.block.experts = TandemLoraExperts(layer, b.layer, True, dtype, device, interleaved=naming is None,
+                                                exchange=exchange[i], shape=(E, H, I))
             watch_block(b.block, b.block.experts)
     else:
         # (what merging an adapter re-reads: a safetensors checkpoint; GGUF models refuse adapters)
         source = ExpertsSource(str(path), tuple(naming)) if naming and me.gguf is None else None
         for i, b in enumerate(blocks):
             b.block.experts = TandemExperts(engine, i, b.layer, "silu", fused=True, dtype=dtype,
-                                            device=device, source=source, math=me.math, interleaved=naming is None)
+                                            device=device, source=source, math=me.math, interleaved=naming is None,
+                                            exchange=exchange[i], shape=(E, H, I))
             watch_block(b.block, b.block.experts)
     if naming:
         expert_keys = {_C.expert_key(p, L, e) for L in layers for e in range(E) for p in naming}
@@ -419,7 +436,7 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
             model = peft_for_training(model, adapter, adapter_cfg)
         else:
             model = merge_for_inference(model, engine, adapter, adapter_cfg, ckpt, naming, bar)
-    if not train and device.type == "cpu":
+    if not train and device.type == "cpu" and engine is not None:
         # The other linear layers on tandem's kernels (cpu.dense_format); the routers and
         # shared-expert gates (direct children of a MoE block) stay in torch.
         keep = {id(m) for b in blocks for m in b.block.children() if isinstance(m, nn.Linear)}
@@ -434,9 +451,11 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
             # One-token attention (generation) on the pool too: tandem.attention.
             model.tandem_attention = use_pool_attention(model, engine)
             model.tandem_mla = use_mla_absorption(model) if model.tandem_attention else 0
-    share_cpu_with_torch(engine, device)
+    if engine is not None:
+        share_cpu_with_torch(engine, device)
     apply_config(cfg_json)  # trace.enabled: record from now on, write trace.path at exit
-    model.tandem_engine = engine
+    model.tandem_engine = engine  # None on a rank whose machine's experts another rank holds
+    model.tandem_experts_group = mg
     model.tandem_checkpoint = str(path)
     model.tandem_skipped = skipped  # checkpoint tensors transformers does not run either (MTP layers)
     model.tandem_store = expert_store.path if expert_store is not None else None

@@ -8,7 +8,10 @@ persistent buffers (fused experts: one non-persistent element that gives PEFT's
 placeholders their dtype and device), so ``state_dict()`` and ``Accelerator.prepare`` see
 only the rest of the model.
 ``TandemLoraExperts`` is its training counterpart (a ``_C.LoraLayer``, LoRA through
-``tandem.lora``); ``FrozenLinear`` stands in for a v4 per-expert linear whose weight tandem
+``tandem.lora``). With several ranks on a machine sharing one copy of the CPU experts
+(``tandem.distributed``), both run through an ``ExpertExchange``; on the ranks that hold no
+experts they have no engine (``engine`` / ``lora_layer`` None) and only send their tokens.
+``FrozenLinear`` stands in for a v4 per-expert linear whose weight tandem
 holds. Also here: which device a CUDA engine runs on (``CudaBinding``, recorded by
 ``tandem.engine.make_engine`` in ``CUDA_BINDINGS``) and the check each CUDA call makes
 against it (``check_cuda_call``). Each CUDA call enqueues on torch's current stream of that
@@ -126,35 +129,41 @@ class TandemExperts(_FusedPlaceholders):
     answer PEFT with placeholders (``_FusedPlaceholders``); the engine runs no LoRA, so an
     adapter PEFT puts on them is merged into the packs or refused (``tandem.peft_glue``)."""
 
-    def __init__(self, engine: _C.Engine, index: int, layer: int, act: str = "silu", fused: bool = False,
+    def __init__(self, engine: _C.Engine | None, index: int, layer: int, act: str = "silu", fused: bool = False,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  source: "ExpertsSource | None" = None, math: ExpertMath | None = None,
-                 interleaved: bool = False):
+                 interleaved: bool = False, exchange=None, shape: tuple[int, int, int] | None = None):
         super().__init__()
         if math is None:
             math = PLAIN
         if math.plain and act not in ("silu", "swish"):
             raise ValueError(f"model layer {layer}: expert activation {act!r} is not supported (silu only)")
+        if engine is None and (exchange is None or shape is None):
+            raise ValueError(f"model layer {layer}: experts without an engine need an exchange and their shape")
         self.engine = engine
+        self.exchange = exchange    # tandem.distributed.ExpertExchange when the CPU experts are shared by ranks
         self.math = math            # what the experts compute (discovery.ExpertMath), as the engine does
         self.index = index          # MoE index in the engine
         self.layer = layer          # model layer
-        self.num_experts = engine.experts
-        self.hidden_dim = engine.hidden
-        self.intermediate_dim = engine.inter
+        E, H, I = shape if engine is None else (engine.experts, engine.hidden, engine.inter)
+        self.num_experts, self.hidden_dim, self.intermediate_dim = E, H, I
         self.fused = fused
         self.source = source        # where the base weights can be read again (merging adapters)
         if fused:
             self._add_probe(dtype, torch.device(device))
             self._set_layout(interleaved)
-        self._cuda_binding = CUDA_BINDINGS.get(engine) if engine.is_cuda else None
-        if engine.is_cuda and self._cuda_binding is None:
+        cuda = engine is not None and engine.is_cuda
+        self._cuda_binding = CUDA_BINDINGS.get(engine) if cuda else None
+        if cuda and self._cuda_binding is None:
             raise ValueError(f"model layer {layer}: this CUDA engine was not made by tandem.engine.make_engine, so "
                              "tandem cannot tell which stream it enqueues on; build it with make_engine (it enqueues "
                              "on torch's current stream)")
 
     def extra_repr(self) -> str:
         e = self.engine
+        if e is None:
+            return (f"layer={self.layer}, experts={self.num_experts}, hidden={self.hidden_dim}, "
+                    f"intermediate={self.intermediate_dim}, held by {self.exchange.mg.describe()}")
         hot = len(e.hot(self.index))
         math = "" if self.math.plain else f"math={self.math.describe()}, "
         return (f"layer={self.layer}, experts={self.num_experts}, hidden={self.hidden_dim}, "
@@ -170,6 +179,14 @@ class TandemExperts(_FusedPlaceholders):
             raise RuntimeError(f"{where}: this model was offloaded for inference; for training offload it with "
                                "train=True (tandem.offload(model, config, train=True), or apply PEFT first), or run "
                                "inference under torch.no_grad() / torch.inference_mode() (model.generate does)")
+        if self.exchange is not None:  # every rank of the machine takes part, with or without tokens
+            return self.exchange(x, top_k_index, top_k_weights, self._local if self.engine is not None else None)
+        return self._local(x, top_k_index, top_k_weights)
+
+    def _local(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The experts this process's engine holds, on [T, H] (ids of other ranks' experts are -1)."""
+        where = f"tandem experts (model layer {self.layer})"
+        T = x.shape[0]
         if T == 0:
             return torch.zeros_like(x)
         dev = x.device
@@ -178,7 +195,7 @@ class TandemExperts(_FusedPlaceholders):
                 raise ValueError(f"{where}: the engine runs on {self.engine.stream} but hidden_states is on {dev}")
             check_cuda_call(where, self._cuda_binding, dev)
         elif dev.type != "cpu":  # host stream with a GPU model (gpu.device: none): round trip through the CPU
-            out = self.forward(x.cpu(), top_k_index.cpu(), top_k_weights.cpu())
+            out = self._local(x.cpu(), top_k_index.cpu(), top_k_weights.cpu())
             return out.to(dev)
         xin = x if x.dtype in (torch.bfloat16, torch.float32) else x.float()
         xin = xin.contiguous()
@@ -221,19 +238,25 @@ class TandemLoraExperts(_FusedPlaceholders):
     ``down_proj`` with storage-free placeholders of the right shape, dtype and device, so
     that PEFT's ``target_parameters`` can wrap it after offloading."""
 
-    def __init__(self, lora_layer: _C.LoraLayer, layer: int, fused: bool, dtype: torch.dtype,
-                 device: torch.device, interleaved: bool = False):
+    def __init__(self, lora_layer: _C.LoraLayer | None, layer: int, fused: bool, dtype: torch.dtype,
+                 device: torch.device, interleaved: bool = False, exchange=None,
+                 shape: tuple[int, int, int] | None = None):
         super().__init__()
+        if lora_layer is None and (exchange is None or shape is None):
+            raise ValueError(f"model layer {layer}: experts without a LoRA layer need an exchange and their shape")
         self.lora_layer = lora_layer
+        self.exchange = exchange
         self.layer = layer
         self.fused = fused
-        self.num_experts = lora_layer.experts
-        self.hidden_dim = lora_layer.hidden
-        self.intermediate_dim = lora_layer.inter
+        E, H, I = shape if lora_layer is None else (lora_layer.experts, lora_layer.hidden, lora_layer.inter)
+        self.num_experts, self.hidden_dim, self.intermediate_dim = E, H, I
         self._add_probe(dtype, device)
         self._set_layout(interleaved)
 
     def extra_repr(self) -> str:
+        if self.lora_layer is None:
+            return (f"layer={self.layer}, experts={self.num_experts}, hidden={self.hidden_dim}, "
+                    f"intermediate={self.intermediate_dim}, train=True, held by {self.exchange.mg.describe()}")
         return (f"layer={self.layer}, experts={self.num_experts}, hidden={self.hidden_dim}, "
                 f"intermediate={self.intermediate_dim}, train=True, cpu threads={self.lora_layer.threads}, "
                 f"isa={self.lora_layer.isa}")
@@ -242,6 +265,15 @@ class TandemLoraExperts(_FusedPlaceholders):
                 lora=None) -> torch.Tensor:
         where = f"tandem experts (model layer {self.layer})"
         T = _check_inputs(where, self.hidden_dim, hidden_states, top_k_index, top_k_weights)
+        if self.exchange is not None:
+            # This rank's LoRA tensors stay in the graph where it holds no experts (a zero
+            # gradient), so data-parallel wrappers see them used on every rank.
+            keep = list(lora.tensors()) if lora is not None else []
+            local = None
+            if self.lora_layer is not None:
+                def local(x, ids, w):
+                    return run_experts(self.lora_layer, x, ids, w, lora, where)
+            return self.exchange(hidden_states, top_k_index, top_k_weights, local, keep)
         if T == 0:
             return hidden_states.new_zeros(hidden_states.shape)
         return run_experts(self.lora_layer, hidden_states, top_k_index, top_k_weights, lora, where)

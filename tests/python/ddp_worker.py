@@ -10,6 +10,8 @@ batch is BATCH fixed sequences, of which this rank takes its contiguous 1/w shar
 OUT.rank<r>: {"losses": per-step loss averaged over ranks, "initial": the trainable
 parameters before training, "params": [the trainable parameters after each step],
 "experts": class names of the modules holding a tandem LoRA layer}.
+--per-rank: every rank packs its own copy of the experts (distributed.cpu_experts: per_rank);
+by default the machine's ranks share one copy, held by rank 0 (tandem.distributed).
 --no-ddp trains without the wrapper (no gradient averaging): a manual check that the test
 can fail. --micro N (one process) takes each step's batch as N micro-batches of BATCH/N
 sequences, sums their gradients and scales the sum by 1/N: with N = w, the exact
@@ -61,12 +63,13 @@ def main() -> None:
     ckpt, out = sys.argv[1], sys.argv[2]
     flags = sys.argv[3:]
     use_ddp = "--no-ddp" not in flags
+    config = dict(CONFIG, distributed={"cpu_experts": "per_rank" if "--per-rank" in flags else "auto"})
     micro = int(flags[flags.index("--micro") + 1]) if "--micro" in flags else 1
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     assert BATCH % world == 0 and (micro == 1 or world == 1) and BATCH % micro == 0
     torch.manual_seed(0)
-    model = tandem.load_model(ckpt, CONFIG, train=True, dtype=torch.float32, progress=False)
+    model = tandem.load_model(ckpt, config, train=True, dtype=torch.float32, progress=False)
     model = get_peft_model(model, lora_config())
     random_lora(model, 11)
     model.train()
@@ -92,7 +95,8 @@ def main() -> None:
         dist.all_reduce(total)
         losses.append(total.item() / (world * micro))
         after.append(trainable(model))
-    experts = [type(m).__name__ for m in model.modules() if hasattr(m, "lora_layer")]
+    experts = [type(m).__name__ + ("" if m.lora_layer is not None else " (remote)")
+               for m in model.modules() if hasattr(m, "lora_layer")]
     torch.save({"losses": losses, "initial": initial, "params": after, "experts": experts}, f"{out}.rank{rank}")
     dist.barrier()
     dist.destroy_process_group()

@@ -130,3 +130,43 @@ def test_shared_without_torch_distributed_is_refused():
     with pytest.raises(ValueError, match="torch.distributed is not initialized"):
         machine_group({"distributed": {"cpu_experts": "shared"}})
     assert machine_group({"distributed": {"cpu_experts": "auto"}}) is None
+
+
+# ---- a whole model, for inference ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    from hf_models import build
+
+    out = tmp_path_factory.mktemp("qwen3_moe-fp32")
+    build("qwen3_moe", 1, torch.float32, out)
+    return out
+
+
+@pytest.mark.parametrize("comm", ["auto", "allgather", "alltoall"])
+def test_shared_experts_inference_matches_a_copy_per_rank(checkpoint, comm, tmp_path):
+    """2 ranks, rank 0 holding the experts for both (its prompt 9 tokens, rank 1's 4), against
+    2 ranks with a copy each: the same logits for the prompt and for every generated step.
+    Each row's expert output is the same fp32 arithmetic in both; the owner's kernels see both
+    ranks' rows at once, and may block them otherwise (another order of the same fp32 sums,
+    ~1e-7 relative), which moves a logit by ~1e-6 relative at most through 3 layers (bound
+    1e-4; a wrong expert or a dropped weight moves them by O(1))."""
+    shared = run_ranks("infer_worker.py", 2, tmp_path / "s.pt", str(checkpoint), "shared", comm)
+    copies = run_ranks("infer_worker.py", 2, tmp_path / "c.pt", str(checkpoint), "per_rank", comm)
+    assert shared[0]["remote"] == [False] * 3 and shared[1]["remote"] == [True] * 3
+    assert shared[1]["packed"] == 0 and shared[0]["packed"] == copies[1]["packed"] > 0
+    worst = 0.0
+    for r in range(2):
+        assert torch.equal(shared[r]["gen"], copies[r]["gen"]), r
+        worst = max(worst, rel(shared[r]["logits"], copies[r]["logits"]),
+                    rel(shared[r]["step_logits"], copies[r]["step_logits"]))
+    calls = shared[0]["calls"]
+    print(f"[measure] shared vs per-rank logits ({comm}): worst relative difference {worst:.1e}; exchanges {calls}")
+    assert worst < 1e-4
+    # 3 MoE layers x (the forward, generate's prompt (9 tokens on the busiest rank) and its
+    # 3 one-token steps after the first token)
+    if comm == "auto":  # all-to-all from 6 tokens: the prompts; all-gather: the steps
+        assert calls == {"allgather": 9, "alltoall": 3 + 3}
+    else:
+        assert calls == {comm: 15, ("alltoall" if comm == "allgather" else "allgather"): 0}
+    assert copies[0]["calls"] == {}

@@ -514,7 +514,7 @@ def test_ddp_two_processes_match_single_process(checkpoint, tmp_path):
     4e-4..8e-4 relative update error with the fp32-FMA BF16 kernels of Ice Lake / AVX2,
     2e-6 with vdpbf16ps). That comparison stays as a sanity check against gross errors
     (without gradient averaging the updates differ by about 100%)."""
-    ddp = run_workers(checkpoint, tmp_path / "ddp.pt", 2)
+    ddp = run_workers(checkpoint, tmp_path / "ddp.pt", 2, "--per-rank")
     micro = run_workers(checkpoint, tmp_path / "micro.pt", 1, "--micro", "2")[0]
     single = run_workers(checkpoint, tmp_path / "single.pt", 1)[0]
     r0, r1 = ddp[0], ddp[1]
@@ -531,6 +531,41 @@ def test_ddp_two_processes_match_single_process(checkpoint, tmp_path):
           f"update rel per step {['%.1e' % v for v in upd]}")
     assert max(loss_rel) < 1e-3
     assert max(upd) < 0.1
+
+
+def test_ddp_with_one_shared_copy_of_the_experts(checkpoint, tmp_path):
+    """2 DDP processes whose machine shares one copy of the experts (the default under
+    torch.distributed: rank 0 holds them and runs both ranks' tokens, rank 1 holds none;
+    tandem.distributed) train as 2 processes with a copy each, which the test above ties to
+    one process.
+
+    What differs: rank 0's experts run both ranks' rows in one call, so each expert's LoRA
+    gradient is one sum over both ranks' rows instead of two sums that DDP adds, and the
+    kernels see more rows per expert (another blocking, another order of the same fp32
+    products). Measured: step 1's losses are equal (the forward's rows came out the same),
+    its update differs by 1.2e-4 relative: backward rounds its fp32 intermediates to bf16,
+    and a 1-ulp change from another summation order flips a few of those roundings by 2^-8
+    each (the effect the test above describes). Bounds 1e-3 for step 1's update and 1e-5 for
+    its loss; after step 2, on parameters that differ by that much, 1e-4 for the losses
+    (measured 3.2e-6) and 5e-3 for the update (1.2e-3). Without DDP's averaging the updates
+    are off by ~1.
+    """
+    shared = run_workers(checkpoint, tmp_path / "shared.pt", 2)
+    per_rank = run_workers(checkpoint, tmp_path / "per_rank.pt", 2, "--per-rank")
+    r0, r1 = shared[0], shared[1]
+    assert r0["experts"] == ["TandemLoraExperts"] * 3
+    assert r1["experts"] == ["TandemLoraExperts (remote)"] * 3
+    for n in r0["params"][-1]:  # DDP keeps the replicas identical
+        assert torch.equal(r0["params"][-1][n], r1["params"][-1][n]), n
+    want = per_rank[0]
+    loss_rel = [abs(a - b) / b for a, b in zip(r0["losses"], want["losses"])]
+    upd = [update_error(r0["params"][s], want["params"][s], want["initial"]) for s in range(len(want["params"]))]
+    print(f"[measure] shared experts vs a copy per rank: loss rel {['%.1e' % v for v in loss_rel]} "
+          f"update rel per step {['%.1e' % v for v in upd]}")
+    assert loss_rel[0] < 1e-5
+    assert upd[0] < 1e-3
+    assert max(loss_rel) < 1e-4
+    assert max(upd) < 5e-3
 
 
 # ---- 5. resume -------------------------------------------------------------------------
