@@ -132,7 +132,7 @@ class ExpertExchange:
     ``owners``: [experts] -> index of the owning rank in ``mg.ranks`` (default: all on the
     owner). Call it as ``exchange(x [T, H], ids [T, K], weights [T, K], local, keep)``: ``local``
     runs this rank's experts (rows whose ids it does not own are -1) and returns the weighted
-    sum per row, or is None on a rank that owns none; ``keep``: tensors (this rank's LoRA
+    sum per row in fp32 or wider, or is None on a rank that owns none; ``keep``: tensors (this rank's LoRA
     tensors) that must stay in the autograd graph with a zero gradient where ``local`` does not
     use them. Returns [T, H] in x's dtype."""
 
@@ -172,38 +172,50 @@ class ExpertExchange:
         owners = self.owners.to(dev)
         dest = torch.where(ids >= 0, owners[ids.clamp(min=0)], -1)                       # [T, K]
         goes = torch.stack([(dest == d).any(1) for d in range(N)])                         # [N, T]
-        # prepare: every rank's token count and rows per destination, on every rank
-        head = torch.cat([torch.tensor([T], device=dev), goes.sum(1)]).to(torch.int64)
-        table = torch.empty(N * (N + 1), dtype=torch.int64, device=dev)
+        fan = goes.sum(0)                                                                  # ranks per token
+        # prepare: every rank's token count, rows per destination and whether each of its
+        # tokens goes to one rank at most, on every rank
+        head = torch.cat([torch.tensor([T], device=dev), goes.sum(1), (fan <= 1).all().reshape(1)]).to(torch.int64)
+        table = torch.empty(N * (N + 2), dtype=torch.int64, device=dev)
         dist.all_gather_into_tensor(table, head, group=mg.group)
-        table = table.view(N, N + 1).cpu()
+        table = table.view(N, N + 2).cpu()
         method = self.method_for(int(table[:, 0].max()))
         self.calls[method] += 1
-        # Weights and sums in fp32 at least (fp64 stays fp64).
+        # Weights and sums in fp32 at least (fp64 stays fp64). Results travel back in x's
+        # dtype when no token anywhere has two ranks' partial sums to add (the owner's rounding
+        # is then the only one, as in one process), else in that precision.
         acc = torch.promote_types(torch.promote_types(x.dtype, w.dtype), torch.float32)
+        ret = x.dtype if not grad and bool(table[:, N + 1].all()) else acc
         if method == "allgather":
             Tm = int(table[:, 0].max())
-            xp, wp, ip = _pad_rows(x, Tm), _pad_rows(w.to(acc), Tm), _pad_rows(ids, Tm, -1)
-            xg, wg = self._gather(xp, wp, grad, acc)
-            ig = torch.empty((N * Tm, K), dtype=torch.int64, device=dev)
-            dist.all_gather_into_tensor(ig, ip, group=mg.group)
+            packed = self._pack(_pad_rows(x, Tm), _pad_rows(w, Tm), _pad_rows(ids, Tm, -1), grad, acc)
+            xg, wg, ig = self._unpack(self._all_gather(packed, grad), H, K, x.dtype, grad, acc)
             mine = (ig >= 0) & (owners[ig.clamp(min=0)] == me)
             y = self._run(xg, torch.where(mine, ig, -1), torch.where(mine, wg, 0), local, keep, acc)
-            out = self._reduce_scatter(y, grad)[:T]
+            out = self._reduce_scatter(y.to(ret), grad)[:T]
         else:
-            send = [int(v) for v in table[me, 1:]]          # rows this rank sends to each rank
+            send = [int(v) for v in table[me, 1:N + 1]]        # rows this rank sends to each rank
             recv = [int(v) for v in table[:, 1 + me]]        # rows each rank sends here
-            rows = torch.cat([goes[d].nonzero().flatten() for d in range(N)])               # token of each row
+            # each token once per rank it goes to, with that rank's experts' ids and weights
+            whole = sum(send) == T and bool((fan == 1).all())  # every token to one rank: no copies
+            if whole:
+                order = torch.argsort(dest.max(1).values, stable=True)
+                rows = None if bool(torch.equal(order, torch.arange(T, device=dev))) else order
+            else:
+                rows = torch.cat([goes[d].nonzero().flatten() for d in range(N)])
             to = torch.repeat_interleave(torch.arange(N, device=dev), torch.tensor(send, device=dev))
-            mask = dest[rows] == to[:, None]
-            xs, ws = x[rows], torch.where(mask, w[rows].to(acc), 0)
-            is_ = torch.where(mask, ids[rows], -1)
-            xr, wr = self._all_to_all(xs, ws, recv, send, grad, acc)
-            ir = torch.empty((sum(recv), K), dtype=torch.int64, device=dev)
-            dist.all_to_all_single(ir, is_, recv, send, group=mg.group)
+            xs, ws, is_ = (x, w, ids) if rows is None else (x[rows], w[rows], ids[rows])
+            mask = (is_ >= 0) & ((dest if rows is None else dest[rows]) == to[:, None])
+            packed = self._pack(xs, torch.where(mask, ws, 0), torch.where(mask, is_, -1), grad, acc)
+            xr, wr, ir = self._unpack(self._a2a(packed, recv, send, grad), H, K, x.dtype, grad, acc)
             y = self._run(xr, ir, wr, local, keep, acc)
-            back = self._a2a(y, send, recv, grad)
-            out = torch.zeros((T, H), dtype=acc, device=dev).index_add(0, rows, back)
+            back = self._a2a(y.to(ret), send, recv, grad)
+            if rows is None:
+                out = back
+            elif whole:
+                out = torch.empty_like(back).index_copy(0, rows, back)
+            else:
+                out = torch.zeros((T, H), dtype=ret, device=dev).index_add(0, rows, back)
         return out.to(home, out_dtype)
 
     # ---- pieces ------------------------------------------------------------------------
@@ -213,28 +225,46 @@ class ExpertExchange:
         """This rank's part: the weighted sum of its experts per row (fp32), or zeros that
         depend on what it received (and on `keep`), so its backward runs the same collectives."""
         if local is not None and bool((ids >= 0).any()):
-            return local(x, ids, w).to(acc)
+            return local(x, ids, w)
         y = x.to(acc) * 0 + (w.sum(1, keepdim=True) * 0)
         for t in keep:
             if t.requires_grad:
                 y = y + t.sum() * 0
         return y
 
-    def _gather(self, x: torch.Tensor, w: torch.Tensor, grad: bool, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    @staticmethod
+    def _pack(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, grad: bool, acc: torch.dtype) -> torch.Tensor:
+        """Rows of x, w and ids as one tensor, so that each step is one collective: in `acc`
+        when gradients flow (ids < 2^24 are exact there), else their bytes side by side."""
+        if grad:
+            return torch.cat([x.to(acc), w.to(acc), ids.to(acc)], 1)
+        parts = (x.contiguous(), w.to(acc).contiguous(), ids.to(torch.int32).contiguous())
+        return torch.cat([p.view(torch.uint8) for p in parts], 1)
+
+    @staticmethod
+    def _unpack(t: torch.Tensor, H: int, K: int, x_dtype: torch.dtype, grad: bool,
+                acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if grad:
+            return t[:, :H].to(x_dtype), t[:, H:H + K], t[:, H + K:].round().to(torch.int64)
+        if t.shape[0] == 0:
+            return (t.new_empty((0, H), dtype=x_dtype), t.new_empty((0, K), dtype=acc),
+                    t.new_empty((0, K), dtype=torch.int64))
+        xb, wb = H * x_dtype.itemsize, K * acc.itemsize
+        x = t[:, :xb].contiguous().view(x_dtype)
+        w = t[:, xb:xb + wb].contiguous().view(acc)
+        return x, w, t[:, xb + wb:].contiguous().view(torch.int32).to(torch.int64)
+
+    def _all_gather(self, t: torch.Tensor, grad: bool) -> torch.Tensor:
         import torch.distributed as dist
 
         g, N = self.mg.group, self.mg.size
-        if grad:  # one differentiable collective for both (one fixed order of backward collectives)
+        if grad:
             import torch.distributed._functional_collectives as fc
 
-            both = torch.cat([x.to(acc), w], 1)
-            both = fc.wait_tensor(fc.all_gather_tensor_autograd(both, 0, g))
-            return both[:, :x.shape[1]].to(x.dtype), both[:, x.shape[1]:]
-        xg = torch.empty((N * x.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
-        wg = torch.empty((N * w.shape[0], w.shape[1]), dtype=w.dtype, device=w.device)
-        dist.all_gather_into_tensor(xg, x.contiguous(), group=g)
-        dist.all_gather_into_tensor(wg, w.contiguous(), group=g)
-        return xg, wg
+            return fc.wait_tensor(fc.all_gather_tensor_autograd(t.contiguous(), 0, g))
+        out = t.new_empty((N * t.shape[0],) + tuple(t.shape[1:]))
+        dist.all_gather_into_tensor(out, t.contiguous(), group=g)
+        return out
 
     def _reduce_scatter(self, y: torch.Tensor, grad: bool) -> torch.Tensor:
         import torch.distributed as dist
@@ -260,11 +290,3 @@ class ExpertExchange:
         out = t.new_empty((sum(out_rows),) + tuple(t.shape[1:]))
         dist.all_to_all_single(out, t.contiguous(), out_rows, in_rows, group=g)
         return out
-
-    def _all_to_all(self, x: torch.Tensor, w: torch.Tensor, recv: list[int], send: list[int],
-                    grad: bool, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if grad:
-            both = self._a2a(torch.cat([x.to(acc), w], 1), recv, send, True)
-            return both[:, :x.shape[1]].to(x.dtype), both[:, x.shape[1]:]
-        return self._a2a(x, recv, send, False), self._a2a(w, recv, send, False)
-

@@ -19,6 +19,7 @@ from torch import nn
 
 from . import _C
 from .config import ConfigLike, config_args, config_json
+from .distributed import ExpertExchange, machine_group
 from .discovery import (PLAIN, ExpertMath, check_v4_block, expert_shape, find_moe_blocks, oai_math, oai_weights,
                         patch_v4_block, v4_projections)
 from .experts_check import check_experts
@@ -129,10 +130,12 @@ def offload(model: nn.Module, config: ConfigLike = None, *, train: bool | None =
     experts); for v4 per-expert modules apply it before. backward_format: the training
     path's transposed packs, "bf16" or "int8" (half the memory; default: the config's
     train.backward_format, bf16). Returns the engine (also
-    ``tandem_engine`` on the transformers model).
+    ``tandem_engine`` on the transformers model); under torch.distributed with the config's
+    ``distributed.cpu_experts`` shared (the default when a machine runs several ranks), only
+    the machine's first rank packs the experts and the others get None (``tandem.distributed``).
     """
     hf = hf_model(model)
-    if getattr(hf, "tandem_engine", None) is not None:
+    if getattr(hf, "tandem_engine", None) is not None or getattr(hf, "tandem_experts_group", None) is not None:
         raise ValueError("this model's experts are already offloaded to tandem")
     blocks = find_moe_blocks(hf)
     inner = [innermost(b.experts) for b in blocks]
@@ -172,31 +175,37 @@ def offload(model: nn.Module, config: ConfigLike = None, *, train: bool | None =
     if math.plain and act not in ("silu", "swish"):
         raise ValueError(f"expert activation {act!r} is not supported (silu only)")
     device = _model_device(hf)
-    if train:
+    # Several ranks on this machine: one of them holds the CPU experts (tandem.distributed).
+    mg = machine_group(config_json(config))
+    if mg is not None and not mg.is_owner:
+        engine = None
+    elif train:
         engine = make_lora_layers(config, shape, [b.layer for b in blocks],
                                   backward_format or config_json(config).get("train", {}).get("backward_format", "bf16"),
                                   math)
     else:
         engine = make_engine(config, shape, [b.layer for b in blocks], device, math=math)
-    bar = progress_bar(progress, shape[0] * len(blocks), "packing experts")
+    bar = progress_bar(progress and engine is not None, shape[0] * len(blocks), "packing experts")
     for i, (b, (experts, wrapper)) in enumerate(zip(blocks, inner)):
         gate, up, down, dtype, keep, biases = _layer_pointers(experts)
         interleaved = oai_math(experts) is not None  # gpt-oss's layout: its placeholders and adapters
         base = i * shape[0]
         step = (lambda d, t, base=base: bar(base + d)) if bar else None
-        if not train:
+        shared = {"exchange": ExpertExchange(mg, shape[0]), "shape": shape} if mg is not None else {}
+        if engine is not None:
             engine.load_layer(i, gate, up, down, dtype, progress=step, **biases)
+        if not train:
             if isinstance(experts, nn.ModuleList):
                 patch_v4_block(b.block, hf)
             fused = not isinstance(experts, nn.ModuleList)
             b.block.experts = TandemExperts(engine, i, b.layer, act, fused=fused, dtype=keep[0].dtype, device=device,
-                                            math=math, interleaved=interleaved)
+                                            math=math, interleaved=interleaved, **shared)
             if fused:
                 watch_block(b.block, b.block.experts)
             continue
-        engine.load_layer(i, gate, up, down, dtype, progress=step, **biases)
-        te = TandemLoraExperts(engine.layers[i], b.layer, not isinstance(experts, nn.ModuleList), keep[0].dtype, device,
-                               interleaved=interleaved)
+        te = TandemLoraExperts(engine.layers[i] if engine is not None else None, b.layer,
+                               not isinstance(experts, nn.ModuleList), keep[0].dtype, device,
+                               interleaved=interleaved, **shared)
         del keep
         if isinstance(experts, nn.ModuleList) and has_v4_lora(experts):
             attach_v4_lora(b.block, hf, experts, te)
@@ -213,9 +222,11 @@ def offload(model: nn.Module, config: ConfigLike = None, *, train: bool | None =
                 claim_wrappers(b.block.experts, te)
     if bar:
         bar(None)
-    share_cpu_with_torch(engine, device)
+    if engine is not None:
+        share_cpu_with_torch(engine, device)
     apply_config(config_json(config))  # trace.enabled: record from now on, write trace.path at exit
-    hf.tandem_engine = engine
+    hf.tandem_engine = engine  # None on a rank whose machine's experts another rank holds
+    hf.tandem_experts_group = mg
     return engine
 
 

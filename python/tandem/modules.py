@@ -180,11 +180,17 @@ class TandemExperts(_FusedPlaceholders):
                                "train=True (tandem.offload(model, config, train=True), or apply PEFT first), or run "
                                "inference under torch.no_grad() / torch.inference_mode() (model.generate does)")
         if self.exchange is not None:  # every rank of the machine takes part, with or without tokens
-            return self.exchange(x, top_k_index, top_k_weights, self._local if self.engine is not None else None)
+            local = None
+            if self.engine is not None:
+                def local(xs, ids, w):
+                    return self._local(xs, ids, w, fp32=True)
+            return self.exchange(x, top_k_index, top_k_weights, local)
         return self._local(x, top_k_index, top_k_weights)
 
-    def _local(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        """The experts this process's engine holds, on [T, H] (ids of other ranks' experts are -1)."""
+    def _local(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+               fp32: bool = False) -> torch.Tensor:
+        """The experts this process's engine holds, on [T, H] (ids of other ranks' experts are
+        -1), in x's dtype (fp32: in the engine's fp32)."""
         where = f"tandem experts (model layer {self.layer})"
         T = x.shape[0]
         if T == 0:
@@ -195,7 +201,7 @@ class TandemExperts(_FusedPlaceholders):
                 raise ValueError(f"{where}: the engine runs on {self.engine.stream} but hidden_states is on {dev}")
             check_cuda_call(where, self._cuda_binding, dev)
         elif dev.type != "cpu":  # host stream with a GPU model (gpu.device: none): round trip through the CPU
-            out = self._local(x.cpu(), top_k_index.cpu(), top_k_weights.cpu())
+            out = self._local(x.cpu(), top_k_index.cpu(), top_k_weights.cpu(), fp32)
             return out.to(dev)
         xin = x if x.dtype in (torch.bfloat16, torch.float32) else x.float()
         xin = xin.contiguous()
@@ -224,7 +230,7 @@ class TandemExperts(_FusedPlaceholders):
                 except Exception:  # noqa: BLE001 (the first error is the one reported)
                     pass
                 raise
-        return out if x.dtype == torch.float32 else out.to(x.dtype)
+        return out if x.dtype == torch.float32 or fp32 else out.to(x.dtype)
 
 
 class TandemLoraExperts(_FusedPlaceholders):

@@ -172,6 +172,10 @@ def _merge_into_packs(outer: nn.Module, te: TandemExperts, adapter_names: list[s
     """Re-packs te's layer with the chain's active adapter merged (``tandem.adapters.repack``,
     which refuses non-finite merged weights: PEFT's safe_merge check, always on)."""
     where = f"tandem experts (model layer {te.layer})"
+    if te.exchange is not None:
+        raise ValueError(f"{where}: these experts are shared by this machine's ranks ({te.exchange.mg.describe()}); "
+                         "merging an adapter into them is not supported: merge it into a checkpoint first (tandem "
+                         "merge) and load that, or set distributed.cpu_experts: per_rank")
     chain = _chain(outer)
     if any(m.merged for m in chain):  # the chain merges as one: done by its first wrapper's call
         return

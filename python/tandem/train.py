@@ -527,6 +527,8 @@ def memory_report(model, sel, args) -> str:
     from .config import config_json
 
     engine = model.tandem_engine
+    if engine is None:  # another rank of this machine holds the experts (tandem.distributed)
+        return f"CPU experts: held by {model.tandem_experts_group.describe()}"
     cfg = config_json(sel.config)
     fmt = cfg["cpu"]["format"]
     bwd = engine.backward_format

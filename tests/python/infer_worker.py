@@ -1,10 +1,11 @@
 """One process of test_distributed.py's inference tests (not a test module itself).
 
-    MASTER_ADDR=... MASTER_PORT=... RANK=r WORLD_SIZE=w python infer_worker.py OUT CKPT MODE COMM
+    MASTER_ADDR=... MASTER_PORT=... RANK=r WORLD_SIZE=w python infer_worker.py OUT CKPT MODE COMM [offload] [bf16]
 
 Loads CKPT for inference with ``distributed: {cpu_experts: MODE, comm: COMM}`` (torch's
 dense layers: ``cpu.dense_format: torch``, so that only the experts' placement differs
-between modes), runs one forward of this rank's prompt (its own length) and 4 greedy tokens
+between modes; with `offload`, transformers loads CKPT and ``tandem.offload`` moves its
+experts), runs one forward of this rank's prompt (its own length) and 4 greedy tokens
 with ``generate``, and writes OUT.rank<r>: the prompt, its logits, the generated ids, the
 logits of each generated step, which methods the exchanges ran, the engine's packed bytes
 (0 without one) and the process's resident memory after loading.
@@ -37,9 +38,16 @@ def main() -> None:
     torch.set_num_threads(1)
     cfg = {"version": 1, "cpu": {"threads": 1, "dense_format": "torch"}, "gpu": {"device": "none"},
            "distributed": {"cpu_experts": mode, "comm": comm, "alltoall_from_tokens": 6}}
-    model = tandem.load_model(ckpt, cfg, dtype=torch.float32, progress=False)
+    dtype = torch.bfloat16 if "bf16" in sys.argv[5:] else torch.float32
+    if "offload" in sys.argv[5:]:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).eval()
+        engine = tandem.offload(model, cfg, progress=False)
+    else:
+        model = tandem.load_model(ckpt, cfg, dtype=dtype, progress=False)
+        engine = model.tandem_engine
     rss = rss_bytes()
-    engine = model.tandem_engine
     ids = torch.randint(0, VOCAB, (1, LENGTHS[rank]), generator=torch.Generator().manual_seed(40 + rank))
     with torch.no_grad():
         logits = model(input_ids=ids).logits

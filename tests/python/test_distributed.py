@@ -48,8 +48,8 @@ def run_ranks(script: str, world: int, out: Path, *args: str, timeout: int = 120
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    for r, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"rank {r}:\n{log[-4000:]}"
+    failed = [f"rank {r}:\n{log[-4000:]}" for r, (p, log) in enumerate(zip(procs, logs)) if p.returncode != 0]
+    assert not failed, "\n".join(failed)
     return {r: torch.load(f"{out}.rank{r}") for r in range(world)}
 
 
@@ -143,16 +143,20 @@ def checkpoint(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("comm", ["auto", "allgather", "alltoall"])
-def test_shared_experts_inference_matches_a_copy_per_rank(checkpoint, comm, tmp_path):
+@pytest.mark.parametrize("comm,how", [("auto", "load"), ("allgather", "load"), ("alltoall", "load"),
+                                      ("auto", "offload"), ("allgather", "bf16"), ("alltoall", "bf16")])
+def test_shared_experts_inference_matches_a_copy_per_rank(checkpoint, comm, how, tmp_path):
     """2 ranks, rank 0 holding the experts for both (its prompt 9 tokens, rank 1's 4), against
     2 ranks with a copy each: the same logits for the prompt and for every generated step.
     Each row's expert output is the same fp32 arithmetic in both; the owner's kernels see both
     ranks' rows at once, and may block them otherwise (another order of the same fp32 sums,
     ~1e-7 relative), which moves a logit by ~1e-6 relative at most through 3 layers (bound
-    1e-4; a wrong expert or a dropped weight moves them by O(1))."""
-    shared = run_ranks("infer_worker.py", 2, tmp_path / "s.pt", str(checkpoint), "shared", comm)
-    copies = run_ranks("infer_worker.py", 2, tmp_path / "c.pt", str(checkpoint), "per_rank", comm)
+    1e-4; a wrong expert or a dropped weight moves them by O(1)). `how`: tandem.load_model, or
+    transformers' from_pretrained + tandem.offload, or load_model in bf16 (the owner's fp32
+    sums come back rounded to bf16 once, as one process rounds them)."""
+    extra = [how] if how != "load" else []
+    shared = run_ranks("infer_worker.py", 2, tmp_path / "s.pt", str(checkpoint), "shared", comm, *extra)
+    copies = run_ranks("infer_worker.py", 2, tmp_path / "c.pt", str(checkpoint), "per_rank", comm, *extra)
     assert shared[0]["remote"] == [False] * 3 and shared[1]["remote"] == [True] * 3
     assert shared[1]["packed"] == 0 and shared[0]["packed"] == copies[1]["packed"] > 0
     worst = 0.0
