@@ -114,7 +114,7 @@ def launch(args, mode: str, world: int) -> list[dict]:
         if world > 1:
             env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(world),
                        LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world))
-        cmd = [sys.executable, os.environ.get("BENCH_DIST_SELF", __file__), "--worker", "--mode", mode, "--ckpt", str(args.ckpt), "--out", str(out),
+        cmd = [sys.executable, __file__, "--worker", "--mode", mode, "--ckpt", str(args.ckpt), "--out", str(out),
                "--format", args.format, "--tokens", ",".join(map(str, args.tokens)), "--reps", str(args.reps),
                "--comm", args.comm, "--share", str(args.ranks)]
         procs.append(subprocess.Popen(cmd, env=env))
