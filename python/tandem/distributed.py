@@ -34,6 +34,7 @@ as the others'.
 """
 from __future__ import annotations
 
+import functools
 import socket
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -117,6 +118,23 @@ def machine_group(cfg_json: dict) -> MachineGroup | None:
                                 int(d.get("alltoall_from_tokens", 64)))
     assert mine is not None
     return mine if mine.size > 1 else None
+
+
+def sync_generation(model) -> None:
+    """Every rank of a machine must run each MoE layer the same number of times (each call is
+    a collective): transformers' ``generate`` on a rank that finishes first would stop calling
+    while the others wait for it. ``model.generate`` gets ``synced_gpus=True`` by default
+    (transformers' own mechanism for ZeRO-3 / FSDP: a finished rank keeps running forward
+    passes until every rank is done); passing ``synced_gpus=False`` is the caller's promise
+    that all ranks generate in step."""
+    gen = model.generate
+
+    @functools.wraps(gen)
+    def generate(*args, **kwargs):
+        kwargs.setdefault("synced_gpus", True)
+        return gen(*args, **kwargs)
+
+    model.generate = generate
 
 
 def _pad_rows(t: torch.Tensor, rows: int, value: float = 0) -> torch.Tensor:

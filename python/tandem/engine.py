@@ -19,7 +19,7 @@ from torch import nn
 
 from . import _C
 from .config import ConfigLike, config_args, config_json
-from .distributed import ExpertExchange, machine_group
+from .distributed import ExpertExchange, machine_group, sync_generation
 from .discovery import (PLAIN, ExpertMath, check_v4_block, expert_shape, find_moe_blocks, oai_math, oai_weights,
                         patch_v4_block, v4_projections)
 from .experts_check import check_experts
@@ -227,6 +227,8 @@ def offload(model: nn.Module, config: ConfigLike = None, *, train: bool | None =
     apply_config(config_json(config))  # trace.enabled: record from now on, write trace.path at exit
     hf.tandem_engine = engine  # None on a rank whose machine's experts another rank holds
     hf.tandem_experts_group = mg
+    if mg is not None:
+        sync_generation(hf)
     return engine
 
 

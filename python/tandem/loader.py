@@ -33,7 +33,7 @@ from .checkpoint_names import CheckpointNames
 from .attention import is_mla, use_mla_absorption, use_pool_attention
 from .dense import replace_dense, replace_norms
 from .discovery import PLAIN, ExpertMath, expert_shape, find_moe_blocks, oai_math
-from .distributed import ExpertExchange, machine_group
+from .distributed import ExpertExchange, machine_group, sync_generation
 from .engine import make_engine, make_lora_layers, share_cpu_with_torch
 from .experts_check import check_experts
 from .gguf_checkpoint import GGUFModel, check_expert_types, check_experts_present, expert_size_note, is_gguf
@@ -456,6 +456,8 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
     apply_config(cfg_json)  # trace.enabled: record from now on, write trace.path at exit
     model.tandem_engine = engine  # None on a rank whose machine's experts another rank holds
     model.tandem_experts_group = mg
+    if mg is not None:
+        sync_generation(model)
     model.tandem_checkpoint = str(path)
     model.tandem_skipped = skipped  # checkpoint tensors transformers does not run either (MTP layers)
     model.tandem_store = expert_store.path if expert_store is not None else None

@@ -1,12 +1,12 @@
 """One process of test_distributed.py's inference tests (not a test module itself).
 
-    MASTER_ADDR=... MASTER_PORT=... RANK=r WORLD_SIZE=w python infer_worker.py OUT CKPT MODE COMM [offload] [bf16]
+    MASTER_ADDR=... MASTER_PORT=... RANK=r WORLD_SIZE=w python infer_worker.py OUT CKPT MODE COMM [offload] [bf16] [uneven]
 
 Loads CKPT for inference with ``distributed: {cpu_experts: MODE, comm: COMM}`` (torch's
 dense layers: ``cpu.dense_format: torch``, so that only the experts' placement differs
 between modes; with `offload`, transformers loads CKPT and ``tandem.offload`` moves its
 experts), runs one forward of this rank's prompt (its own length) and 4 greedy tokens
-with ``generate``, and writes OUT.rank<r>: the prompt, its logits, the generated ids, the
+with ``generate`` (`uneven`: rank r generates 2 + 3 r tokens), and writes OUT.rank<r>: the prompt, its logits, the generated ids, the
 logits of each generated step, which methods the exchanges ran, the engine's packed bytes
 (0 without one) and the process's resident memory after loading.
 """
@@ -51,7 +51,8 @@ def main() -> None:
     ids = torch.randint(0, VOCAB, (1, LENGTHS[rank]), generator=torch.Generator().manual_seed(40 + rank))
     with torch.no_grad():
         logits = model(input_ids=ids).logits
-        gen = model.generate(ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True,
+        new = 2 + 3 * rank if "uneven" in sys.argv[5:] else 4
+        gen = model.generate(ids, max_new_tokens=new, do_sample=False, output_logits=True, return_dict_in_generate=True,
                              pad_token_id=0)
     calls = {}
     for m in model.modules():

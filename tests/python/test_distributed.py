@@ -174,3 +174,18 @@ def test_shared_experts_inference_matches_a_copy_per_rank(checkpoint, comm, how,
     else:
         assert calls == {comm: 15, ("alltoall" if comm == "allgather" else "allgather"): 0}
     assert copies[0]["calls"] == {}
+
+
+def test_ranks_generating_different_lengths_stay_in_step(checkpoint, tmp_path):
+    """Rank 0 generates 2 tokens, rank 1 5: every MoE call is a collective, so rank 0 keeps
+    running forward passes until rank 1 is done (generate's synced_gpus, which tandem turns on
+    for shared experts); without it rank 1 would wait forever. Each rank's tokens and logits
+    are those of a copy per rank."""
+    shared = run_ranks("infer_worker.py", 2, tmp_path / "s.pt", str(checkpoint), "shared", "auto", "uneven")
+    copies = run_ranks("infer_worker.py", 2, tmp_path / "c.pt", str(checkpoint), "per_rank", "auto", "uneven")
+    for r in range(2):
+        assert shared[r]["gen"].shape[1] == shared[r]["ids"].shape[1] + 2 + 3 * r
+        assert torch.equal(shared[r]["gen"], copies[r]["gen"]), r
+        assert rel(shared[r]["step_logits"], copies[r]["step_logits"]) < 1e-4
+    # both ranks ran the same number of exchanges: the forward, the prompts and 4 steps (3 layers each)
+    assert sum(shared[0]["calls"].values()) == sum(shared[1]["calls"].values()) == 3 * (1 + 1 + 4)
