@@ -35,7 +35,9 @@ as the others'.
 from __future__ import annotations
 
 import functools
+import os
 import socket
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -100,6 +102,13 @@ def machine_group(cfg_json: dict) -> MachineGroup | None:
             raise ValueError("distributed.cpu_experts is 'shared' but torch.distributed is not initialized: call "
                              "torch.distributed.init_process_group (or start under torchrun / accelerate launch) "
                              "before tandem.load_model, or set distributed.cpu_experts to per_rank")
+        world = os.environ.get("WORLD_SIZE", "1")
+        if world.isdigit() and int(world) > 1:  # a launcher started ranks, but no process group yet
+            warnings.warn(f"WORLD_SIZE is {world} but torch.distributed is not initialized yet, so this rank packs a "
+                          "copy of the experts of its own: initialize it before loading (torch.distributed."
+                          "init_process_group, or touch TrainingArguments(...).device / Accelerator() first) to share "
+                          "one copy per machine, or set distributed.cpu_experts: per_rank to keep a copy per rank",
+                          stacklevel=3)
         return None
     world = dist.get_world_size()
     if world == 1:

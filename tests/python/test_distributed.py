@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -121,7 +122,7 @@ def test_config_refuses_unknown_method_when_read():
     assert cfg["distributed"] == {"cpu_experts": "auto", "comm": "auto", "alltoall_from_tokens": 64}
 
 
-def test_shared_without_torch_distributed_is_refused():
+def test_shared_without_torch_distributed_is_refused(monkeypatch):
     from tandem.distributed import machine_group
 
     import torch.distributed as dist
@@ -130,6 +131,13 @@ def test_shared_without_torch_distributed_is_refused():
     with pytest.raises(ValueError, match="torch.distributed is not initialized"):
         machine_group({"distributed": {"cpu_experts": "shared"}})
     assert machine_group({"distributed": {"cpu_experts": "auto"}}) is None
+    # started by a launcher, loaded before the process group: one copy per rank, said aloud
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.warns(UserWarning, match="WORLD_SIZE is 4 but torch.distributed is not initialized"):
+        assert machine_group({"distributed": {"cpu_experts": "auto"}}) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert machine_group({"distributed": {"cpu_experts": "per_rank"}}) is None
 
 
 # ---- a whole model, for inference ----------------------------------------------------

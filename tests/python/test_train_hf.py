@@ -480,13 +480,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_workers(ckpt: Path, out: Path, world: int, *extra: str) -> dict:
+def run_workers(ckpt: Path, out: Path, world: int, *extra: str, script: str = "ddp_worker.py") -> dict:
     port = free_port()
     procs = []
     for rank in range(world):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                    WORLD_SIZE=str(world), LOCAL_RANK=str(rank), TANDEM_TORCH_THREADS="1", OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, str(HERE / "ddp_worker.py"), str(ckpt), str(out), *extra],
+        procs.append(subprocess.Popen([sys.executable, str(HERE / script), str(ckpt), str(out), *extra],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = []
     try:
@@ -566,6 +566,29 @@ def test_ddp_with_one_shared_copy_of_the_experts(checkpoint, tmp_path):
     assert upd[0] < 1e-3
     assert max(loss_rel) < 1e-4
     assert max(upd) < 5e-3
+
+
+def test_trainer_under_torchrun_shares_the_experts(checkpoint, tmp_path):
+    """The stock Trainer in 2 processes launched as torchrun would (trainer_worker.py: the
+    TrainingArguments initialize gloo, then load_model): the ranks share one copy of the
+    experts and train as with a copy each, to the bounds of the DDP test above (plain SGD,
+    3 steps; measured in the print)."""
+    shared = run_workers(checkpoint, tmp_path / "shared.pt", 2, script="trainer_worker.py")
+    per_rank = run_workers(checkpoint, tmp_path / "per_rank.pt", 2, "--per-rank", script="trainer_worker.py")
+    assert shared[0]["experts"] == ["TandemLoraExperts"] * 3
+    assert shared[1]["experts"] == ["TandemLoraExperts (remote)"] * 3
+    assert per_rank[1]["experts"] == ["TandemLoraExperts"] * 3
+    for n in shared[0]["params"]:
+        assert torch.equal(shared[0]["params"][n], shared[1]["params"][n]), n
+    got, want = shared[0], per_rank[0]
+    assert len(got["losses"]) == len(want["losses"]) == 3
+    loss_rel = [abs(a - b) / b for a, b in zip(got["losses"], want["losses"])]
+    upd = update_error(got["params"], want["params"], want["initial"])
+    print(f"[measure] Trainer, shared experts vs a copy per rank: loss rel {['%.1e' % v for v in loss_rel]} "
+          f"update rel {upd:.1e}")
+    assert loss_rel[0] < 1e-5
+    assert max(loss_rel) < 1e-4
+    assert upd < 5e-3
 
 
 # ---- 5. resume -------------------------------------------------------------------------
