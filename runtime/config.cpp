@@ -600,9 +600,10 @@ Config parse_config(std::string_view yaml, std::string_view origin, const fs::pa
     cfg.distributed.cpu_experts = read_choice(c, n, "distributed.cpu_experts", {"auto", "shared", "per_rank"});
   if (auto n = dist.value("comm"); present(n))
     cfg.distributed.comm = read_choice(c, n, "distributed.comm", {"auto", "allgather", "alltoall"});
-  if (auto n = dist.value("alltoall_from_tokens"); present(n))
+  if (auto n = dist.value("alltoall_from_tokens"); present(n)) {
     cfg.distributed.alltoall_from_tokens =
-        static_cast<int>(read_int(c, n, "distributed.alltoall_from_tokens", 1, 1 << 24));
+        scalar(n) == "auto" ? 0 : static_cast<int>(read_int(c, n, "distributed.alltoall_from_tokens", 1, 1 << 24));
+  }
   return cfg;
 }
 
@@ -661,7 +662,9 @@ std::string Config::to_json() const {
   j["train"] = {{"backward_format", train.backward_format}};
   j["distributed"] = {{"cpu_experts", distributed.cpu_experts},
                       {"comm", distributed.comm},
-                      {"alltoall_from_tokens", distributed.alltoall_from_tokens}};
+                      {"alltoall_from_tokens", distributed.alltoall_from_tokens == 0
+                                                   ? nlohmann::ordered_json("auto")
+                                                   : nlohmann::ordered_json(distributed.alltoall_from_tokens)}};
   // Replace invalid UTF-8 (a path with odd bytes) instead of throwing.
   return j.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
 }

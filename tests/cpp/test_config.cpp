@@ -97,6 +97,8 @@ distributed:
   EXPECT_EQ(c.distributed.cpu_experts, "shared");
   EXPECT_EQ(j["distributed"]["comm"], "alltoall");
   EXPECT_EQ(j["distributed"]["alltoall_from_tokens"], 16);
+  EXPECT_EQ(parse_config("distributed:\n  alltoall_from_tokens: auto\n", "p.yaml").distributed.alltoall_from_tokens, 0);
+  EXPECT_EQ(nlohmann::json::parse(parse_config("", "p.yaml").to_json())["distributed"]["alltoall_from_tokens"], "auto");
   EXPECT_EQ(j["gpu"]["hot_experts"]["policy"], "statistics");
   EXPECT_EQ(j["cpu"]["numa_nodes"], nlohmann::json({0, 1}));
 }
@@ -184,6 +186,8 @@ TEST(Config, BadValues) {
   // A method that is not built is refused when the config is read, not at the first forward.
   EXPECT_EQ(err("distributed:\n  comm: ring\n"),
             "p.yaml:2:9: distributed.comm: 'ring' is not one of: auto, allgather, alltoall");
+  EXPECT_EQ(err("distributed:\n  alltoall_from_tokens: 0\n"),
+            "p.yaml:2:25: distributed.alltoall_from_tokens: 0 is outside the allowed range [1, 16777216]");
   EXPECT_EQ(err("distributed:\n  cpu_experts: node\n"),
             "p.yaml:2:16: distributed.cpu_experts: 'node' is not one of: auto, shared, per_rank");
   EXPECT_EQ(err("version: 2\n"), "p.yaml:1:10: version: 2 is outside the allowed range [1, 1]");

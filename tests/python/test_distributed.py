@@ -119,7 +119,7 @@ def test_config_refuses_unknown_method_when_read():
     with pytest.raises(ValueError, match="distributed.comm: 'ring' is not one of: auto, allgather, alltoall"):
         config_json({"version": 1, "distributed": {"comm": "ring"}})
     cfg = config_json({"version": 1})
-    assert cfg["distributed"] == {"cpu_experts": "auto", "comm": "auto", "alltoall_from_tokens": 64}
+    assert cfg["distributed"] == {"cpu_experts": "auto", "comm": "auto", "alltoall_from_tokens": "auto"}
 
 
 def test_shared_without_torch_distributed_is_refused(monkeypatch):

@@ -126,7 +126,9 @@ struct Config {
     // How tokens reach the experts' owner: "auto" (by token count), "allgather" (all-gather,
     // then reduce-scatter) or "alltoall".
     std::string comm = "auto";
-    int alltoall_from_tokens = 64;  // auto: all-to-all from this many tokens on the busiest rank
+    // comm auto: all-to-all from this many tokens on the busiest rank; 0 ("auto"): by the
+    // transport (gloo: always, as measured; NCCL: from 64).
+    int alltoall_from_tokens = 0;
   } distributed;
 
   // -1 for "none", -2 for "auto", else the CUDA device index.
