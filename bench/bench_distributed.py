@@ -34,14 +34,6 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def batch(tokens: int, hidden: int, experts: int, top_k: int, seed: int):
     import torch
 
@@ -57,6 +49,7 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     import tandem
+    from bench_hf import status_kib
 
     torch.set_num_threads(1)
     ranks = int(os.environ.get("WORLD_SIZE", "1"))
@@ -69,7 +62,7 @@ def worker(args) -> None:
            "gpu": {"device": "none"},
            "distributed": {"cpu_experts": "per_rank" if args.mode == "per_rank" else "auto", "comm": args.comm}}
     model = tandem.load_model(args.ckpt, cfg, progress=False)
-    rss = rss_bytes()
+    rss = status_kib("VmRSS") * 1024
     experts = [m for m in model.modules() if type(m).__name__ == "TandemExperts"]
     hf = model.config
     E, H, K = hf.num_experts, hf.hidden_size, hf.num_experts_per_tok
