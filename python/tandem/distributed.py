@@ -120,8 +120,10 @@ def machine_group(cfg_json: dict) -> MachineGroup | None:
         machines.setdefault(m, []).append(r)
     me = dist.get_rank()
     mine = None
+    # NCCL moves GPU tensors only: CPU tensors (a model on the CPU) take gloo in the same group.
+    backend = "cpu:gloo,cuda:nccl" if "nccl" in str(dist.get_backend()) else None
     for ranks in machines.values():  # every rank creates every group, in the same order
-        g = dist.new_group(ranks)
+        g = dist.new_group(ranks, backend=backend)
         if me in ranks:
             mine = MachineGroup(g, ranks, ranks.index(me), 0, d.get("comm", "auto"),
                                 d.get("alltoall_from_tokens", "auto"))
