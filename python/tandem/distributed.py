@@ -131,6 +131,19 @@ def machine_group(cfg_json: dict) -> MachineGroup | None:
     return mine if mine.size > 1 else None
 
 
+def warn_partial_pool(mg: MachineGroup | None, cfg_json: dict) -> None:
+    """With shared experts the owner's pool serves the whole machine: a config that gives it a
+    subset of the NUMA nodes (as a copy per rank needed: ``cpu.numa_nodes: [local rank]``)
+    leaves the other nodes' cores idle. Said once, on the owner."""
+    nodes = cfg_json.get("cpu", {}).get("numa_nodes", "auto")
+    if mg is None or not mg.is_owner or nodes == "auto":
+        return
+    warnings.warn(f"distributed: this rank holds the CPU experts for all {mg.size} ranks of the machine, but "
+                  f"cpu.numa_nodes limits its pool to nodes {nodes}; remove cpu.numa_nodes (all nodes) unless that is "
+                  "intended, or set distributed.cpu_experts: per_rank for a copy per rank on its own node",
+                  stacklevel=3)
+
+
 def sync_generation(model) -> None:
     """Every rank of a machine must run each MoE layer the same number of times (each call is
     a collective): transformers' ``generate`` on a rank that finishes first would stop calling

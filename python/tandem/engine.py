@@ -19,7 +19,7 @@ from torch import nn
 
 from . import _C
 from .config import ConfigLike, config_args, config_json
-from .distributed import ExpertExchange, machine_group, sync_generation
+from .distributed import ExpertExchange, machine_group, sync_generation, warn_partial_pool
 from .discovery import (PLAIN, ExpertMath, check_v4_block, expert_shape, find_moe_blocks, oai_math, oai_weights,
                         patch_v4_block, v4_projections)
 from .experts_check import check_experts
@@ -177,6 +177,7 @@ def offload(model: nn.Module, config: ConfigLike = None, *, train: bool | None =
     device = _model_device(hf)
     # Several ranks on this machine: one of them holds the CPU experts (tandem.distributed).
     mg = machine_group(config_json(config))
+    warn_partial_pool(mg, config_json(config))
     if mg is not None and not mg.is_owner:
         engine = None
     elif train:

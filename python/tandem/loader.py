@@ -33,7 +33,7 @@ from .checkpoint_names import CheckpointNames
 from .attention import is_mla, use_mla_absorption, use_pool_attention
 from .dense import replace_dense, replace_norms
 from .discovery import PLAIN, ExpertMath, expert_shape, find_moe_blocks, oai_math
-from .distributed import ExpertExchange, machine_group, sync_generation
+from .distributed import ExpertExchange, machine_group, sync_generation, warn_partial_pool
 from .engine import make_engine, make_lora_layers, share_cpu_with_torch
 from .experts_check import check_experts
 from .gguf_checkpoint import GGUFModel, check_expert_types, check_experts_present, expert_size_note, is_gguf
@@ -290,6 +290,7 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
 
     # Several ranks on this machine: one of them holds the CPU experts (tandem.distributed).
     mg = machine_group(cfg_json)
+    warn_partial_pool(mg, cfg_json)
     if mg is not None and adapter is not None and not train:
         raise ValueError(f"adapter {adapter}: merging an adapter into experts shared by this machine's ranks "
                          f"({mg.describe()}) is not supported; merge it into a checkpoint first (tandem merge) and "

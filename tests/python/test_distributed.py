@@ -115,6 +115,19 @@ def test_exchange_matches_one_process(world, owners, method, tokens, tmp_path):
         assert calls[method] == 2 and sum(calls.values()) == 2
 
 
+def test_owner_told_when_its_pool_gets_part_of_the_machine():
+    from tandem.distributed import MachineGroup, warn_partial_pool
+
+    owner, other = MachineGroup(None, [0, 1], 0), MachineGroup(None, [0, 1], 1)
+    with pytest.warns(UserWarning, match=r"limits its pool to nodes \[0\]"):
+        warn_partial_pool(owner, {"cpu": {"numa_nodes": [0]}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_partial_pool(other, {"cpu": {"numa_nodes": [1]}})
+        warn_partial_pool(owner, {"cpu": {"numa_nodes": "auto"}})
+        warn_partial_pool(None, {"cpu": {"numa_nodes": [0]}})
+
+
 def test_config_refuses_unknown_method_when_read():
     with pytest.raises(ValueError, match="distributed.comm: 'ring' is not one of: auto, allgather, alltoall"):
         config_json({"version": 1, "distributed": {"comm": "ring"}})
