@@ -187,6 +187,9 @@ class ExpertExchange:
             raise ValueError(f"expert owners {self.owners.tolist()}: need one rank in [0, {mg.size}) per expert "
                              f"({experts})")
         self.calls = {m: 0 for m in METHODS}  # how often each method ran (auto's choices)
+        import torch.distributed as dist
+
+        self._nccl = "nccl" in str(dist.get_backend(mg.group))  # fixed per group: read once
 
     def method_for(self, busiest: int) -> str:
         """The method for a call whose busiest rank has `busiest` tokens (the same on every rank)."""
@@ -199,18 +202,13 @@ class ExpertExchange:
         n = self.mg.alltoall_from_tokens
         if n != "auto":
             return int(n)
-        import torch.distributed as dist
-
         # Measured over gloo (bench/RESULTS.md): all-to-all at every size (1..256 tokens, 1.0-2.8x
         # faster; gloo's reduce-scatter is slow). NCCL: vLLM's rule, all-gather for small batches
         # (not measured here).
-        return 64 if "nccl" in str(dist.get_backend(self.mg.group)) else 1
+        return 64 if self._nccl else 1
 
     def _comm_device(self, dev: torch.device) -> torch.device:
-        import torch.distributed as dist
-
-        backend = str(dist.get_backend(self.mg.group))
-        return dev if "nccl" in backend or dev.type == "cpu" else torch.device("cpu")
+        return dev if self._nccl or dev.type == "cpu" else torch.device("cpu")
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, local: Local | None,
                  keep: Sequence[torch.Tensor] = ()) -> torch.Tensor:

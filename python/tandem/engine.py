@@ -176,13 +176,14 @@ def offload(model: nn.Module, config: ConfigLike = None, *, train: bool | None =
         raise ValueError(f"expert activation {act!r} is not supported (silu only)")
     device = _model_device(hf)
     # Several ranks on this machine: one of them holds the CPU experts (tandem.distributed).
-    mg = machine_group(config_json(config))
-    warn_partial_pool(mg, config_json(config))
+    cfg_json = config_json(config)
+    mg = machine_group(cfg_json)
+    warn_partial_pool(mg, cfg_json)
     if mg is not None and not mg.is_owner:
         engine = None
     elif train:
         engine = make_lora_layers(config, shape, [b.layer for b in blocks],
-                                  backward_format or config_json(config).get("train", {}).get("backward_format", "bf16"),
+                                  backward_format or cfg_json.get("train", {}).get("backward_format", "bf16"),
                                   math)
     else:
         engine = make_engine(config, shape, [b.layer for b in blocks], device, math=math)
@@ -225,7 +226,7 @@ def offload(model: nn.Module, config: ConfigLike = None, *, train: bool | None =
         bar(None)
     if engine is not None:
         share_cpu_with_torch(engine, device)
-    apply_config(config_json(config))  # trace.enabled: record from now on, write trace.path at exit
+    apply_config(cfg_json)  # trace.enabled: record from now on, write trace.path at exit
     hf.tandem_engine = engine  # None on a rank whose machine's experts another rank holds
     hf.tandem_experts_group = mg
     if mg is not None:

@@ -27,8 +27,6 @@ def main() -> None:
 
     import tandem
     from ddp_worker import lora_config, random_lora, trainable
-
-    sys.path.insert(0, os.path.dirname(__file__))
     from test_train_hf import TokenDataset
 
     ckpt, out = sys.argv[1], sys.argv[2]
