@@ -21,6 +21,8 @@ gradient, and training (``train=True``) leaves every layer to torch.
 """
 from __future__ import annotations
 
+import inspect
+import re
 from collections import Counter
 from typing import Any
 
@@ -32,36 +34,162 @@ DENSE_FORMATS = ("auto", "torch", "bf16", "int8", "int4")
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
+class _Packed:
+    """One packed weight on tandem's kernels: a single layer's, or several layers' stacked
+    by output rows (a fused group, e.g. q/k/v). ``run(x, member)`` returns the whole
+    output [..., N] in x's dtype. For a group it remembers the last input and output: the
+    group's other members, called with the same tensor (the same object, unmodified), take
+    their columns from it instead of running the kernels again."""
+
+    def __init__(self, dense: Any, in_features: int, out_features: int, members: int) -> None:
+        self.dense = dense
+        self.in_features = in_features
+        self.out_features = out_features
+        self.members = members
+        self.biases: list[nn.Parameter] = []  # the members' own (state_dict, .to()), read at each run
+        self._bias = (None, None)  # (what they were, their fp32 concatenation)
+        self._last = None  # (x, version, y, members served): one reference, read and replaced whole
+        self.runs = 0      # kernel runs (a group's members share one run per input)
+
+    @staticmethod
+    def _version(x: torch.Tensor) -> int | None:
+        return None if x.is_inference() else x._version  # inference tensors keep no version counter
+
+    def cached(self, x: torch.Tensor, member: int) -> torch.Tensor | None:
+        """The output of the group's last run if it was on x (the same tensor, unmodified)
+        and this member has not taken it yet; else None."""
+        last = self._last
+        if last is None or last[0] is not x or member in last[3] or last[1] != self._version(x):
+            return None
+        last[3].add(member)
+        if len(last[3]) == self.members:
+            self._last = None  # every member served: drop the input and output
+        return last[2]
+
+    def _bias_fp32(self) -> torch.Tensor:
+        if len(self.biases) == 1:
+            return self.biases[0].float()
+        key = tuple((b.data_ptr(), b._version, b.dtype) for b in self.biases)
+        if self._bias[0] != key:
+            self._bias = (key, torch.cat([b.detach().float() for b in self.biases]))
+        return self._bias[1]
+
+    def run(self, x: torch.Tensor, member: int) -> torch.Tensor:
+        """Runs the kernels on x (checked by the caller); a group remembers x and the output."""
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype not in (torch.bfloat16, torch.float32):
+            x2 = x2.float()
+        x2 = x2.contiguous()
+        m = x2.shape[0]
+        y = torch.empty(m, self.out_features, dtype=torch.float32)
+        self.dense.forward(x2.data_ptr(), x2.dtype == torch.bfloat16, m, self.in_features, y.data_ptr(),
+                           self.out_features)
+        self.runs += 1
+        if self.biases:
+            y += self._bias_fp32()
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        if self.members > 1:
+            self._last = (x, self._version(x), y, {member})
+        return y
+
+
 class TandemLinear(nn.Module):
     """``nn.Linear``'s forward (``x @ W.T + b``) on tandem's packed kernels and pool.
 
     The weight lives packed in C++ (``weight`` is not kept; a NaN or Inf in it is refused,
     naming the element); the bias stays a torch tensor and is added in fp32 before the
-    output is rounded to the input's dtype."""
+    output is rounded to the input's dtype.
+
+    Layers that a module calls on the same input (q/k/v, gate/up) can share one packed
+    weight (``TandemLinear.fused``): the first call runs the kernels once for all of them
+    (one pool task, the input quantized once, the weights read in one stream) and each
+    member returns its columns of that output. Every output column is the same dot product
+    either way, so a member's output has the bits it would have alone."""
 
     def __init__(self, engine: Any, linear: nn.Linear, fmt: str, *, name: str,
                  group_size: int = 128, zero_point: bool = False) -> None:
         super().__init__()
-        w = linear.weight.detach()
-        if w.device.type != "cpu":
-            raise ValueError(f"{name}: weight is on {w.device}; tandem's dense kernels run on the CPU")
-        if w.dtype not in _DTYPES:
-            raise ValueError(f"{name}: weight dtype {w.dtype} is not supported (float32, bfloat16, float16)")
-        w = w.contiguous()
+        w = _checked_weight(linear, name)
+        self._setup(linear, fmt, name, w.dtype)
+        dense = engine.dense_linear(w.data_ptr(), self.out_features, self.in_features, _DTYPES[w.dtype], fmt,
+                                    group_size=group_size, zero_point=zero_point, name=name)
+        self._packed = _Packed(dense, self.in_features, self.out_features, 1)
+        if self.bias is not None:
+            self._packed.biases = [self.bias]
+        self._columns = None
+        self._member = 0
+
+    def _setup(self, linear: nn.Linear, fmt: str, name: str, dtype: torch.dtype) -> None:
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.format = fmt
         self.name = name
-        self.source_dtype = w.dtype
-        self._dense = engine.dense_linear(w.data_ptr(), self.out_features, self.in_features, _DTYPES[w.dtype], fmt,
-                                          group_size=group_size, zero_point=zero_point, name=name)
+        self.source_dtype = dtype
         bias = linear.bias
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
+    @classmethod
+    def fused(cls, engine: Any, layers: list[tuple[str, nn.Linear]], fmt: str, *, group_size: int = 128,
+              zero_point: bool = False) -> list[TandemLinear]:
+        """One TandemLinear per (name, layer), all on one packed weight (their weights stacked
+        by output rows). The layers must share in_features and weight dtype, and all or none
+        have a bias."""
+        ws = [_checked_weight(lin, name) for name, lin in layers]
+        k, dtype = layers[0][1].in_features, ws[0].dtype
+        if any(lin.in_features != k for _, lin in layers) or any(w.dtype != dtype for w in ws):
+            raise ValueError(f"{', '.join(n for n, _ in layers)}: a fused group needs one input width and weight dtype")
+        if len({lin.bias is None for _, lin in layers}) != 1:
+            raise ValueError(f"{', '.join(n for n, _ in layers)}: a fused group needs a bias on all layers or none")
+        names = [n for n, _ in layers]
+        joined = _joined_name(names)
+        stacked = torch.cat(ws)
+        try:
+            dense = engine.dense_linear(stacked.data_ptr(), stacked.shape[0], k, _DTYPES[dtype], fmt,
+                                        group_size=group_size, zero_point=zero_point, name=joined)
+        except ValueError:
+            for (name, _), w in zip(layers, ws):  # name the member and its element, as alone
+                bad = (~torch.isfinite(w)).nonzero()
+                if len(bad):
+                    r, c = bad[0].tolist()
+                    v = w[r, c].item()
+                    raise ValueError(f"{name}: weight element ({r}, {c}) is "
+                                     f"{'nan' if v != v else 'inf' if v > 0 else '-inf'}: not finite") from None
+            raise
+        del stacked
+        packed = _Packed(dense, k, sum(lin.out_features for _, lin in layers), len(layers))
+        out, c0 = [], 0
+        for i, (name, lin) in enumerate(layers):
+            m = cls.__new__(cls)
+            nn.Module.__init__(m)
+            m._setup(lin, fmt, name, dtype)
+            m._packed, m._columns, m._member = packed, (c0, c0 + lin.out_features), i
+            if m.bias is not None:
+                packed.biases.append(m.bias)
+            c0 += lin.out_features
+            out.append(m)
+        return out
+
+    @property
+    def fused_with(self) -> int:
+        """How many layers share this one's packed weight (1: not fused)."""
+        return self._packed.members
+
     @property
     def packed_bytes(self) -> int:
-        """Bytes of the packed weight (what a forward reads)."""
-        return self._dense.bytes
+        """Bytes of the packed weight (what a forward reads); a fused member counts its
+        share (its rows), so that the members' sum is the group's."""
+        total = self._packed.dense.bytes
+        if self._columns is None:
+            return total
+        c0, c1 = self._columns
+        N = self._packed.out_features
+        return total * c1 // N - total * c0 // N
+
+    def dequantized(self) -> torch.Tensor:
+        """This layer's packed weight as fp32 [out_features, in_features]: what forward
+        multiplies by (a fused member's rows of the group's weight)."""
+        w = torch.from_numpy(self._packed.dense.dequantized())
+        return w if self._columns is None else w[self._columns[0]:self._columns[1]].clone()
 
     @property
     def source_bytes(self) -> int:
@@ -69,6 +197,11 @@ class TandemLinear(nn.Module):
         return self.in_features * self.out_features * self.source_dtype.itemsize
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._columns is not None:
+            y = self._packed.cached(x, self._member)  # a member before this one ran on x: checked then
+            if y is not None:
+                c0, c1 = self._columns
+                return y[..., c0:c1]
         if x.shape[-1] != self.in_features:
             raise ValueError(f"{self.name}: input has {x.shape[-1]} features, the layer takes {self.in_features}")
         if x.device.type != "cpu":
@@ -76,21 +209,68 @@ class TandemLinear(nn.Module):
         if torch.is_grad_enabled() and x.requires_grad:
             raise RuntimeError(f"{self.name}: tandem's dense layers are inference only (no gradient); load the "
                                "model with train=True, or set cpu.dense_format: torch, to train through it")
-        x2 = x.reshape(-1, self.in_features)
-        if x2.dtype not in (torch.bfloat16, torch.float32):
-            x2 = x2.float()
-        x2 = x2.contiguous()
-        m = x2.shape[0]
-        y = torch.empty(m, self.out_features, dtype=torch.float32)
-        self._dense.forward(x2.data_ptr(), x2.dtype == torch.bfloat16, m, self.in_features, y.data_ptr(),
-                            self.out_features)
-        if self.bias is not None:
-            y += self.bias.float()
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        y = self._packed.run(x, self._member)
+        if self._columns is None:
+            return y
+        c0, c1 = self._columns
+        return y[..., c0:c1]
 
     def extra_repr(self) -> str:
+        fused = "" if self._columns is None else f", fused with {self._packed.members - 1} more (one packed weight)"
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"format={self.format} (from {str(self.source_dtype).removeprefix('torch.')})")
+                f"format={self.format} (from {str(self.source_dtype).removeprefix('torch.')}){fused}")
+
+
+def _checked_weight(linear: nn.Linear, name: str) -> torch.Tensor:
+    w = linear.weight.detach()
+    if w.device.type != "cpu":
+        raise ValueError(f"{name}: weight is on {w.device}; tandem's dense kernels run on the CPU")
+    if w.dtype not in _DTYPES:
+        raise ValueError(f"{name}: weight dtype {w.dtype} is not supported (float32, bfloat16, float16)")
+    return w.contiguous()
+
+
+def _joined_name(names: list[str]) -> str:
+    """"a.b.q_proj", "a.b.k_proj" -> "a.b.{q_proj,k_proj}"."""
+    heads = {n.rpartition(".")[0] for n in names}
+    if len(heads) == 1:
+        head = heads.pop()
+        return f"{head + '.' if head else ''}{{{','.join(n.rpartition('.')[2] for n in names)}}}"
+    return "+".join(names)
+
+
+_CALLS: dict[type, dict[str, str]] = {}
+
+
+def _call_arguments(parent: nn.Module) -> dict[str, str]:
+    """{child attribute: the one variable name its parent's forward passes it} for every
+    ``self.<child>(<name>)`` call in the source of ``type(parent).forward`` whose child is
+    always called with that same variable; {} when the source cannot be read."""
+    cls = type(parent)
+    if cls not in _CALLS:
+        args: dict[str, set[str]] = {}
+        try:
+            src = inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            src = ""
+        for m in re.finditer(r"self\.([A-Za-z_][A-Za-z_0-9]*)\(\s*([^()]*?)\s*\)", src):
+            args.setdefault(m.group(1), set()).add(m.group(2))
+        _CALLS[cls] = {c: a.pop() for c, a in args.items()
+                       if len(a) == 1 and re.fullmatch(r"[A-Za-z_][A-Za-z_0-9]*", next(iter(a)))}
+    return _CALLS[cls]
+
+
+def _fusable_groups(parent: nn.Module, children: list[tuple[str, nn.Linear, str]]) -> list[list[int]]:
+    """Indices into `children` (attribute, layer, format) of the groups to pack as one: the
+    parent's forward calls each member with the same variable (read from its source), and
+    the members share the input width, weight dtype, format and bias presence."""
+    calls = _call_arguments(parent)
+    by_key: dict[tuple, list[int]] = {}
+    for i, (attr, lin, f) in enumerate(children):
+        if attr in calls:
+            key = (calls[attr], lin.in_features, lin.weight.dtype, f, lin.bias is None)
+            by_key.setdefault(key, []).append(i)
+    return [g for g in by_key.values() if len(g) > 1]
 
 
 class TandemRMSNorm(nn.Module):
@@ -193,15 +373,21 @@ def dense_choice(fmt: str, weight_dtype: torch.dtype) -> str | None:
     return fmt
 
 
-def replace_dense(model: nn.Module, engine: Any, cpu_cfg: dict, keep: set[int] | None = None) -> dict[str, str]:
+def replace_dense(model: nn.Module, engine: Any, cpu_cfg: dict, keep: set[int] | None = None,
+                  fuse: bool = True) -> dict[str, str]:
     """Swaps the model's CPU ``nn.Linear`` layers for ``TandemLinear`` under
     ``cpu_cfg['dense_format']``; `keep`: ids of modules left alone (routers). Returns
     {module name: format} of the layers replaced. Tied weights (lm_head tied to the
-    embeddings) are packed like any other: the embedding keeps its own tensor."""
+    embeddings) are packed like any other: the embedding keeps its own tensor.
+
+    Sibling layers that their module's forward calls on the same variable (q/k/v, an MLP's
+    gate and up, MLA's q_a / kv_a projections; read from the forward's source) share one
+    packed weight (``TandemLinear.fused``), unless `fuse` is False."""
     fmt = cpu_cfg.get("dense_format", "auto")
     keep = keep or set()
     todo = []
     for name, mod in model.named_modules():
+        children = []
         for child_name, child in mod.named_children():
             if type(child) is not nn.Linear or id(child) in keep:
                 continue
@@ -209,12 +395,24 @@ def replace_dense(model: nn.Module, engine: Any, cpu_cfg: dict, keep: set[int] |
                 continue
             f = dense_choice(fmt, child.weight.dtype)
             if f is not None:
-                todo.append((mod, child_name, f"{name}.{child_name}" if name else child_name, child, f))
+                children.append((child_name, child, f))
+        groups = _fusable_groups(mod, children) if fuse else []
+        grouped = {i for g in groups for i in g}
+        full = lambda c: f"{name}.{c}" if name else c  # noqa: E731
+        todo += [(mod, [(children[i][0], full(children[i][0]), children[i][1]) for i in g], children[g[0]][2])
+                 for g in groups]
+        todo += [(mod, [(c, full(c), lin)], f) for i, (c, lin, f) in enumerate(children) if i not in grouped]
     done: dict[str, str] = {}
-    for parent, attr, full, child, f in todo:
-        setattr(parent, attr, TandemLinear(engine, child, f, name=full, group_size=int(cpu_cfg.get("group_size", 128)),
-                                           zero_point=bool(cpu_cfg.get("zero_point", False))))
-        done[full] = f
+    opts = dict(group_size=int(cpu_cfg.get("group_size", 128)), zero_point=bool(cpu_cfg.get("zero_point", False)))
+    for parent, members, f in todo:
+        if len(members) == 1:
+            attr, full, child = members[0]
+            layers = [TandemLinear(engine, child, f, name=full, **opts)]
+        else:
+            layers = TandemLinear.fused(engine, [(full, child) for _, full, child in members], f, **opts)
+        for (attr, full, _), layer in zip(members, layers):
+            setattr(parent, attr, layer)
+            done[full] = f
     return done
 
 

@@ -19,6 +19,7 @@ device at the time of the call (the engine follows it, ordering its earlier work
 """
 from __future__ import annotations
 
+import sys
 import weakref
 from dataclasses import dataclass
 
@@ -70,6 +71,16 @@ def _check_inputs(where: str, hidden: int, x: torch.Tensor, top_k_index: torch.T
     return T
 
 
+def _peft_is_asking() -> bool:
+    """Called from a parameter generator: whether the code iterating it (past torch's own
+    Module.parameters wrappers) is PEFT's. (A generator's frame's caller is the frame that
+    resumed it.)"""
+    f = sys._getframe(2)
+    while f is not None and f.f_globals.get("__name__") == "torch.nn.modules.module":
+        f = f.f_back
+    return f is not None and f.f_globals.get("__name__", "").partition(".")[0] == "peft"
+
+
 class _FusedPlaceholders(nn.Module):
     """For fused (v5) experts: answers ``gate_up_proj`` and ``down_proj`` with storage-free
     placeholders of the right shape, dtype and device (those of the ``tandem_probe`` buffer,
@@ -106,10 +117,12 @@ class _FusedPlaceholders(nn.Module):
         return super().__getattr__(name)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        # Only direct calls see the placeholders (PEFT's target_parameters matching); a parent's
-        # parameters() / state_dict() / DDP / optimizers walk _parameters and never do.
+        # Only PEFT sees the placeholders (its target_parameters matching calls this directly on
+        # each module). A parent's parameters() / state_dict() / DDP / optimizers walk
+        # _parameters and never call this; FSDP2 and DeepSpeed ZeRO-3 call it directly on each
+        # module, and must not take storage-free views of [E, 2I, H] for weights to shard.
         yield from super().named_parameters(prefix, recurse, remove_duplicate)
-        if self.fused:
+        if self.fused and _peft_is_asking():
             for n, p in self._placeholders().items():
                 yield (f"{prefix}.{n}" if prefix else n), p
 

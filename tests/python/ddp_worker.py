@@ -9,9 +9,13 @@ the averaged gradient, so the parameters compare as the gradients do); each step
 batch is BATCH fixed sequences, of which this rank takes its contiguous 1/w share. Each rank r writes
 OUT.rank<r>: {"losses": per-step loss averaged over ranks, "initial": the trainable
 parameters before training, "params": [the trainable parameters after each step],
-"experts": class names of the modules holding a tandem LoRA layer}.
+"experts": class names of the modules holding a tandem LoRA layer, "sharded" / "trainable":
+how many trainable parameters are FSDP2 shards / in all}.
 --per-rank: every rank packs its own copy of the experts (distributed.cpu_experts: per_rank);
 by default the machine's ranks share one copy, held by rank 0 (tandem.distributed).
+--fsdp wraps the model in torch's FSDP2 (``fully_shard`` on each decoder layer and the root,
+a CPU device mesh over gloo) instead of DDP: the trainable parameters are sharded over the
+ranks and their gradients reduce-scattered (averaged), the same arithmetic as DDP's.
 --no-ddp trains without the wrapper (no gradient averaging): a manual check that the test
 can fail. --micro N (one process) takes each step's batch as N micro-batches of BATCH/N
 sequences, sums their gradients and scales the sum by 1/N: with N = w, the exact
@@ -46,7 +50,25 @@ def random_lora(model, seed: int) -> None:
 
 
 def trainable(model) -> dict:
-    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    """The trainable parameters, whole (an FSDP2 shard is gathered)."""
+    out = {}
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            t = p.detach()
+            out[n] = (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
+    return out
+
+
+def shard(model):
+    """FSDP2 on CPU: each decoder layer, then the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
 
 
 def main() -> None:
@@ -74,7 +96,10 @@ def main() -> None:
     random_lora(model, 11)
     model.train()
     initial = trainable(model)
-    wrapped = DistributedDataParallel(model) if use_ddp else model
+    if "--fsdp" in flags:
+        wrapped = model = shard(model)
+    else:
+        wrapped = DistributedDataParallel(model) if use_ddp else model
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=LR)
     data = torch.randint(0, VOCAB, (STEPS, BATCH, SEQ), generator=torch.Generator().manual_seed(5))
@@ -97,7 +122,9 @@ def main() -> None:
         after.append(trainable(model))
     experts = [type(m).__name__ + ("" if m.lora_layer is not None else " (remote)")
                for m in model.modules() if hasattr(m, "lora_layer")]
-    torch.save({"losses": losses, "initial": initial, "params": after, "experts": experts}, f"{out}.rank{rank}")
+    sharded = sum(1 for p in params if hasattr(p, "full_tensor"))  # FSDP2's DTensors
+    torch.save({"losses": losses, "initial": initial, "params": after, "experts": experts, "sharded": sharded,
+                "trainable": len(params)}, f"{out}.rank{rank}")
     dist.barrier()
     dist.destroy_process_group()
 

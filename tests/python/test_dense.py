@@ -175,7 +175,7 @@ def test_quantized_layer_matches_its_dequantized_weights(ckpt, fmt, group, zero_
     torch.manual_seed(3)
     lin = nn.Linear(192, 70, bias=True)
     layer = TandemLinear(engine, lin, fmt, name="probe", group_size=group, zero_point=zero_point)
-    wq = torch.from_numpy(layer._dense.dequantized()).double()
+    wq = layer.dequantized().double()
     assert wq.shape == (70, 192) and layer.packed_bytes > 0
     x = torch.randn(3, 5, 192)
     for dtype in (torch.float32, torch.bfloat16):
@@ -219,3 +219,128 @@ def test_bad_input_is_named(ckpt, tmp_path):
         TandemLinear(engine, odd, "int4", name="odd", group_size=32)
     m = tandem.load_model(ckpt("deepseek_v3", "bf16"), cfg("int4", group_size=32), progress=False)
     assert type(m.model.layers[0].self_attn.kv_b_proj) is nn.Linear
+
+
+# ---- layers called on one input share a packed weight (TandemLinear.fused) -----------------
+
+class SharedInput(nn.Module):
+    """q/k/v called on one variable, o on another, w on two different ones."""
+
+    def __init__(self, bias: bool):
+        super().__init__()
+        self.q = nn.Linear(192, 96, bias=bias)
+        self.k = nn.Linear(192, 40, bias=bias)
+        self.v = nn.Linear(192, 40, bias=bias)
+        self.o = nn.Linear(96, 192, bias=bias)
+        self.w = nn.Linear(192, 8, bias=bias)
+
+    def forward(self, x):
+        y = self.o(self.q(x))
+        h = self.k(x) * self.v(x)
+        return y, h, self.w(x) + self.w(y)
+
+
+@pytest.mark.parametrize("fmt,bias", [("bf16", False), ("bf16", True), ("int8", True), ("int4", False)])
+def test_fused_layers_give_the_bits_of_each_layer_alone(ckpt, fmt, bias):
+    """Sibling layers that their module's forward calls on one variable (here q, k, v;
+    read from the forward's source) share one packed weight; each output column is the same
+    dot product as alone (same packed row, same quantized input), so every member's output
+    has the bits of the layer packed alone, for fp32 and bf16 inputs of any shape. Layers
+    called on another variable (o), or on several (w), stay alone."""
+    from tandem.dense import replace_dense
+
+    model = tandem.load_model(ckpt("qwen3_moe", "bf16"), cfg(), progress=False)
+    engine = model.tandem_engine
+    torch.manual_seed(5)
+    mod = SharedInput(bias).to(torch.bfloat16)
+    alone = {n: TandemLinear(engine, getattr(mod, n), fmt, name=n, group_size=32) for n in "qkv"}
+    done = replace_dense(mod, engine, {"dense_format": fmt, "group_size": 32})
+    assert done == {n: fmt for n in "qkvow"}
+    assert [getattr(mod, n).fused_with for n in "qkvow"] == [3, 3, 3, 1, 1]
+    packed = mod.q._packed
+    assert mod.k._packed is packed and mod.v._packed is packed and mod.o._packed is not packed
+    assert sum(getattr(mod, n).packed_bytes for n in "qkv") == packed.dense.bytes
+    for shape, dtype in [((3, 192), torch.float32), ((2, 5, 192), torch.bfloat16), ((1, 1, 192), torch.bfloat16)]:
+        x = torch.randn(shape).to(dtype)
+        runs = packed.runs
+        with torch.no_grad():
+            got = {n: getattr(mod, n)(x) for n in "kqv"}  # any order: the first call runs, the others take theirs
+            want = {n: alone[n](x) for n in "qkv"}
+        assert packed.runs == runs + 1
+        for n in "qkv":
+            assert got[n].dtype == dtype and got[n].shape == want[n].shape
+            assert torch.equal(got[n], want[n]), (n, shape, dtype)
+    with torch.no_grad():
+        y, h, g = mod(torch.randn(4, 192).bfloat16())
+    assert y.shape == (4, 192) and h.shape == (4, 40) and g.shape == (4, 8)
+
+
+def test_fused_layers_run_again_for_a_new_or_modified_input(ckpt):
+    """A member takes the group's last output only for the same tensor, unmodified, and once
+    per run: another tensor with equal values, an in-place change, or a member asking twice
+    runs the kernels again (outputs stay correct)."""
+    from tandem.dense import replace_dense
+
+    model = tandem.load_model(ckpt("qwen3_moe", "bf16"), cfg(), progress=False)
+    torch.manual_seed(6)
+    mod = SharedInput(False).to(torch.bfloat16)
+    ref = {n: getattr(mod, n) for n in "qkv"}
+    replace_dense(mod, model.tandem_engine, {"dense_format": "bf16"})
+    packed = mod.q._packed
+    x = torch.randn(2, 192).bfloat16()
+    with torch.no_grad():
+        def check(n, inp):
+            want = ref[n](inp).float()
+            got = getattr(mod, n)(inp).float()
+            assert ((got - want).abs() <= want.abs() * 2 ** -7 + 1e-6).all(), n
+        r = packed.runs
+        check("q", x)
+        check("k", x.clone())        # equal values, another tensor: runs
+        assert packed.runs == r + 2
+        check("v", x.clone())
+        assert packed.runs == r + 3
+        y = x.clone()
+        check("q", y)
+        y.mul_(2)                    # modified in place after q ran on it
+        check("k", y)
+        assert packed.runs == r + 5
+        check("k", y)                # k again on the same input: runs
+        assert packed.runs == r + 6
+        with torch.inference_mode():  # inference tensors (no version counter): identity alone
+            z = torch.randn(2, 192).bfloat16()
+            check("q", z)
+            check("k", z)
+            check("v", z)
+        assert packed.runs == r + 7 and packed._last is None  # every member served: dropped
+
+
+def test_models_fuse_their_projections(ckpt):
+    """Qwen3-MoE: q/k/v share one packed weight; DeepSeek-V3: each attention's q_a and kv_a
+    projections, the dense MLP's and the shared experts' gate and up; o, down, lm_head and
+    the routers stay alone (torch's, for the routers)."""
+    m = tandem.load_model(ckpt("qwen3_moe", "bf16"), cfg(), progress=False)
+    att = m.model.layers[0].self_attn
+    assert [getattr(att, n).fused_with for n in ("q_proj", "k_proj", "v_proj", "o_proj")] == [3, 3, 3, 1]
+    assert m.lm_head.fused_with == 1
+    d = tandem.load_model(ckpt("deepseek_v3", "bf16"), cfg(), progress=False)
+    fused = {n for n, mod in d.named_modules() if isinstance(mod, TandemLinear) and mod.fused_with > 1}
+    want = set()
+    for i, layer in enumerate(d.model.layers):
+        a = layer.self_attn
+        first = "q_a_proj" if hasattr(a, "q_a_proj") else "q_proj"
+        want |= {f"model.layers.{i}.self_attn.{first}", f"model.layers.{i}.self_attn.kv_a_proj_with_mqa"}
+        mlp = layer.mlp.shared_experts if hasattr(layer.mlp, "shared_experts") else layer.mlp
+        prefix = next(n for n, mod in d.named_modules() if mod is mlp)
+        want |= {f"{prefix}.gate_proj", f"{prefix}.up_proj"}
+    assert fused == want
+
+
+def test_a_fused_member_with_a_bad_weight_is_named(ckpt):
+    from tandem.dense import replace_dense
+
+    model = tandem.load_model(ckpt("qwen3_moe", "bf16"), cfg(), progress=False)
+    mod = SharedInput(False)
+    with torch.no_grad():
+        mod.v.weight[7, 3] = float("inf")
+    with pytest.raises(ValueError, match=r"^v: weight element \(7, 3\) is inf: not finite"):
+        replace_dense(mod, model.tandem_engine, {"dense_format": "bf16"})

@@ -568,6 +568,32 @@ def test_ddp_with_one_shared_copy_of_the_experts(checkpoint, tmp_path):
     assert max(upd) < 5e-3
 
 
+def test_fsdp2_trains_as_ddp_with_the_shared_experts(checkpoint, tmp_path):
+    """torch's FSDP2 (``fully_shard`` per decoder layer and on the root, a CPU mesh over gloo)
+    on the PEFT model whose machine shares one copy of the experts: every trainable parameter
+    is sharded over the 2 ranks, and training equals DDP's bit for bit (measured), since
+    FSDP2's reduce-scatter averages the same two fp32 gradients DDP's all-reduce does and
+    the sharded SGD step is elementwise. Bound: 1e-6 relative on the update and the losses
+    (another summation order of two terms could move the last bit). The experts' fused
+    placeholders (storage-free, for PEFT's target_parameters) are not parameters FSDP2 sees:
+    it would otherwise refuse them, or shard [E, 2I, H] views."""
+    fsdp = run_workers(checkpoint, tmp_path / "fsdp.pt", 2, "--fsdp")
+    ddp = run_workers(checkpoint, tmp_path / "ddp.pt", 2)
+    r0, r1 = fsdp[0], fsdp[1]
+    assert r0["experts"] == ["TandemLoraExperts"] * 3
+    assert r1["experts"] == ["TandemLoraExperts (remote)"] * 3
+    assert r0["sharded"] == r0["trainable"] > 0 and ddp[0]["sharded"] == 0
+    for s in range(len(r0["params"])):
+        for n in r0["params"][s]:
+            assert torch.equal(r0["params"][s][n], r1["params"][s][n]), (s, n)
+    loss_rel = [abs(a - b) / b for a, b in zip(r0["losses"], ddp[0]["losses"])]
+    upd = [update_error(r0["params"][s], ddp[0]["params"][s], ddp[0]["initial"]) for s in range(len(r0["params"]))]
+    print(f"[measure] FSDP2 vs DDP, shared experts: loss rel {['%.1e' % v for v in loss_rel]} "
+          f"update rel per step {['%.1e' % v for v in upd]}")
+    assert max(loss_rel) <= 1e-6
+    assert max(upd) <= 1e-6
+
+
 def test_trainer_under_torchrun_shares_the_experts(checkpoint, tmp_path):
     """The stock Trainer in 2 processes launched as torchrun would (trainer_worker.py: the
     TrainingArguments initialize gloo, then load_model): the ranks share one copy of the

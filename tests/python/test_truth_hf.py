@@ -60,7 +60,7 @@ def non_expert_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     # multiplies (a bf16 pack holds the bf16 values exactly), in the source's dtype.
     for name, m in model.named_modules():
         if isinstance(m, TandemLinear):
-            out[f"{name}.weight"] = torch.from_numpy(m._dense.dequantized()).to(m.source_dtype)
+            out[f"{name}.weight"] = m.dequantized().to(m.source_dtype)
     return {k: v for k, v in out.items() if ".mlp.experts." not in k}
 
 

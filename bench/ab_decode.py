@@ -1,0 +1,120 @@
+"""Decode (and prefill) tokens/s of one of tandem's per-token changes against the same model without it,
+alternated in one process (this machine's load changes from minute to minute, so only
+alternated figures compare):
+
+- ``norms``: the model's RMSNorms fused (tandem.dense.TandemRMSNorm) / transformers' own;
+- ``projections``: the layers a module calls on one input sharing a packed weight
+  (q/k/v, an MLP's gate and up, MLA's q_a / kv_a; ``TandemLinear.fused``) / each layer on
+  its own packed weight.
+
+    .venv/bin/python bench/ab_decode.py norms                  # int4 experts, int4 dense layers
+    .venv/bin/python bench/ab_decode.py projections --format bf16 --dense auto --rounds 8
+    .venv/bin/python bench/ab_decode.py projections --model deepseek-v2-lite --group-size 64
+
+The checkpoints are bench_hf.py's random ones (Qwen3-30B-A3B or DeepSeek-V2-Lite shapes,
+4 layers, vocabulary 32768), built once into tandem's cache.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.append(str(ROOT / "python"))
+
+import bench_hf  # noqa: E402
+import tandem  # noqa: E402
+from tandem.dense import TandemLinear, TandemRMSNorm  # noqa: E402
+from tandem.run import timed_generate  # noqa: E402
+
+
+def norm_slots(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, nn.Module]]:
+    """(parent, attribute, with the change, without it) for every fused RMSNorm."""
+    return [(par, n, m, m.inner) for par in model.modules() for n, m in par.named_children()
+            if isinstance(m, TandemRMSNorm)]
+
+
+def projection_slots(model: nn.Module, cfg: dict) -> list[tuple[nn.Module, str, nn.Module, nn.Module]]:
+    """(parent, attribute, fused member, the same layer packed alone) for every fused layer:
+    the model was loaded with cpu.dense_format torch; its linear layers are replaced here as
+    load_model replaces them, and the fused ones are also packed alone from their weights."""
+    from tandem.attention import is_mla, use_mla_absorption, use_pool_attention
+    from tandem.dense import replace_dense, replace_norms
+
+    engine = model.tandem_engine
+    keep = {id(c) for m in model.modules() if isinstance(getattr(m, "experts", None), nn.Module)
+            for c in m.children() if isinstance(c, nn.Linear)}
+    keep |= {id(m.kv_b_proj) for m in model.modules() if is_mla(m)}
+    linears = {n: m for n, m in model.named_modules() if type(m) is nn.Linear}
+    replace_dense(model, engine, cfg["cpu"], keep)
+    replace_norms(model)
+    if use_pool_attention(model, engine):
+        use_mla_absorption(model)
+    opts = dict(group_size=cfg["cpu"].get("group_size", 128))
+    slots = []
+    for pname, par in model.named_modules():
+        for n, m in par.named_children():
+            if isinstance(m, TandemLinear) and m.fused_with > 1:
+                alone = TandemLinear(engine, linears[f"{pname}.{n}"], m.format, name=m.name, **opts)
+                slots.append((par, n, m, alone))
+    return slots
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("what", choices=("norms", "projections"))
+    p.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(bench_hf.SHAPES))
+    p.add_argument("--format", default="int4", help="cpu.format (default int4)")
+    p.add_argument("--dense", default="int4", help="cpu.dense_format (default int4; not torch)")
+    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--new", type=int, default=24)
+    a = p.parse_args()
+    if a.dense == "torch":
+        p.error("--dense torch leaves these layers to torch: nothing to compare")
+    d = bench_hf.model_dir(a.model, 4, 32768)
+    cfg = {"version": 1, "cpu": {"format": a.format, "dense_format": a.dense, "group_size": a.group_size},
+           "gpu": {"device": "auto"}}
+    if a.what == "norms":
+        model = tandem.load_model(d, cfg, progress=False)
+        slots = norm_slots(model)
+    else:
+        model = tandem.load_model(d, dict(cfg, cpu=dict(cfg["cpu"], dense_format="torch")), progress=False)
+        slots = projection_slots(model, cfg)
+    print(f"{d}: {len(slots)} layers swapped ({a.what}); format {a.format}, dense {a.dense}; {a.prompt}-token "
+          f"prompt, {a.new} new tokens, {a.rounds} rounds alternated")
+    ids = torch.randint(0, 256, (1, a.prompt), generator=torch.Generator().manual_seed(1))
+    gen = dict(max_new_tokens=a.new, min_new_tokens=a.new, do_sample=False)
+    timed_generate(model, ids, **dict(gen, max_new_tokens=4, min_new_tokens=4))  # warm-up
+    res: dict[bool, list[float]] = {False: [], True: []}
+    pre: dict[bool, list[float]] = {False: [], True: []}
+    outs: dict[bool, torch.Tensor] = {}
+    for _ in range(a.rounds):
+        for on in (False, True):
+            for par, n, with_it, without in slots:
+                setattr(par, n, with_it if on else without)
+            out, t = timed_generate(model, ids, **gen)
+            res[on].append(t.decode_tps)
+            pre[on].append(t.prefill_tps)
+            outs[on] = out
+    same = torch.equal(outs[False], outs[True])
+    wins = sum(f > t for t, f in zip(res[False], res[True]))
+    for on in (False, True):
+        r = res[on]
+        print(f"{'with' if on else 'without':>7}: decode tok/s median {statistics.median(r):.1f}, best {max(r):.1f}, "
+              f"rounds {[round(x, 1) for x in r]}; prefill tok/s median {statistics.median(pre[on]):.0f}")
+    print(f"with the change faster in {wins} of {a.rounds} alternated pairs; median ratio "
+          f"{statistics.median(f / t for t, f in zip(res[False], res[True])):.3f} (prefill "
+          f"{statistics.median(f / t for t, f in zip(pre[False], pre[True])):.3f}); same tokens: {same}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
