@@ -5,11 +5,14 @@ alternated figures compare):
 - ``norms``: the model's RMSNorms fused (tandem.dense.TandemRMSNorm) / transformers' own;
 - ``projections``: the layers a module calls on one input sharing a packed weight
   (q/k/v, an MLP's gate and up, MLA's q_a / kv_a; ``TandemLinear.fused``) / each layer on
-  its own packed weight.
+  its own packed weight;
+- ``cache``: generate's default KV cache, appending in place (``tandem.kv_cache``) /
+  transformers' DynamicCache (torch.cat at every step); worth it with long prompts.
 
     .venv/bin/python bench/ab_decode.py norms                  # int4 experts, int4 dense layers
     .venv/bin/python bench/ab_decode.py projections --format bf16 --dense auto --rounds 8
     .venv/bin/python bench/ab_decode.py projections --model deepseek-v2-lite --group-size 64
+    .venv/bin/python bench/ab_decode.py cache --prompt 4096 --rounds 4
 
 The checkpoints are bench_hf.py's random ones (Qwen3-30B-A3B or DeepSeek-V2-Lite shapes,
 4 layers, vocabulary 32768), built once into tandem's cache.
@@ -68,7 +71,7 @@ def projection_slots(model: nn.Module, cfg: dict) -> list[tuple[nn.Module, str, 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=("norms", "projections"))
+    p.add_argument("what", choices=("norms", "projections", "cache"))
     p.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(bench_hf.SHAPES))
     p.add_argument("--format", default="int4", help="cpu.format (default int4)")
     p.add_argument("--dense", default="int4", help="cpu.dense_format (default int4; not torch)")
@@ -82,13 +85,13 @@ def main() -> int:
     d = bench_hf.model_dir(a.model, 4, 32768)
     cfg = {"version": 1, "cpu": {"format": a.format, "dense_format": a.dense, "group_size": a.group_size},
            "gpu": {"device": "auto"}}
-    if a.what == "norms":
+    if a.what in ("norms", "cache"):
         model = tandem.load_model(d, cfg, progress=False)
-        slots = norm_slots(model)
+        slots = norm_slots(model) if a.what == "norms" else []
     else:
         model = tandem.load_model(d, dict(cfg, cpu=dict(cfg["cpu"], dense_format="torch")), progress=False)
         slots = projection_slots(model, cfg)
-    print(f"{d}: {len(slots)} layers swapped ({a.what}); format {a.format}, dense {a.dense}; {a.prompt}-token "
+    print(f"{d}: {len(slots)} modules swapped ({a.what}); format {a.format}, dense {a.dense}; {a.prompt}-token "
           f"prompt, {a.new} new tokens, {a.rounds} rounds alternated")
     ids = torch.randint(0, 256, (1, a.prompt), generator=torch.Generator().manual_seed(1))
     gen = dict(max_new_tokens=a.new, min_new_tokens=a.new, do_sample=False)
@@ -100,7 +103,12 @@ def main() -> int:
         for on in (False, True):
             for par, n, with_it, without in slots:
                 setattr(par, n, with_it if on else without)
-            out, t = timed_generate(model, ids, **gen)
+            extra = {}
+            if a.what == "cache" and not on:
+                from transformers import DynamicCache
+
+                extra["past_key_values"] = DynamicCache(config=model.config)
+            out, t = timed_generate(model, ids, **gen, **extra)
             res[on].append(t.decode_tps)
             pre[on].append(t.prefill_tps)
             outs[on] = out

@@ -61,13 +61,13 @@ class Session:
     """A conversation and the KV cache of what the model has already seen of it."""
 
     def __init__(self, model, tok, system: str | None, gen: dict):
-        from transformers import DynamicCache
+        from .kv_cache import GrowingCache
 
         self.model, self.tok, self.system, self.gen = model, tok, system, gen
         # None: the tokenizer's own (a string, or a dict of named templates transformers picks from).
         self.template = None if tok.chat_template else PLAIN_TEMPLATE
         self.stop_ids = end_ids(model, tok)
-        self._cache_type = DynamicCache
+        self._cache_type = GrowingCache  # appends in place (tandem.kv_cache)
         self.reset()
 
     def reset(self) -> None:

@@ -34,6 +34,7 @@ from .attention import is_mla, use_mla_absorption, use_pool_attention
 from .dense import replace_dense, replace_norms
 from .discovery import PLAIN, ExpertMath, expert_shape, find_moe_blocks, oai_math
 from .distributed import ExpertExchange, machine_group, sync_generation, warn_partial_pool
+from .kv_cache import use_growing_cache
 from .engine import make_engine, make_lora_layers, share_cpu_with_torch
 from .experts_check import check_experts
 from .gguf_checkpoint import GGUFModel, check_expert_types, check_experts_present, expert_size_note, is_gguf
@@ -452,6 +453,9 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
             # One-token attention (generation) on the pool too: tandem.attention.
             model.tandem_attention = use_pool_attention(model, engine)
             model.tandem_mla = use_mla_absorption(model) if model.tandem_attention else 0
+    if not train and device.type == "cpu":
+        # generate appends to the KV cache in place (tandem.kv_cache), not by torch.cat.
+        use_growing_cache(model)
     if engine is not None:
         share_cpu_with_torch(engine, device)
     apply_config(cfg_json)  # trace.enabled: record from now on, write trace.path at exit
