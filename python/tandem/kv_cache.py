@@ -80,9 +80,20 @@ class GrowingCache(DynamicCache):
             self.layer_class_to_replicate = GrowingLayer
 
 
+def default_cache_is_dynamic(model) -> bool:
+    """Whether transformers' generate would make this model a ``DynamicCache`` (not an
+    encoder-decoder, Mamba-style, or a model with a cache of its own such as MiniMax's)."""
+    supports = getattr(model, "_supports_default_dynamic_cache", None)
+    return (not getattr(model.config, "is_encoder_decoder", False) and "mamba" not in type(model).__name__.lower()
+            and (supports is None or bool(supports())))
+
+
 def use_growing_cache(model) -> None:
     """``model.generate`` gets a fresh ``GrowingCache`` unless the call passes its own cache,
-    a ``cache_implementation`` (or the generation config names one), or ``use_cache=False``."""
+    a ``cache_implementation`` (or the generation config names one), or ``use_cache=False``.
+    Models that generate would not give a ``DynamicCache`` are left alone."""
+    if not default_cache_is_dynamic(model):
+        return
     gen = model.generate
 
     @functools.wraps(gen)

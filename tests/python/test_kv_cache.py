@@ -107,3 +107,27 @@ def test_sliding_window_layers_stay_transformers_own():
     cache = GrowingCache(config=c)
     assert [type(layer) for layer in cache.layers] == [DynamicSlidingWindowLayer, GrowingLayer] * 2
     assert GrowingCache().layer_class_to_replicate is GrowingLayer
+
+
+def test_models_with_a_cache_of_their_own_are_left_alone():
+    """generate keeps MiniMax's own cache (it refuses any other), encoder-decoders' and
+    Mamba's; the wrapper is not installed for them."""
+    from types import SimpleNamespace
+
+    from tandem.kv_cache import default_cache_is_dynamic, use_growing_cache
+
+    class MiniMaxForCausalLM:
+        config = SimpleNamespace(is_encoder_decoder=False)
+
+        @classmethod
+        def _supports_default_dynamic_cache(cls):
+            return False
+
+        def generate(self):
+            return "own"
+
+    m = MiniMaxForCausalLM()
+    use_growing_cache(m)
+    assert not default_cache_is_dynamic(m) and m.generate() == "own" and "generate" not in vars(m)
+    encdec = SimpleNamespace(config=SimpleNamespace(is_encoder_decoder=True), generate=lambda: "own")
+    assert not default_cache_is_dynamic(encdec)
