@@ -197,11 +197,16 @@ class TandemLinear(nn.Module):
         return self.in_features * self.out_features * self.source_dtype.itemsize
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._columns is not None:
-            y = self._packed.cached(x, self._member)  # a member before this one ran on x: checked then
-            if y is not None:
-                c0, c1 = self._columns
-                return y[..., c0:c1]
+        # A member before this one ran on x (checked then): its columns of that output.
+        y = None if self._columns is None else self._packed.cached(x, self._member)
+        if y is None:
+            y = self._run(x)
+        if self._columns is None:
+            return y
+        c0, c1 = self._columns
+        return y[..., c0:c1]
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"{self.name}: input has {x.shape[-1]} features, the layer takes {self.in_features}")
         if x.device.type != "cpu":
@@ -209,11 +214,7 @@ class TandemLinear(nn.Module):
         if torch.is_grad_enabled() and x.requires_grad:
             raise RuntimeError(f"{self.name}: tandem's dense layers are inference only (no gradient); load the "
                                "model with train=True, or set cpu.dense_format: torch, to train through it")
-        y = self._packed.run(x, self._member)
-        if self._columns is None:
-            return y
-        c0, c1 = self._columns
-        return y[..., c0:c1]
+        return self._packed.run(x, self._member)
 
     def extra_repr(self) -> str:
         fused = "" if self._columns is None else f", fused with {self._packed.members - 1} more (one packed weight)"
