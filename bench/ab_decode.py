@@ -6,12 +6,15 @@ alternated figures compare):
 - ``projections``: the layers a module calls on one input sharing a packed weight
   (q/k/v, an MLP's gate and up, MLA's q_a / kv_a; ``TandemLinear.fused``) / each layer on
   its own packed weight;
+- ``routers``: the MoE routers on tandem's kernels (tandem.router.TandemRouter) /
+  transformers' own;
 - ``cache``: generate's default KV cache, appending in place (``tandem.kv_cache``) /
   transformers' DynamicCache (torch.cat at every step); worth it with long prompts.
 
     .venv/bin/python bench/ab_decode.py norms                  # int4 experts, int4 dense layers
     .venv/bin/python bench/ab_decode.py projections --format bf16 --dense auto --rounds 8
     .venv/bin/python bench/ab_decode.py projections --model deepseek-v2-lite --group-size 64
+    .venv/bin/python bench/ab_decode.py routers --format bf16 --dense auto
     .venv/bin/python bench/ab_decode.py cache --prompt 4096 --rounds 4
 
 The checkpoints are bench_hf.py's random ones (Qwen3-30B-A3B or DeepSeek-V2-Lite shapes,
@@ -34,6 +37,7 @@ sys.path.append(str(ROOT / "python"))
 import bench_hf  # noqa: E402
 import tandem  # noqa: E402
 from tandem.dense import TandemLinear, TandemRMSNorm  # noqa: E402
+from tandem.router import TandemRouter  # noqa: E402
 from tandem.run import timed_generate  # noqa: E402
 
 
@@ -41,6 +45,12 @@ def norm_slots(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, nn.Mod
     """(parent, attribute, with the change, without it) for every fused RMSNorm."""
     return [(par, n, m, m.inner) for par in model.modules() for n, m in par.named_children()
             if isinstance(m, TandemRMSNorm)]
+
+
+def router_slots(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, nn.Module]]:
+    """(parent, attribute, with the change, without it) for every router on tandem's kernels."""
+    return [(par, n, m, m.inner) for par in model.modules() for n, m in par.named_children()
+            if isinstance(m, TandemRouter)]
 
 
 def projection_slots(model: nn.Module, cfg: dict) -> list[tuple[nn.Module, str, nn.Module, nn.Module]]:
@@ -71,7 +81,7 @@ def projection_slots(model: nn.Module, cfg: dict) -> list[tuple[nn.Module, str, 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=("norms", "projections", "cache"))
+    p.add_argument("what", choices=("norms", "projections", "routers", "cache"))
     p.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(bench_hf.SHAPES))
     p.add_argument("--format", default="int4", help="cpu.format (default int4)")
     p.add_argument("--dense", default="int4", help="cpu.dense_format (default int4; not torch)")
@@ -83,11 +93,14 @@ def main() -> int:
     if a.dense == "torch":
         p.error("--dense torch leaves these layers to torch: nothing to compare")
     d = bench_hf.model_dir(a.model, 4, 32768)
-    cfg = {"version": 1, "cpu": {"format": a.format, "dense_format": a.dense, "group_size": a.group_size},
+    cpu = {"format": a.format, "dense_format": a.dense}
+    if "int4" in (a.format, a.dense):  # the config refuses a group size no layer uses
+        cpu["group_size"] = a.group_size
+    cfg = {"version": 1, "cpu": cpu,
            "gpu": {"device": "auto"}}
-    if a.what in ("norms", "cache"):
+    if a.what in ("norms", "routers", "cache"):
         model = tandem.load_model(d, cfg, progress=False)
-        slots = norm_slots(model) if a.what == "norms" else []
+        slots = {"norms": norm_slots, "routers": router_slots}.get(a.what, lambda m: [])(model)
     else:
         model = tandem.load_model(d, dict(cfg, cpu=dict(cfg["cpu"], dense_format="torch")), progress=False)
         slots = projection_slots(model, cfg)

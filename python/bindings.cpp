@@ -546,6 +546,15 @@ PYBIND11_MODULE(_C, m) {
              d.forward(reinterpret_cast<const void*>(x), x_bf16, m, ldx, reinterpret_cast<float*>(y), ldy);
            }, py::arg("x"), py::arg("x_bf16"), py::arg("m"), py::arg("ldx"), py::arg("y"), py::arg("ldy"),
            "y [m x n] fp32 (row stride ldy) = x [m x k] (bf16 or fp32, row stride ldx) . W^T; waits for the pool.")
+      .def("route", [](DenseLinear& d, uintptr_t x, bool x_bf16, int m, int ldx, int top_k, bool renorm, uintptr_t logits,
+                       uintptr_t scores, bool scores_f32, uintptr_t index) {
+             py::gil_scoped_release nogil;
+             d.route(reinterpret_cast<const void*>(x), x_bf16, m, ldx, top_k, renorm, reinterpret_cast<uint16_t*>(logits),
+                     reinterpret_cast<void*>(scores), scores_f32, reinterpret_cast<int64_t*>(index));
+           }, py::arg("x"), py::arg("x_bf16"), py::arg("m"), py::arg("ldx"), py::arg("top_k"), py::arg("renorm"),
+           py::arg("logits"), py::arg("scores"), py::arg("scores_f32"), py::arg("index"),
+           "A softmax-then-top-k MoE router on this (bf16) weight: logits [m x n] bf16, scores [m x top_k] "
+           "(fp32 or bf16), index [m x top_k] int64 (tandem/dense.h).")
       .def("dequantized", [](const DenseLinear& d) {
              std::vector<float> v = d.dequantized();
              py::array_t<float> a({d.n(), d.k()});

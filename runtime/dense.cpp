@@ -203,3 +203,64 @@ void DenseLinear::forward(const void* x, bool x_bf16, int m, int ldx, float* y, 
 }
 
 }  // namespace tandem
+
+namespace tandem {
+
+void DenseLinear::route(const void* x, bool x_bf16, int m, int ldx, int top_k, bool renorm, uint16_t* logits,
+                        void* scores, bool scores_f32, int64_t* index) {
+  TANDEM_CHECK(format_.format == WeightFormat::bf16, Errc::invalid_argument, name_,
+               ": a router runs on a bf16 weight, not ", format_name(format_));
+  TANDEM_CHECK(top_k >= 1 && top_k <= n_, Errc::invalid_argument, name_, ": top_k = ", top_k, " is outside 1..",
+               n_, " (the number of experts)");
+  TANDEM_CHECK(m >= 0 && (m == 0 || (logits && scores && index)), Errc::invalid_argument, name_,
+               ": null router output");
+  if (m == 0) return;
+  std::vector<float> y(static_cast<size_t>(m) * n_);
+  forward(x, x_bf16, m, ldx, y.data(), n_);
+  std::vector<float> p(n_);
+  std::vector<std::pair<float, int64_t>> queue(n_);
+  for (int r = 0; r < m; ++r) {
+    float* yr = y.data() + static_cast<size_t>(r) * n_;
+    uint16_t* lr = logits + static_cast<size_t>(r) * n_;
+    float mx = -INFINITY;
+    for (int e = 0; e < n_; ++e) {
+      lr[e] = round_to_bf16(yr[e]);
+      yr[e] = from_bf16(lr[e]);
+      mx = std::max(mx, yr[e]);
+    }
+    float sum = 0.0f;
+    for (int e = 0; e < n_; ++e) sum += (p[e] = std::exp(yr[e] - mx));
+    for (int e = 0; e < n_; ++e) p[e] /= sum;
+    // torch.topk's selection on CPU (aten's topk_impl_loop): (value, index) pairs in index
+    // order, std::partial_sort when k * 64 <= n, else std::nth_element then std::sort, NaN
+    // first, equal values compared false. The same algorithm and comparator keep the
+    // same expert among equal probabilities as transformers' router does.
+    for (int e = 0; e < n_; ++e) queue[e] = {p[e], e};
+    auto first = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
+      return (std::isnan(a.first) && !std::isnan(b.first)) || a.first > b.first;
+    };
+    if (static_cast<int64_t>(top_k) * 64 <= n_) {
+      std::partial_sort(queue.begin(), queue.begin() + top_k, queue.end(), first);
+    } else {
+      std::nth_element(queue.begin(), queue.begin() + top_k - 1, queue.end(), first);
+      std::sort(queue.begin(), queue.begin() + top_k, first);
+    }
+    float* sf = scores_f32 ? static_cast<float*>(scores) + static_cast<size_t>(r) * top_k : nullptr;
+    uint16_t* sb = scores_f32 ? nullptr : static_cast<uint16_t*>(scores) + static_cast<size_t>(r) * top_k;
+    int64_t* ir = index + static_cast<size_t>(r) * top_k;
+    float top_sum = 0.0f;
+    for (int j = 0; j < top_k; ++j) {
+      ir[j] = queue[j].second;
+      top_sum += queue[j].first;
+    }
+    for (int j = 0; j < top_k; ++j) {
+      const float s = renorm ? queue[j].first / top_sum : queue[j].first;
+      if (sf)
+        sf[j] = s;
+      else
+        sb[j] = round_to_bf16(s);
+    }
+  }
+}
+
+}  // namespace tandem

@@ -16,7 +16,9 @@ Config ``cpu.dense_format`` chooses:
   are rounded; int8 is per output row, int4 uses ``cpu.group_size`` / ``cpu.zero_point``).
 
 Linear layers that are direct children of a MoE block (its router, a shared-expert gate)
-stay in torch: they choose which experts run. Inference only: a ``TandemLinear`` has no
+stay in torch: they choose which experts run (transformers' router modules of the
+softmax-then-top-k form run on tandem's kernels in bf16 instead, whatever the format:
+``tandem.router``). Inference only: a ``TandemLinear`` has no
 gradient, and training (``train=True``) leaves every layer to torch.
 """
 from __future__ import annotations
@@ -429,4 +431,6 @@ def describe_dense(model: nn.Module) -> str:
     formats = ", ".join(f"{n} {f}" for f, n in sorted(counts.items()))
     norms = getattr(model, "tandem_norms", None)
     fused = f"; {len(norms)} RMSNorms fused" if norms else ""
+    routers = getattr(model, "tandem_routers", None)
+    fused += f"; {len(routers)} routers" if routers else ""
     return f"dense layers: {len(done)} on tandem's kernels ({formats}; {packed / 2**20:.1f} MiB packed){fused}"

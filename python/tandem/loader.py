@@ -32,6 +32,7 @@ from .config import ConfigLike, config_json
 from .checkpoint_names import CheckpointNames
 from .attention import is_mla, use_mla_absorption, use_pool_attention
 from .dense import replace_dense, replace_norms
+from .router import replace_routers
 from .discovery import PLAIN, ExpertMath, expert_shape, find_moe_blocks, oai_math
 from .distributed import ExpertExchange, machine_group, sync_generation, warn_partial_pool
 from .kv_cache import use_growing_cache
@@ -439,8 +440,9 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
         else:
             model = merge_for_inference(model, engine, adapter, adapter_cfg, ckpt, naming, bar)
     if not train and device.type == "cpu" and engine is not None:
-        # The other linear layers on tandem's kernels (cpu.dense_format); the routers and
-        # shared-expert gates (direct children of a MoE block) stay in torch.
+        # The other linear layers on tandem's kernels (cpu.dense_format); nn.Linear routers and
+        # shared-expert gates (direct children of a MoE block) stay in torch (the routers of
+        # transformers' softmax-then-top-k form move to tandem.router below, in bf16).
         keep = {id(m) for b in blocks for m in b.block.children() if isinstance(m, nn.Linear)}
         # MLA's kv_b_proj stays a torch bf16 layer: one-token steps use its rows directly
         # (tandem.attention.use_mla_absorption), prefill expands the latents with it.
@@ -450,6 +452,8 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
         # Their RMSNorms too, where the fused kernel computes what they do (checked per kind).
         if cfg_json["cpu"].get("dense_format", "auto") != "torch":
             model.tandem_norms = replace_norms(model)
+            # The routers of the softmax-then-top-k form too (checked per module, tandem.router).
+            model.tandem_routers = replace_routers(model, engine, [b.block for b in blocks])
             # One-token attention (generation) on the pool too: tandem.attention.
             model.tandem_attention = use_pool_attention(model, engine)
             model.tandem_mla = use_mla_absorption(model) if model.tandem_attention else 0

@@ -42,6 +42,17 @@ class DenseLinear {
   // row stride ldx >= k. Blocks until done; rethrows a task's error.
   void forward(const void* x, bool x_bf16, int m, int ldx, float* y, int ldy);
 
+  // A MoE router of the softmax-then-top-k form (Qwen2/3-MoE, Mixtral, OLMoE, MiniMax:
+  // transformers' `F.linear` logits, softmax in fp32, top_k, optionally divided by their
+  // sum) for m rows: logits [m x n] (bf16 bits: the kernel's fp32 sums rounded once, as
+  // torch rounds its bf16 linear), scores [m x top_k] (fp32, or bf16 bits if
+  // !scores_f32) and index [m x top_k], largest first, selected as torch.topk selects on the
+  // CPU (the same std algorithms and comparator: equal probabilities resolve alike, NaN
+  // first). The products run as forward() does (bf16 weights only); the rest on the calling
+  // thread.
+  void route(const void* x, bool x_bf16, int m, int ldx, int top_k, bool renorm, uint16_t* logits, void* scores,
+             bool scores_f32, int64_t* index);
+
   int n() const { return n_; }
   int k() const { return k_; }
   const PackOptions& format() const { return format_; }
