@@ -149,6 +149,80 @@ TEST(RmsNorm, MatchesFp64WithinTwoBf16Roundings) {
             std::string::npos);
 }
 
+// A softmax-then-top-k router (DenseLinear::route): the logits are forward()'s output rounded
+// once to bf16; the chosen experts are the k most probable (none left out is more probable;
+// which of equal ones is torch.topk's rule, tested against torch in test_router.py); scores
+// against fp64 from the same bf16 logits: fp32 exp and sum (a few ulps) plus, for bf16
+// scores, one rounding (2^-8 relative).
+TEST(Dense, RouteIsSoftmaxTopKOfTheRoundedLogits) {
+  std::mt19937_64 rng(test::test_seed());
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const int n = 40, k = 96, m = 23;
+  std::vector<bf16_t> w(static_cast<size_t>(n) * k), x(static_cast<size_t>(m) * k);
+  for (auto& v : w) v = fp32_to_bf16(nd(rng) / std::sqrt(float(k)) * 3.0f);
+  for (auto& v : x) v = fp32_to_bf16(nd(rng));
+  auto pool = dense_pool(2);
+  DenseLinear d(*pool, kernels(), {w.data(), SourceType::bf16, n, k}, fmt(WeightFormat::bf16), "mlp.gate");
+  std::vector<float> y(static_cast<size_t>(m) * n);
+  d.forward(x.data(), true, m, k, y.data(), n);
+  for (const int top : {1, 6, n}) {
+    for (const bool renorm : {true, false}) {
+      for (const bool f32 : {true, false}) {
+        std::vector<uint16_t> logits(static_cast<size_t>(m) * n);
+        std::vector<float> sf(static_cast<size_t>(m) * top);
+        std::vector<uint16_t> sb(static_cast<size_t>(m) * top);
+        std::vector<int64_t> idx(static_cast<size_t>(m) * top);
+        d.route(x.data(), true, m, k, top, renorm, logits.data(), f32 ? static_cast<void*>(sf.data()) : sb.data(), f32,
+                idx.data());
+        for (int r = 0; r < m; ++r) {
+          std::vector<double> p(n);
+          double mx = -INFINITY, sum = 0, top_sum = 0;
+          for (int e = 0; e < n; ++e) {
+            ASSERT_EQ(logits[static_cast<size_t>(r) * n + e], fp32_to_bf16(y[static_cast<size_t>(r) * n + e]));
+            mx = std::max(mx, double(bf16_to_fp32(logits[static_cast<size_t>(r) * n + e])));
+          }
+          for (int e = 0; e < n; ++e) sum += p[e] = std::exp(double(bf16_to_fp32(logits[static_cast<size_t>(r) * n + e])) - mx);
+          std::vector<char> chosen(n);
+          for (int j = 0; j < top; ++j) {
+            const int64_t e = idx[static_cast<size_t>(r) * top + j];
+            ASSERT_TRUE(e >= 0 && e < n && !chosen[e]) << "row " << r << " slot " << j;
+            chosen[e] = 1;
+            top_sum += p[e] / sum;
+            if (j) ASSERT_LE(p[e], p[idx[static_cast<size_t>(r) * top + j - 1]]) << "largest first, row " << r;
+          }
+          double least = INFINITY, most_left = -INFINITY;
+          for (int e = 0; e < n; ++e) {
+            if (chosen[e])
+              least = std::min(least, p[e]);
+            else
+              most_left = std::max(most_left, p[e]);
+          }
+          ASSERT_GE(least, most_left) << "row " << r;
+          for (int j = 0; j < top; ++j) {
+            const double want = p[idx[static_cast<size_t>(r) * top + j]] / sum / (renorm ? top_sum : 1.0);
+            const double got = f32 ? sf[static_cast<size_t>(r) * top + j] : bf16_to_fp32(sb[static_cast<size_t>(r) * top + j]);
+            ASSERT_NEAR(got, want, want * ((f32 ? 0 : std::ldexp(1.0, -8)) + (n + 8) * std::ldexp(1.0, -23)))
+                << "top " << top << " renorm " << renorm << " row " << r << " slot " << j;
+          }
+        }
+      }
+    }
+  }
+  // Refused: top_k outside 1..n, and a weight not in bf16.
+  std::vector<uint16_t> l(n), s(n);
+  std::vector<int64_t> i(n);
+  EXPECT_NE(test::error_of([&] { d.route(x.data(), true, 1, k, 0, true, l.data(), s.data(), false, i.data()); })
+                .find("mlp.gate: top_k = 0 is outside 1..40"),
+            std::string::npos);
+  EXPECT_NE(test::error_of([&] { d.route(x.data(), true, 1, k, n + 1, true, l.data(), s.data(), false, i.data()); })
+                .find("top_k = 41"),
+            std::string::npos);
+  DenseLinear q(*pool, kernels(), {w.data(), SourceType::bf16, n, k}, fmt(WeightFormat::int8), "gate8");
+  EXPECT_NE(test::error_of([&] { q.route(x.data(), true, 1, k, 2, true, l.data(), s.data(), false, i.data()); })
+                .find("gate8: a router runs on a bf16 weight"),
+            std::string::npos);
+}
+
 TEST(Dense, BadInputIsRefused) {
   auto pool = dense_pool(1);
   std::vector<bf16_t> w(64 * 100, fp32_to_bf16(1.0f));
