@@ -217,8 +217,7 @@ void DenseLinear::route(const void* x, bool x_bf16, int m, int ldx, int top_k, b
   if (m == 0) return;
   std::vector<float> y(static_cast<size_t>(m) * n_);
   forward(x, x_bf16, m, ldx, y.data(), n_);
-  std::vector<float> p(n_);
-  std::vector<std::pair<float, int64_t>> queue(n_);
+  std::vector<std::pair<float, int64_t>> queue(n_);  // (probability, expert)
   for (int r = 0; r < m; ++r) {
     float* yr = y.data() + static_cast<size_t>(r) * n_;
     uint16_t* lr = logits + static_cast<size_t>(r) * n_;
@@ -229,13 +228,12 @@ void DenseLinear::route(const void* x, bool x_bf16, int m, int ldx, int top_k, b
       mx = std::max(mx, yr[e]);
     }
     float sum = 0.0f;
-    for (int e = 0; e < n_; ++e) sum += (p[e] = std::exp(yr[e] - mx));
-    for (int e = 0; e < n_; ++e) p[e] /= sum;
+    for (int e = 0; e < n_; ++e) sum += (queue[e].first = std::exp(yr[e] - mx));
     // torch.topk's selection on CPU (aten's topk_impl_loop): (value, index) pairs in index
     // order, std::partial_sort when k * 64 <= n, else std::nth_element then std::sort, NaN
     // first, equal values compared false. The same algorithm and comparator keep the
     // same expert among equal probabilities as transformers' router does.
-    for (int e = 0; e < n_; ++e) queue[e] = {p[e], e};
+    for (int e = 0; e < n_; ++e) queue[e] = {queue[e].first / sum, e};
     auto first = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
       return (std::isnan(a.first) && !std::isnan(b.first)) || a.first > b.first;
     };

@@ -6,8 +6,9 @@ torch's one thread (on the 2-core AMX Xeon ~150 us for Qwen3-30B-A3B's 128 x 204
 3.5 GB/s), then softmax, topk, sum, divide and casts at 5-25 us each. A decode token pays
 that once per MoE layer. ``TandemRouter`` runs the same math in one call: the logits on
 tandem's bf16 kernels and pool (fp32 sums, rounded once to bf16 as torch rounds its bf16
-linear), the softmax in fp32, the top k (largest first; equal probabilities keep the lower
-expert) and the optional division by their sum on the calling thread.
+linear), the softmax in fp32, the top k (largest first, selected as torch.topk selects on
+the CPU, so equal probabilities keep the same expert) and the optional division by their
+sum on the calling thread.
 
 ``replace_routers`` swaps a MoE block's router only after a probe shows that this math is
 the module's: the probe's inputs have one or two non-zero features, a power of two each,
@@ -87,9 +88,8 @@ def _probe(hidden: int, n: int, seed: int) -> torch.Tensor:
 
 
 def _agrees(want, got) -> bool:
-    """Whether a TandemRouter's (logits, scores, index) are the module's (see the module docstring)."""
-    if not (isinstance(want, tuple) and len(want) == 3 and all(isinstance(t, torch.Tensor) for t in want)):
-        return False
+    """Whether a TandemRouter's (logits, scores, index) are the module's (three tensors; see
+    the module docstring)."""
     (wl, ws, wi), (gl, gs, gi) = want, got
     if wl.dtype != gl.dtype or ws.dtype != gs.dtype or wi.dtype != gi.dtype:
         return False
@@ -125,28 +125,28 @@ def replace_routers(model: nn.Module, engine: Any, blocks: list[nn.Module]) -> l
                 continue
             head = names.get(id(block), "?")
             full = f"{head}.{attr}" if head else attr
-            form = _form(engine, child, k, full, seed=bi)
-            if form is not None:
-                setattr(block, attr, TandemRouter(engine, child, k, form[0], form[1], full))
+            fast = _checked(engine, child, k, full, seed=bi)
+            if fast is not None:
+                setattr(block, attr, fast)
                 done.append(full)
     return done
 
 
-def _form(engine: Any, router: nn.Module, k: int, name: str, seed: int) -> tuple[bool, torch.dtype] | None:
-    """(renorm, scores dtype) under which a TandemRouter gives what `router` gives on a
-    probe of its own weight, or None."""
+def _checked(engine: Any, router: nn.Module, k: int, name: str, seed: int) -> TandemRouter | None:
+    """A TandemRouter (its renorm and scores dtype found by the probe) that gives what
+    `router` gives on a probe of its own weight, or None."""
     probe = _probe(router.weight.shape[1], 24, seed)
     with torch.no_grad():
         want = router(probe)
-    if not (isinstance(want, tuple) and len(want) == 3 and isinstance(want[1], torch.Tensor)):
+    if not (isinstance(want, tuple) and len(want) == 3 and all(isinstance(t, torch.Tensor) for t in want)):
         return None
     sd = want[1].dtype
     if sd not in (torch.bfloat16, torch.float32):
         return None
-    cand = TandemRouter(engine, router, k, True, sd, name)
+    cand = TandemRouter(engine, router, k, True, sd, name)  # the weight packed once, for the probe and after
     for renorm in (True, False):
         cand.renorm = renorm
         with torch.no_grad():
             if _agrees(want, cand(probe)):
-                return renorm, sd
+                return cand
     return None
