@@ -9,13 +9,16 @@ alternated figures compare):
 - ``routers``: the MoE routers on tandem's kernels (tandem.router.TandemRouter) /
   transformers' own;
 - ``cache``: generate's default KV cache, appending in place (``tandem.kv_cache``) /
-  transformers' DynamicCache (torch.cat at every step); worth it with long prompts.
+  transformers' DynamicCache (torch.cat at every step); worth it with long prompts;
+- ``mla``: MLA's one-token attention from the latents in one call on the pool
+  (``_C.Engine.mla_decode``) / in torch bmm on one thread (DeepSeek-V2 / V3 shapes only).
 
     .venv/bin/python bench/ab_decode.py norms                  # int4 experts, int4 dense layers
     .venv/bin/python bench/ab_decode.py projections --format bf16 --dense auto --rounds 8
     .venv/bin/python bench/ab_decode.py projections --model deepseek-v2-lite --group-size 64
     .venv/bin/python bench/ab_decode.py routers --format bf16 --dense auto
     .venv/bin/python bench/ab_decode.py cache --prompt 4096 --rounds 4
+    .venv/bin/python bench/ab_decode.py mla --model deepseek-v2-lite --group-size 64
 
 The checkpoints are bench_hf.py's random ones (Qwen3-30B-A3B or DeepSeek-V2-Lite shapes,
 4 layers, vocabulary 32768), built once into tandem's cache.
@@ -53,6 +56,38 @@ def router_slots(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, nn.M
             if isinstance(m, TandemRouter)]
 
 
+class _Engine(nn.Module):
+    """A slot's stand-in for an MLA module's engine key (with: the engine; without: none)."""
+
+    def __init__(self, engine):
+        super().__init__()
+        self.engine = engine
+
+
+class _MlaSlot:
+    """setattr target: puts or removes an MLA attention module's engine (its one-token step
+    then runs on the pool, or in torch bmm)."""
+
+    def __init__(self, mod):
+        self.mod = mod
+
+    def __setattr__(self, name, value):
+        if name == "mod":
+            object.__setattr__(self, name, value)
+        elif value.engine is None:
+            self.mod.__dict__.pop("tandem_attention_engine", None)
+        else:
+            self.mod.__dict__["tandem_attention_engine"] = value.engine
+
+
+def mla_slots(model: nn.Module) -> list:
+    """(slot, key, with the change, without it) for every MLA attention module on the pool."""
+    from tandem.attention import is_mla
+
+    return [(_MlaSlot(m), "engine", _Engine(m.__dict__["tandem_attention_engine"]), _Engine(None))
+            for m in model.modules() if is_mla(m) and "tandem_attention_engine" in m.__dict__]
+
+
 def projection_slots(model: nn.Module, cfg: dict) -> list[tuple[nn.Module, str, nn.Module, nn.Module]]:
     """(parent, attribute, fused member, the same layer packed alone) for every fused layer:
     the model was loaded with cpu.dense_format torch; its linear layers are replaced here as
@@ -81,7 +116,7 @@ def projection_slots(model: nn.Module, cfg: dict) -> list[tuple[nn.Module, str, 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=("norms", "projections", "routers", "cache"))
+    p.add_argument("what", choices=("norms", "projections", "routers", "cache", "mla"))
     p.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(bench_hf.SHAPES))
     p.add_argument("--format", default="int4", help="cpu.format (default int4)")
     p.add_argument("--dense", default="int4", help="cpu.dense_format (default int4; not torch)")
@@ -98,9 +133,9 @@ def main() -> int:
         cpu["group_size"] = a.group_size
     cfg = {"version": 1, "cpu": cpu,
            "gpu": {"device": "auto"}}
-    if a.what in ("norms", "routers", "cache"):
+    if a.what in ("norms", "routers", "cache", "mla"):
         model = tandem.load_model(d, cfg, progress=False)
-        slots = {"norms": norm_slots, "routers": router_slots}.get(a.what, lambda m: [])(model)
+        slots = {"norms": norm_slots, "routers": router_slots, "mla": mla_slots}.get(a.what, lambda m: [])(model)
     else:
         model = tandem.load_model(d, dict(cfg, cpu=dict(cfg["cpu"], dense_format="torch")), progress=False)
         slots = projection_slots(model, cfg)

@@ -508,12 +508,14 @@ PYBIND11_MODULE(_C, m) {
       .def("decode_attention", [](Engine& e, int batch, int q_heads, int kv_heads, int head_dim, int value_dim, int keys,
                                   float scale, uintptr_t q, int64_t q_b, int64_t q_h, uintptr_t k, int64_t k_b, int64_t k_h,
                                   int64_t k_l, uintptr_t v, int64_t v_b, int64_t v_h, int64_t v_l, uintptr_t mask,
-                                  int64_t mask_b, uintptr_t out, int64_t out_b, int64_t out_h) {
+                                  int64_t mask_b, uintptr_t out, int64_t out_b, int64_t out_h, uintptr_t k2, int64_t k2_b,
+                                  int64_t k2_h, int64_t k2_l, int k2_dim) {
              DecodeAttention a;
              a.batch = batch, a.q_heads = q_heads, a.kv_heads = kv_heads, a.head_dim = head_dim;
              a.value_dim = value_dim, a.keys = keys, a.scale = scale;
              a.q = reinterpret_cast<const bf16_t*>(q), a.q_b = q_b, a.q_h = q_h;
              a.k = reinterpret_cast<const bf16_t*>(k), a.k_b = k_b, a.k_h = k_h, a.k_l = k_l;
+             a.k2 = reinterpret_cast<const bf16_t*>(k2), a.k2_b = k2_b, a.k2_h = k2_h, a.k2_l = k2_l, a.k2_dim = k2_dim;
              a.v = reinterpret_cast<const bf16_t*>(v), a.v_b = v_b, a.v_h = v_h, a.v_l = v_l;
              a.mask = reinterpret_cast<const uint8_t*>(mask), a.mask_b = mask_b;
              a.out = reinterpret_cast<bf16_t*>(out), a.out_b = out_b, a.out_h = out_h;
@@ -522,20 +524,47 @@ PYBIND11_MODULE(_C, m) {
            }, py::arg("batch"), py::arg("q_heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("value_dim"),
            py::arg("keys"), py::arg("scale"), py::arg("q"), py::arg("q_b"), py::arg("q_h"), py::arg("k"), py::arg("k_b"),
            py::arg("k_h"), py::arg("k_l"), py::arg("v"), py::arg("v_b"), py::arg("v_h"), py::arg("v_l"), py::arg("mask"),
-           py::arg("mask_b"), py::arg("out"), py::arg("out_b"), py::arg("out_h"),
+           py::arg("mask_b"), py::arg("out"), py::arg("out_b"), py::arg("out_h"), py::arg("k2") = 0,
+           py::arg("k2_b") = 0, py::arg("k2_h") = 0, py::arg("k2_l") = 0, py::arg("k2_dim") = 0,
            "One query row per sequence and head against a KV cache, on the engine's pool (tandem/attention.h): bf16 "
            "q [batch, q_heads, head_dim], k / v [batch, kv_heads, keys, dim], optional uint8 mask [batch, keys] "
-           "(0: no pointer), out bf16 [batch, q_heads, value_dim]; element strides")
+           "(0: no pointer), out bf16 [batch, q_heads, value_dim]; element strides; optional k2 [batch, kv_heads, "
+           "keys, k2_dim]: the keys' last k2_dim values held apart (k then holds head_dim - k2_dim)")
+      .def("mla_decode", [](Engine& e, DenseLinear& w_uk, DenseLinear& w_uv, int batch, int heads, int nope, int rope,
+                            int rank, int v_dim, int keys, float scale, uintptr_t q, int64_t q_b, int64_t q_h,
+                            uintptr_t latent, int64_t latent_b, int64_t latent_l, uintptr_t k_rope, int64_t k_rope_b,
+                            int64_t k_rope_l, uintptr_t mask, int64_t mask_b, uintptr_t out, int64_t out_b,
+                            int64_t out_h) {
+             MlaDecode a;
+             a.batch = batch, a.heads = heads, a.nope = nope, a.rope = rope, a.rank = rank, a.v_dim = v_dim;
+             a.keys = keys, a.scale = scale;
+             a.q = reinterpret_cast<const bf16_t*>(q), a.q_b = q_b, a.q_h = q_h;
+             a.latent = reinterpret_cast<const bf16_t*>(latent), a.latent_b = latent_b, a.latent_l = latent_l;
+             a.k_rope = reinterpret_cast<const bf16_t*>(k_rope), a.k_rope_b = k_rope_b, a.k_rope_l = k_rope_l;
+             a.mask = reinterpret_cast<const uint8_t*>(mask), a.mask_b = mask_b;
+             a.out = reinterpret_cast<bf16_t*>(out), a.out_b = out_b, a.out_h = out_h;
+             py::gil_scoped_release nogil;
+             mla_decode(e.pool(), e.isa(), w_uk, w_uv, a);
+           }, py::arg("w_uk"), py::arg("w_uv"), py::arg("batch"), py::arg("heads"), py::arg("nope"), py::arg("rope"),
+           py::arg("rank"), py::arg("v_dim"), py::arg("keys"), py::arg("scale"), py::arg("q"), py::arg("q_b"),
+           py::arg("q_h"), py::arg("latent"), py::arg("latent_b"), py::arg("latent_l"), py::arg("k_rope"),
+           py::arg("k_rope_b"), py::arg("k_rope_l"), py::arg("mask"), py::arg("mask_b"), py::arg("out"),
+           py::arg("out_b"), py::arg("out_h"),
+           "One-token MLA attention from the cached latents, weight-absorbed (tandem/attention.h): bf16 q [batch, "
+           "heads, nope + rope], latent [batch, keys, rank], k_rope [batch, keys, rope], optional uint8 mask "
+           "[batch, keys], out bf16 [batch, heads, v_dim]; w_uk / w_uv grouped layers (dense_linear groups=heads); "
+           "element strides")
       .def("dense_linear", [](Engine& e, uintptr_t w, int n, int k, const std::string& dtype, const std::string& format,
-                              int group_size, bool zero_point, const std::string& name) {
+                              int group_size, bool zero_point, const std::string& name, int groups) {
              const PackOptions o = pack_options(format, group_size, zero_point);
              WeightView v{reinterpret_cast<const void*>(w), source_type(dtype), n, k};
              py::gil_scoped_release nogil;
-             return std::make_shared<DenseLinear>(e.pool(), kernel_table(e.isa()), v, o, name);
+             return std::make_shared<DenseLinear>(e.pool(), kernel_table(e.isa()), v, o, name, groups);
            }, py::arg("weight"), py::arg("n"), py::arg("k"), py::arg("dtype"), py::arg("format"),
-           py::arg("group_size") = 128, py::arg("zero_point") = false, py::arg("name") = "dense",
+           py::arg("group_size") = 128, py::arg("zero_point") = false, py::arg("name") = "dense", py::arg("groups") = 1,
            py::keep_alive<0, 1>(),
-           "Packs a row-major [n x k] weight (nn.Linear layout) for forward on this engine's pool (tandem/dense.h).")
+           "Packs a row-major [n x k] weight (nn.Linear layout) for forward on this engine's pool (tandem/dense.h); "
+           "groups > 1: n / groups rows per group, each applied to its own k inputs of a row (bf16 only).")
       .def("reset_counts", [](Engine& e) { e.hybrid().reset_counts(); })
       .def("write_statistics", [](Engine& e, const std::filesystem::path& p) { e.hybrid().write_statistics(p); });
 
@@ -547,14 +576,19 @@ PYBIND11_MODULE(_C, m) {
            }, py::arg("x"), py::arg("x_bf16"), py::arg("m"), py::arg("ldx"), py::arg("y"), py::arg("ldy"),
            "y [m x n] fp32 (row stride ldy) = x [m x k] (bf16 or fp32, row stride ldx) . W^T; waits for the pool.")
       .def("route", [](DenseLinear& d, uintptr_t x, bool x_bf16, int m, int ldx, int top_k, bool renorm, uintptr_t logits,
-                       uintptr_t scores, bool scores_f32, uintptr_t index) {
+                       uintptr_t scores, bool scores_f32, uintptr_t index, bool sorted, bool logits_f32, float scale,
+                       int groups, int top_groups) {
+             DenseLinear::RouteOptions o;
+             o.sorted = sorted, o.logits_f32 = logits_f32, o.scale = scale, o.groups = groups, o.top_groups = top_groups;
              py::gil_scoped_release nogil;
-             d.route(reinterpret_cast<const void*>(x), x_bf16, m, ldx, top_k, renorm, reinterpret_cast<uint16_t*>(logits),
-                     reinterpret_cast<void*>(scores), scores_f32, reinterpret_cast<int64_t*>(index));
+             d.route(reinterpret_cast<const void*>(x), x_bf16, m, ldx, top_k, renorm, reinterpret_cast<void*>(logits),
+                     reinterpret_cast<void*>(scores), scores_f32, reinterpret_cast<int64_t*>(index), o);
            }, py::arg("x"), py::arg("x_bf16"), py::arg("m"), py::arg("ldx"), py::arg("top_k"), py::arg("renorm"),
-           py::arg("logits"), py::arg("scores"), py::arg("scores_f32"), py::arg("index"),
-           "A softmax-then-top-k MoE router on this (bf16) weight: logits [m x n] bf16, scores [m x top_k] "
-           "(fp32 or bf16), index [m x top_k] int64 (tandem/dense.h).")
+           py::arg("logits"), py::arg("scores"), py::arg("scores_f32"), py::arg("index"), py::arg("sorted") = true,
+           py::arg("logits_f32") = false, py::arg("scale") = 1.0f, py::arg("groups") = 1, py::arg("top_groups") = 1,
+           "A softmax-then-top-k MoE router on this (bf16) weight: logits [m x n] bf16 (fp32 with logits_f32), "
+           "scores [m x top_k] (fp32 or bf16), index [m x top_k] int64; optionally unsorted (torch.topk's "
+           "sorted=False order), scaled, group-limited (tandem/dense.h).")
       .def("dequantized", [](const DenseLinear& d) {
              std::vector<float> v = d.dequantized();
              py::array_t<float> a({d.n(), d.k()});
@@ -563,6 +597,7 @@ PYBIND11_MODULE(_C, m) {
            }, "The packed weight as fp32 [n x k]: what forward multiplies by.")
       .def_property_readonly("n", &DenseLinear::n)
       .def_property_readonly("k", &DenseLinear::k)
+      .def_property_readonly("groups", &DenseLinear::groups)
       .def_property_readonly("bytes", &DenseLinear::bytes)
       .def_property_readonly("name", &DenseLinear::name)
       .def_property_readonly("format", [](const DenseLinear& d) { return std::string(format_name(d.format())); });

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "bf16_round.h"
+#include "tandem/dense.h"
 #include "tandem/error.h"
 #include "tandem/trace.h"
 
@@ -20,7 +21,8 @@ namespace tandem {
 namespace {
 
 struct Loops {
-  void (*scores)(const float*, int, int, const bf16_t*, int64_t, int, const uint8_t*, float, float*, float*);
+  void (*scores)(const float*, int, int, const bf16_t*, int64_t, const bf16_t*, int64_t, int, int, const uint8_t*, float,
+                 float*, float*);
   void (*accumulate)(const float*, int, int, const bf16_t*, int64_t, int, float*);
   float (*exp_shifted)(const float*, float, int, float*);
   void (*widen)(const bf16_t*, int, float*);
@@ -96,8 +98,9 @@ class AttentionTask final : public Task {
     acc.assign(static_cast<size_t>(G_) * dv_, 0.f);
     for (int j = 0; j < G_; ++j) f_.widen(a_.q + b * a_.q_b + (g * G_ + j) * a_.q_h, dk, qf.data() + j * dk);
     const uint8_t* mask = a_.mask ? a_.mask + b * a_.mask_b + l0 : nullptr;
-    f_.scores(qf.data(), G_, dk, a_.k + b * a_.k_b + g * a_.k_h + l0 * a_.k_l, a_.k_l, n, mask, a_.scale, kf.data(),
-              s.data());
+    const bf16_t* k2 = a_.k2 ? a_.k2 + b * a_.k2_b + g * a_.k2_h + l0 * a_.k2_l : nullptr;
+    f_.scores(qf.data(), G_, dk, a_.k + b * a_.k_b + g * a_.k_h + l0 * a_.k_l, a_.k_l, k2, a_.k2_l, a_.k2 ? a_.k2_dim : 0,
+              n, mask, a_.scale, kf.data(), s.data());
     float* part = part_.data();
     for (int j = 0; j < G_; ++j) {
       float* sj = s.data() + static_cast<size_t>(j) * n;
@@ -161,7 +164,53 @@ void decode_attention(Pool& pool, IsaLevel level, const DecodeAttention& in) {
   TANDEM_CHECK(a.q && a.k && a.v && a.out, Errc::invalid_argument, "decode attention: ",
                !a.q ? "q" : !a.k ? "k" : !a.v ? "v" : "out", " is null");
   TANDEM_CHECK(std::isfinite(a.scale), Errc::invalid_argument, "decode attention: scale ", a.scale, " is not finite");
+  TANDEM_CHECK(!a.k2 || (a.k2_dim >= 1 && a.k2_dim < a.head_dim), Errc::invalid_argument,
+               "decode attention: k2_dim ", a.k2_dim, " must be in 1..head_dim - 1 = ", a.head_dim - 1,
+               " with a second key part");
   pool.run(std::make_shared<AttentionTask>(a, loops_for(level), pool.total_threads(), pool.subpools()));
+}
+
+void mla_decode(Pool& pool, IsaLevel level, DenseLinear& w_uk, DenseLinear& w_uv, const MlaDecode& a) {
+  const int B = a.batch, H = a.heads, r = a.rank;
+  TANDEM_CHECK(B >= 1 && H >= 1 && a.nope >= 1 && a.rope >= 1 && r >= 1 && a.v_dim >= 1 && a.keys >= 1,
+               Errc::invalid_argument, "MLA decode: batch ", B, ", heads ", H, ", nope ", a.nope, ", rope ", a.rope,
+               ", rank ", r, ", v_dim ", a.v_dim, ", keys ", a.keys, ": each must be positive");
+  TANDEM_CHECK(w_uk.groups() == H && w_uk.n() == H * r && w_uk.k() == a.nope, Errc::invalid_argument,
+               "MLA decode: ", w_uk.name(), " is ", w_uk.groups(), " groups of [", w_uk.n() / w_uk.groups(), " x ",
+               w_uk.k(), "], not ", H, " of [", r, " x ", a.nope, "]");
+  TANDEM_CHECK(w_uv.groups() == H && w_uv.n() == H * a.v_dim && w_uv.k() == r, Errc::invalid_argument,
+               "MLA decode: ", w_uv.name(), " is ", w_uv.groups(), " groups of [", w_uv.n() / w_uv.groups(), " x ",
+               w_uv.k(), "], not ", H, " of [", a.v_dim, " x ", r, "]");
+  TANDEM_CHECK(a.q && a.latent && a.k_rope && a.out, Errc::invalid_argument, "MLA decode: ",
+               !a.q ? "q" : !a.latent ? "latent" : !a.k_rope ? "k_rope" : "out", " is null");
+  const size_t BH = static_cast<size_t>(B) * H;
+  std::vector<bf16_t> qn(BH * a.nope), q(BH * (r + a.rope)), o_lat(BH * r);
+  std::vector<float> f(BH * std::max(r, a.v_dim));
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < H; ++h)
+      std::memcpy(qn.data() + (static_cast<size_t>(b) * H + h) * a.nope, a.q + b * a.q_b + h * a.q_h,
+                  sizeof(bf16_t) * a.nope);
+  w_uk.forward(qn.data(), true, B, H * a.nope, f.data(), H * r);  // q_lat, fp32
+  for (size_t i = 0; i < BH; ++i) {
+    bf16_t* qi = q.data() + i * (r + a.rope);
+    fp32_to_bf16(f.data() + i * r, qi, r);
+    const int b = static_cast<int>(i / H), h = static_cast<int>(i % H);
+    std::memcpy(qi + r, a.q + b * a.q_b + h * a.q_h + a.nope, sizeof(bf16_t) * a.rope);
+  }
+  DecodeAttention d;
+  d.batch = B, d.q_heads = H, d.kv_heads = 1, d.head_dim = r + a.rope, d.value_dim = r, d.keys = a.keys;
+  d.scale = a.scale;
+  d.q = q.data(), d.q_b = static_cast<int64_t>(H) * (r + a.rope), d.q_h = r + a.rope;
+  d.k = a.latent, d.k_b = a.latent_b, d.k_l = a.latent_l;
+  d.k2 = a.k_rope, d.k2_b = a.k_rope_b, d.k2_l = a.k_rope_l, d.k2_dim = a.rope;
+  d.v = a.latent, d.v_b = a.latent_b, d.v_l = a.latent_l;
+  d.mask = a.mask, d.mask_b = a.mask_b;
+  d.out = o_lat.data(), d.out_b = static_cast<int64_t>(H) * r, d.out_h = r;
+  decode_attention(pool, level, d);
+  w_uv.forward(o_lat.data(), true, B, H * r, f.data(), H * a.v_dim);
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < H; ++h)
+      fp32_to_bf16(f.data() + (static_cast<size_t>(b) * H + h) * a.v_dim, a.out + b * a.out_b + h * a.out_h, a.v_dim);
 }
 
 }  // namespace tandem

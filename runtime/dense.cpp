@@ -31,9 +31,18 @@ namespace {
 
 DenseLinear::DenseLinear(Pool& pool, const KernelTable& kernels, const WeightView& w, const PackOptions& format,
                          std::string name)
-    : pool_(pool), kt_(kernels), format_(format), name_(std::move(name)), n_(w.n), k_(w.k) {
+    : DenseLinear(pool, kernels, w, format, std::move(name), 1) {}
+
+DenseLinear::DenseLinear(Pool& pool, const KernelTable& kernels, const WeightView& w, const PackOptions& format,
+                         std::string name, int groups)
+    : pool_(pool), kt_(kernels), format_(format), name_(std::move(name)), n_(w.n), k_(w.k), groups_(groups) {
   TANDEM_CHECK(w.data && w.n > 0 && w.k > 0, Errc::invalid_argument, name_, ": dense weight [", w.n, " x ", w.k,
                "] is empty");
+  TANDEM_CHECK(groups >= 1 && w.n % groups == 0 && (groups == 1 || (w.n / groups) % kPanel == 0),
+               Errc::invalid_argument, name_, ": ", groups, " groups of a weight with n = ", w.n,
+               " rows: each group needs a multiple of ", kPanel, " rows");
+  TANDEM_CHECK(groups == 1 || format.format == WeightFormat::bf16, Errc::invalid_argument, name_,
+               ": a grouped dense layer runs on bf16 weights, not ", format_name(format));
   TANDEM_CHECK(format.format != WeightFormat::int4 || w.k % format.group == 0, Errc::invalid_argument, name_,
                ": k = ", w.k, " is not a multiple of the int4 group size ", format.group,
                " (choose a group that divides it, or another dense_format)");
@@ -128,7 +137,7 @@ class DenseLinear::Forward final : public Task {
           qa_.prepare(ps[0].w, m);
           break;
         }
-    if (!x_bf16) xb_.resize(static_cast<size_t>(m) * d.k_);
+    if (!x_bf16) xb_.resize(static_cast<size_t>(m) * d.k_ * d.groups_);
   }
   int phases() const override { return 2; }
   int items(int phase, int s) override {
@@ -157,10 +166,11 @@ class DenseLinear::Forward final : public Task {
       const int r0 = b * kPrepRows, r1 = std::min(m_, r0 + kPrepRows);
       // fp32 input is rounded to bf16 first in every format (as the experts see it), so
       // the result does not depend on the input's dtype.
+      const int row = d_.k_ * d_.groups_;
       if (!x_bf16_)
         for (int r = r0; r < r1; ++r)
           fp32_to_bf16(static_cast<const float*>(x_) + static_cast<size_t>(r) * ldx_,
-                       xb_.data() + static_cast<size_t>(r) * d_.k_, d_.k_);
+                       xb_.data() + static_cast<size_t>(r) * row, row);
       if (d_.format_.format != WeightFormat::bf16) {
         const bf16_t* a = x_bf16_ ? static_cast<const bf16_t*>(x_) : xb_.data();
         quantize_activations(qa_, a, x_bf16_ ? ldx_ : d_.k_, r0, r1, &d_.kt_);
@@ -172,9 +182,20 @@ class DenseLinear::Forward final : public Task {
     const Piece& pc = d_.pieces_[s][i];
     const int begin = (item - first[i]) * chunk_[s], end = std::min(pc.w.panels, begin + chunk_[s]);
     const bf16_t* a = x_bf16_ ? static_cast<const bf16_t*>(x_) : xb_.data();
-    const int lda = x_bf16_ ? ldx_ : d_.k_;
+    const int lda = x_bf16_ ? ldx_ : d_.k_ * d_.groups_;
     const bool quant = d_.format_.format != WeightFormat::bf16;
-    core::run_gemm(d_.kt_, pc.w, m_, begin, end, quant ? nullptr : a, quant ? &qa_ : nullptr, lda, y_ + pc.n0, ldy_);
+    if (d_.groups_ == 1) {
+      core::run_gemm(d_.kt_, pc.w, m_, begin, end, quant ? nullptr : a, quant ? &qa_ : nullptr, lda, y_ + pc.n0, ldy_);
+      return;
+    }
+    // Grouped (bf16): the panels of each group against that group's k inputs of every row.
+    const int per_group = d_.n_ / d_.groups_ / kPanel;  // panels per group
+    for (int p = begin; p < end;) {
+      const int g = (pc.n0 / kPanel + p) / per_group;
+      const int q = std::min(end, (g + 1) * per_group - pc.n0 / kPanel);
+      core::run_gemm(d_.kt_, pc.w, m_, p, q, a + static_cast<size_t>(g) * d_.k_, nullptr, lda, y_ + pc.n0, ldy_);
+      p = q;
+    }
   }
   void finished() override { trace::record("dense", begin_ns_, trace::now_ns(), {-1, -1, m_}); }
 
@@ -197,8 +218,8 @@ void DenseLinear::forward(const void* x, bool x_bf16, int m, int ldx, float* y, 
   TANDEM_CHECK(m >= 0, Errc::invalid_argument, name_, ": rows = ", m, " is negative");
   if (m == 0) return;
   TANDEM_CHECK(x && y, Errc::invalid_argument, name_, ": null input or output");
-  TANDEM_CHECK(ldx >= k_ && ldy >= n_, Errc::invalid_argument, name_, ": row strides ", ldx, " / ", ldy,
-               " are below the weight's k = ", k_, " / n = ", n_);
+  TANDEM_CHECK(ldx >= k_ * groups_ && ldy >= n_, Errc::invalid_argument, name_, ": row strides ", ldx, " / ", ldy,
+               " are below the input's ", k_ * groups_, " values (k = ", k_, " x ", groups_, " groups) / n = ", n_);
   pool_.run(std::make_shared<Forward>(*this, x, x_bf16, m, ldx, y, ldy));
 }
 
@@ -206,43 +227,72 @@ void DenseLinear::forward(const void* x, bool x_bf16, int m, int ldx, float* y, 
 
 namespace tandem {
 
-void DenseLinear::route(const void* x, bool x_bf16, int m, int ldx, int top_k, bool renorm, uint16_t* logits,
-                        void* scores, bool scores_f32, int64_t* index) {
-  TANDEM_CHECK(format_.format == WeightFormat::bf16, Errc::invalid_argument, name_,
-               ": a router runs on a bf16 weight, not ", format_name(format_));
+void DenseLinear::route(const void* x, bool x_bf16, int m, int ldx, int top_k, bool renorm, void* logits,
+                        void* scores, bool scores_f32, int64_t* index, const RouteOptions& o) {
+  TANDEM_CHECK(format_.format == WeightFormat::bf16 && groups_ == 1, Errc::invalid_argument, name_,
+               ": a router runs on a bf16 weight, not ", groups_ > 1 ? "a grouped one" : format_name(format_));
   TANDEM_CHECK(top_k >= 1 && top_k <= n_, Errc::invalid_argument, name_, ": top_k = ", top_k, " is outside 1..",
                n_, " (the number of experts)");
+  TANDEM_CHECK(o.groups >= 1 && n_ % o.groups == 0 && o.top_groups >= 1 && o.top_groups <= o.groups,
+               Errc::invalid_argument, name_, ": ", o.groups, " expert groups (", o.top_groups, " of them chosen) for ",
+               n_, " experts");
+  TANDEM_CHECK(o.groups == 1 || top_k <= n_ / o.groups * o.top_groups, Errc::invalid_argument, name_, ": top_k = ",
+               top_k, " is more than the ", n_ / o.groups * o.top_groups, " experts of ", o.top_groups, " groups");
   TANDEM_CHECK(m >= 0 && (m == 0 || (logits && scores && index)), Errc::invalid_argument, name_,
                ": null router output");
   if (m == 0) return;
   std::vector<float> y(static_cast<size_t>(m) * n_);
   forward(x, x_bf16, m, ldx, y.data(), n_);
-  std::vector<std::pair<float, int64_t>> queue(n_);  // (probability, expert)
+  using Pair = std::pair<float, int64_t>;  // (probability, expert)
+  std::vector<Pair> queue(n_), gq(o.groups);
+  // torch.topk's selection on CPU (aten's topk_impl_loop): (value, index) pairs in index
+  // order, std::partial_sort of the first k when k * 64 <= n, else std::nth_element at k - 1,
+  // then (sorted) std::sort of the first k - 1; NaN first, equal values compared false. The
+  // same algorithms and ranges keep the same expert among equal probabilities as
+  // transformers' router does.
+  auto first = [](const Pair& a, const Pair& b) { return (std::isnan(a.first) && !std::isnan(b.first)) || a.first > b.first; };
+  auto topk = [&](std::vector<Pair>& q, int k, bool sorted) {
+    if (static_cast<int64_t>(k) * 64 <= static_cast<int64_t>(q.size())) {
+      std::partial_sort(q.begin(), q.begin() + k, q.end(), first);
+    } else {
+      std::nth_element(q.begin(), q.begin() + k - 1, q.end(), first);
+      if (sorted) std::sort(q.begin(), q.begin() + k - 1, first);
+    }
+  };
   for (int r = 0; r < m; ++r) {
     float* yr = y.data() + static_cast<size_t>(r) * n_;
-    uint16_t* lr = logits + static_cast<size_t>(r) * n_;
     float mx = -INFINITY;
-    for (int e = 0; e < n_; ++e) {
-      lr[e] = round_to_bf16(yr[e]);
-      yr[e] = from_bf16(lr[e]);
-      mx = std::max(mx, yr[e]);
+    if (o.logits_f32) {
+      std::memcpy(static_cast<float*>(logits) + static_cast<size_t>(r) * n_, yr, sizeof(float) * n_);
+      for (int e = 0; e < n_; ++e) mx = std::max(mx, yr[e]);
+    } else {
+      uint16_t* lr = static_cast<uint16_t*>(logits) + static_cast<size_t>(r) * n_;
+      for (int e = 0; e < n_; ++e) {
+        lr[e] = round_to_bf16(yr[e]);
+        yr[e] = from_bf16(lr[e]);
+        mx = std::max(mx, yr[e]);
+      }
     }
     float sum = 0.0f;
     for (int e = 0; e < n_; ++e) sum += (queue[e].first = std::exp(yr[e] - mx));
-    // torch.topk's selection on CPU (aten's topk_impl_loop): (value, index) pairs in index
-    // order, std::partial_sort when k * 64 <= n, else std::nth_element then std::sort, NaN
-    // first, equal values compared false. The same algorithm and comparator keep the
-    // same expert among equal probabilities as transformers' router does.
     for (int e = 0; e < n_; ++e) queue[e] = {queue[e].first / sum, e};
-    auto first = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
-      return (std::isnan(a.first) && !std::isnan(b.first)) || a.first > b.first;
-    };
-    if (static_cast<int64_t>(top_k) * 64 <= n_) {
-      std::partial_sort(queue.begin(), queue.begin() + top_k, queue.end(), first);
-    } else {
-      std::nth_element(queue.begin(), queue.begin() + top_k - 1, queue.end(), first);
-      std::sort(queue.begin(), queue.begin() + top_k, first);
+    if (o.groups > 1) {  // scores.view(groups, per).max(-1), topk of those, the rest masked to 0
+      const int per = n_ / o.groups;
+      for (int g = 0; g < o.groups; ++g) {
+        float best = queue[static_cast<size_t>(g) * per].first;
+        for (int e = 1; e < per && !std::isnan(best); ++e) {
+          const float v = queue[static_cast<size_t>(g) * per + e].first;
+          best = std::isnan(v) || v > best ? v : best;
+        }
+        gq[g] = {best, g};
+      }
+      topk(gq, o.top_groups, false);
+      std::vector<char> keep(o.groups, 0);
+      for (int j = 0; j < o.top_groups; ++j) keep[gq[j].second] = 1;
+      for (int e = 0; e < n_; ++e)
+        if (!keep[e / per]) queue[e].first = 0.0f;
     }
+    topk(queue, top_k, o.sorted);
     float* sf = scores_f32 ? static_cast<float*>(scores) + static_cast<size_t>(r) * top_k : nullptr;
     uint16_t* sb = scores_f32 ? nullptr : static_cast<uint16_t*>(scores) + static_cast<size_t>(r) * top_k;
     int64_t* ir = index + static_cast<size_t>(r) * top_k;
@@ -252,7 +302,7 @@ void DenseLinear::route(const void* x, bool x_bf16, int m, int ldx, int top_k, b
       top_sum += queue[j].first;
     }
     for (int j = 0; j < top_k; ++j) {
-      const float s = renorm ? queue[j].first / top_sum : queue[j].first;
+      const float s = (renorm ? queue[j].first / top_sum : queue[j].first) * o.scale;
       if (sf)
         sf[j] = s;
       else

@@ -139,19 +139,29 @@ def _mla_decode(module: nn.Module, query: torch.Tensor, latent: tuple[torch.Tens
         mask = m if m.dtype == torch.bool else None
         if mask is None and not m.is_floating_point():
             return None
-    wk, wv = _absorbed_weights(module, H, nope, v_dim, r)
-    if wk.dtype != query.dtype:
+    engine = module.__dict__.get("tandem_attention_engine")
+    if (engine is not None and not (query.dtype == module.kv_b_proj.weight.dtype == torch.bfloat16
+                                    and r % 64 == 0 and v_dim % 64 == 0)):
+        engine = None  # (the grouped layers' panels are 64 outputs wide; bf16 only)
+    absorbed = _absorbed_weights(module, H, nope, v_dim, r, engine)
+    if engine is None and absorbed[0].dtype != query.dtype:
         return None
+    q_nope, q_rope = query[:, :, 0, :nope], query[:, :, 0, nope:]                  # [B, H, nope], [B, H, rope]
+    scale = float(scaling) if scaling is not None else (nope + rope) ** -0.5
+    if engine is not None:
+        if (attention_mask is not None and mask is None) or kv.dtype != torch.bfloat16 or k_rope.dtype != torch.bfloat16:
+            return None  # (an additive float mask, or latents in another dtype: expanded instead)
+        return _mla_decode_on_pool(engine, absorbed, query, nope, kv, k_rope, mask, scale, r, v_dim)
+    wk, wv = absorbed
     # Heads are rows of one product against each sequence's latents ([B, H, .] x [B, ., S]),
     # never a per-head copy of the cache; the weights' halves are batched over heads.
-    q_nope, q_rope = query[:, :, 0, :nope], query[:, :, 0, nope:]                  # [B, H, nope], [B, H, rope]
     q_lat = torch.bmm(q_nope.transpose(0, 1), wk).transpose(0, 1)                  # [B, H, r]
     kvf = kv[:, 0].float()                                                         # [B, S, r]
     # (latents x queries: the long operand untransposed, twice as fast here as queries x latents^T)
     scores = torch.bmm(kvf, q_lat.float().transpose(1, 2))                         # [B, S, H]
     scores += torch.bmm(k_rope[:, 0].float(), q_rope.float().transpose(1, 2))
     scores = scores.transpose(1, 2)                                                # [B, H, S]
-    scores *= float(scaling) if scaling is not None else (nope + rope) ** -0.5
+    scores *= scale
     if mask is not None:
         scores.masked_fill_(~mask[:, 0], float("-inf"))
     elif attention_mask is not None:
@@ -162,17 +172,55 @@ def _mla_decode(module: nn.Module, query: torch.Tensor, latent: tuple[torch.Tens
     return out.permute(2, 0, 1).unsqueeze(1).contiguous()                          # [B, 1, H, v]
 
 
-def _absorbed_weights(module: nn.Module, H: int, nope: int, v_dim: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """kv_b_proj's key and value halves, each [H, ., r] and contiguous (torch's bmm copies a
-    strided batch at every call: 0.4 / 3 ms per layer and step here), made once per weight
-    (its storage and version: an in-place change makes them again). They take as much memory
-    as kv_b_proj itself (DeepSeek-V3: 32 MiB per layer)."""
+def _mla_decode_on_pool(engine: Any, absorbed: tuple, query: torch.Tensor, nope: int, kv: torch.Tensor,
+                        k_rope: torch.Tensor, mask: torch.Tensor | None, scale: float, r: int,
+                        v_dim: int) -> torch.Tensor:
+    """The absorbed step in one call (``_C.Engine.mla_decode``, tandem/attention.h): q_lat =
+    q_nope W_UK per head, attention of [q_lat, q_rope] over the latents as keys (the rope
+    keys their second part) and values, then (softmax . latent) W_UV^T per head: three
+    pool tasks, no torch operation between them."""
+    wk, wv = absorbed
+    B, H, _, D = query.shape
+    rope, S = D - nope, kv.shape[2]
+    if query.stride(3) != 1:
+        query = query.contiguous()
+    if kv.stride(3) != 1:
+        kv = kv.contiguous()
+    if k_rope.stride(3) != 1:
+        k_rope = k_rope.contiguous()
+    m = None
+    if mask is not None:
+        m = mask[:, 0, 0, :]  # torch's bool bytes are 0 / 1: read as they are
+        if m.stride(-1) != 1:
+            m = m.contiguous()
+    out = torch.empty(B, 1, H, v_dim, dtype=torch.bfloat16)
+    engine.mla_decode(wk, wv, B, H, nope, rope, r, v_dim, S, scale, query.data_ptr(), query.stride(0),
+                      query.stride(1), kv.data_ptr(), kv.stride(0), kv.stride(2), k_rope.data_ptr(), k_rope.stride(0),
+                      k_rope.stride(2), 0 if m is None else m.data_ptr(),
+                      0 if m is None or m.shape[0] == 1 else m.stride(0), out.data_ptr(), H * v_dim, v_dim)
+    return out
+
+
+def _absorbed_weights(module: nn.Module, H: int, nope: int, v_dim: int, r: int, engine: Any = None) -> tuple:
+    """kv_b_proj's key and value halves, made once per weight (its storage and version: an
+    in-place change makes them again) and engine. With an engine (a bf16 weight): two
+    grouped layers on its pool (``DenseLinear`` with H groups; tandem/dense.h), the key
+    half transposed to [H * r, nope] (q_lat = q_nope W_UK per head) and the value half
+    [H * v, r]; without: the halves as torch tensors [H, nope, r] / [H, v, r], contiguous
+    (torch's bmm copies a strided batch at every call: 0.4 / 3 ms per layer and step here).
+    Either takes as much memory as kv_b_proj itself (DeepSeek-V3: 32 MiB per layer)."""
     w = module.kv_b_proj.weight
-    key = (w.data_ptr(), w._version, w.dtype)
+    key = (w.data_ptr(), w._version, w.dtype, id(engine))
     cached = module.__dict__.get("tandem_absorbed")
     if cached is None or cached[0] != key:
         w3 = w.detach().view(H, nope + v_dim, r)
-        cached = (key, w3[:, :nope, :].contiguous(), w3[:, nope:, :].contiguous())
+        wk, wv = w3[:, :nope, :].contiguous(), w3[:, nope:, :].contiguous()
+        if engine is not None:
+            name = f"layers.{getattr(module, 'layer_idx', '?')}.kv_b_proj"
+            wkt = wk.transpose(1, 2).contiguous()  # [H, r, nope]: group h's r outputs from its nope inputs
+            wk = engine.dense_linear(wkt.data_ptr(), H * r, nope, "bfloat16", "bf16", name=f"{name} (W_UK)", groups=H)
+            wv = engine.dense_linear(wv.data_ptr(), H * v_dim, r, "bfloat16", "bf16", name=f"{name} (W_UV)", groups=H)
+        cached = (key, wk, wv)
         module.__dict__["tandem_absorbed"] = cached
     return cached[1], cached[2]
 

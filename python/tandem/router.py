@@ -8,16 +8,21 @@ that once per MoE layer. ``TandemRouter`` runs the same math in one call: the lo
 tandem's bf16 kernels and pool (fp32 sums, rounded once to bf16 as torch rounds its bf16
 linear), the softmax in fp32, the top k (largest first, selected as torch.topk selects on
 the CPU, so equal probabilities keep the same expert) and the optional division by their
-sum on the calling thread.
+sum on the calling thread. DeepSeek-V2's router (``topk_method`` greedy or
+group_limited_greedy) is the same form with fp32 logits (its fp32 linear of the same bf16
+values: tandem's fp32 sums, not rounded), torch.topk(sorted=False)'s order, the
+probabilities of all but the ``topk_group`` best groups set to 0 first (group-limited),
+and every score times ``routed_scaling_factor``: its fp32 copy of the weight made at every
+call (~100-200 us per MoE layer) goes too.
 
 ``replace_routers`` swaps a MoE block's router only after a probe shows that this math is
 the module's: the probe's inputs have one or two non-zero features, a power of two each,
 so the logits are exact in any summation order and both sides must agree on them bit for
 bit; the expert indices must then be the same (or tied), and the scores the same within
 one rounding of their dtype. The probe also decides whether the module divides by the top
-k's sum and in which dtype it returns the scores. Routers of other forms (DeepSeek's
-sigmoid with groups and a bias, gpt-oss's top-k-then-softmax in bf16 with a bias, fp32
-weights) fail it and stay in torch. Inference only: inputs that need a gradient, other
+k's sum, whether its order is torch.topk's sorted one, and in which dtypes it returns the
+logits and scores. Routers of other forms (DeepSeek-V3's sigmoid with groups and a bias,
+gpt-oss's top-k-then-softmax in bf16 with a bias, fp32 weights) fail it and stay in torch. Inference only: inputs that need a gradient, other
 dtypes or devices go to the module replaced.
 """
 from __future__ import annotations
@@ -32,7 +37,8 @@ class TandemRouter(nn.Module):
     """A softmax-then-top-k router on tandem's kernels (see the module docstring)."""
 
     def __init__(self, engine: Any, router: nn.Module, top_k: int, renorm: bool, scores_dtype: torch.dtype,
-                 name: str) -> None:
+                 name: str, logits_dtype: torch.dtype = torch.bfloat16, scale: float = 1.0, groups: int = 1,
+                 top_groups: int = 1, sorted: bool = True) -> None:
         super().__init__()
         w = router.weight
         # The module's own Parameter under the same name (state_dict keys and .to() see it);
@@ -43,6 +49,10 @@ class TandemRouter(nn.Module):
         self.top_k = int(top_k)
         self.renorm = bool(renorm)
         self.scores_dtype = scores_dtype
+        self.logits_dtype = logits_dtype
+        self.scale = float(scale)
+        self.groups, self.top_groups = int(groups), int(top_groups)
+        self.sorted = bool(sorted)
         self.name = name
         wc = w.detach().contiguous()
         self._dense = engine.dense_linear(wc.data_ptr(), self.num_experts, self.hidden_dim, "bfloat16", "bf16",
@@ -60,16 +70,21 @@ class TandemRouter(nn.Module):
             return self._inner(hidden_states)
         x2 = x.reshape(-1, self.hidden_dim).contiguous()
         m = x2.shape[0]
-        logits = torch.empty(m, self.num_experts, dtype=torch.bfloat16)
+        logits = torch.empty(m, self.num_experts, dtype=self.logits_dtype)
         scores = torch.empty(m, self.top_k, dtype=self.scores_dtype)
         index = torch.empty(m, self.top_k, dtype=torch.int64)
         self._dense.route(x2.data_ptr(), True, m, self.hidden_dim, self.top_k, self.renorm, logits.data_ptr(),
-                          scores.data_ptr(), self.scores_dtype == torch.float32, index.data_ptr())
+                          scores.data_ptr(), self.scores_dtype == torch.float32, index.data_ptr(), sorted=self.sorted,
+                          logits_f32=self.logits_dtype == torch.float32, scale=self.scale, groups=self.groups,
+                          top_groups=self.top_groups)
         return logits, scores, index
 
     def extra_repr(self) -> str:
+        extra = "" if self.groups == 1 else f", groups={self.top_groups} of {self.groups}"
+        extra += "" if self.scale == 1.0 else f", scale={self.scale:g}"
         return (f"experts={self.num_experts}, hidden={self.hidden_dim}, top_k={self.top_k}, renorm={self.renorm}, "
-                f"scores={str(self.scores_dtype).removeprefix('torch.')} (tandem)")
+                f"logits={str(self.logits_dtype).removeprefix('torch.')}, "
+                f"scores={str(self.scores_dtype).removeprefix('torch.')}{extra} (tandem)")
 
 
 def _probe(hidden: int, n: int, seed: int) -> torch.Tensor:
@@ -140,13 +155,31 @@ def _checked(engine: Any, router: nn.Module, k: int, name: str, seed: int) -> Ta
         want = router(probe)
     if not (isinstance(want, tuple) and len(want) == 3 and all(isinstance(t, torch.Tensor) for t in want)):
         return None
-    sd = want[1].dtype
-    if sd not in (torch.bfloat16, torch.float32):
+    sd, ld = want[1].dtype, want[0].dtype
+    if sd not in (torch.bfloat16, torch.float32) or ld not in (torch.bfloat16, torch.float32):
         return None
-    cand = TandemRouter(engine, router, k, True, sd, name)  # the weight packed once, for the probe and after
-    for renorm in (True, False):
-        cand.renorm = renorm
-        with torch.no_grad():
-            if _agrees(want, cand(probe)):
-                return cand
+    # DeepSeek-V2's router (fp32 logits of the same bf16 values, greedy or group-limited,
+    # scaled, torch.topk(sorted=False)) names its settings; the probe still decides.
+    method = getattr(router, "topk_method", "greedy")
+    groups, top_groups = 1, 1
+    if method == "group_limited_greedy":
+        groups, top_groups = getattr(router, "num_group", None), getattr(router, "topk_group", None)
+        if not (isinstance(groups, int) and isinstance(top_groups, int)):
+            return None
+    elif method != "greedy":
+        return None
+    scale = getattr(router, "routed_scaling_factor", 1.0)
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        return None
+    try:  # the weight packed once, for the probe and after
+        cand = TandemRouter(engine, router, k, True, sd, name, logits_dtype=ld, scale=float(scale), groups=groups,
+                            top_groups=top_groups)
+        for sorted_ in (True, False):
+            for renorm in (True, False):
+                cand.sorted, cand.renorm = sorted_, renorm
+                with torch.no_grad():
+                    if _agrees(want, cand(probe)):
+                        return cand
+    except RuntimeError:  # settings the kernel refuses (groups that do not divide the experts, ...)
+        return None
     return None

@@ -33,6 +33,7 @@ float f32(bf16_t b) { return bf16_to_fp32(b); }
 struct Case {
   int batch, q_heads, kv_heads, dk, dv, keys;
   bool mask;
+  int split = 0;  // > 0: the keys' last `split` values held apart (k2), as MLA's rope part
 };
 
 TEST(DecodeAttention, MatchesAnFp64ReferenceAtEveryLevel) {
@@ -42,7 +43,9 @@ TEST(DecodeAttention, MatchesAnFp64ReferenceAtEveryLevel) {
   for (IsaLevel l : {IsaLevel::scalar, IsaLevel::avx2, IsaLevel::avx512})
     if (l <= hardware_isa()) levels.push_back(l);
   const Case cases[] = {{1, 32, 4, 128, 128, 150, false}, {2, 8, 8, 64, 64, 37, true}, {1, 16, 2, 192, 128, 1100, false},
-                        {3, 6, 3, 40, 24, 1, true},       {2, 4, 1, 16, 16, 700, true}, {1, 9, 1, 8, 5, 33, false}};
+                        {3, 6, 3, 40, 24, 1, true},       {2, 4, 1, 16, 16, 700, true}, {1, 9, 1, 8, 5, 33, false},
+                        {1, 16, 1, 576, 512, 150, true, 64}, {2, 9, 1, 40, 32, 70, false, 8},
+                        {2, 8, 2, 48, 16, 600, false, 16}};
   for (const int subpools : {1, 2}) {
     auto pool = attention_pool(subpools, 1);
     for (const Case& c : cases) {
@@ -58,13 +61,29 @@ TEST(DecodeAttention, MatchesAnFp64ReferenceAtEveryLevel) {
       if (c.mask)
         for (int b = 0; b < c.batch; ++b)
           for (int l = 0; l < c.keys; ++l) mask[b * c.keys + l] = (b == 2) ? 0 : (l + b) % 3 != 0;
+      // The second key part: a copy of each key row's last `split` values, in rows of its own.
+      const int64_t k2_l = c.split + 1, k2_h = k2_l * c.keys, k2_b = k2_h * c.kv_heads + 3;
+      std::vector<bf16_t> k2(c.split ? k2_b * c.batch : 0, fp32_to_bf16(NAN));
+      for (int b = 0; b < c.batch && c.split; ++b)
+        for (int g = 0; g < c.kv_heads; ++g)
+          for (int l = 0; l < c.keys; ++l) {
+            bf16_t* row = k.data() + b * k_b + g * k_h + l * k_l;
+            std::copy_n(row + c.dk - c.split, c.split, k2.data() + b * k2_b + g * k2_h + l * k2_l);
+          }
       const float scale = 1.f / std::sqrt(static_cast<float>(c.dk));
       for (IsaLevel level : levels) {
+        // Split: k's own copy of the moved values poisoned, so reading them there would show.
+        std::vector<bf16_t> kk = k;
+        for (int b = 0; b < c.batch && c.split; ++b)
+          for (int g = 0; g < c.kv_heads; ++g)
+            for (int l = 0; l < c.keys; ++l)
+              std::fill_n(kk.data() + b * k_b + g * k_h + l * k_l + c.dk - c.split, c.split, fp32_to_bf16(NAN));
         DecodeAttention a;
         a.batch = c.batch, a.q_heads = c.q_heads, a.kv_heads = c.kv_heads, a.head_dim = c.dk, a.value_dim = c.dv;
         a.keys = c.keys, a.scale = scale;
         a.q = q.data(), a.q_b = q_b, a.q_h = q_h;
-        a.k = k.data(), a.k_b = k_b, a.k_h = k_h, a.k_l = k_l;
+        a.k = kk.data(), a.k_b = k_b, a.k_h = k_h, a.k_l = k_l;
+        if (c.split) a.k2 = k2.data(), a.k2_b = k2_b, a.k2_h = k2_h, a.k2_l = k2_l, a.k2_dim = c.split;
         a.v = v.data(), a.v_b = v_b, a.v_h = v_h, a.v_l = v_l;
         a.mask = c.mask ? mask.data() : nullptr, a.mask_b = c.keys;
         a.out = out.data(), a.out_b = out_b, a.out_h = out_h;
@@ -105,7 +124,8 @@ TEST(DecodeAttention, MatchesAnFp64ReferenceAtEveryLevel) {
                   std::ldexp(std::abs(ref), -8) + (2 * score_err + 4.0 * c.keys * std::ldexp(1.0, -24)) * vmax + 1e-30;
               ASSERT_LE(std::abs(got - ref), bound)
                   << "level " << isa_name(level) << ", subpools " << subpools << ", case b" << c.batch << " hq"
-                  << c.q_heads << " hkv" << c.kv_heads << " dk" << c.dk << " dv" << c.dv << " L" << c.keys << ": seq "
+                  << c.q_heads << " hkv" << c.kv_heads << " dk" << c.dk << " dv" << c.dv << " L" << c.keys << " split"
+                  << c.split << ": seq "
                   << b << " head " << h << " col " << e << " (seed " << test::test_seed() << ")";
             }
           }
@@ -127,6 +147,8 @@ TEST(DecodeAttention, RefusesBadShapesNamingThem) {
   EXPECT_NE(error().find("keys 0"), std::string::npos) << error();
   a.keys = 2, a.v = nullptr;
   EXPECT_NE(error().find("v is null"), std::string::npos) << error();
+  a.v = buf.data(), a.k2 = buf.data(), a.k2_dim = 4;  // the whole key in the second part: no first
+  EXPECT_NE(error().find("k2_dim 4 must be in 1..head_dim - 1 = 3"), std::string::npos) << error();
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <random>
+#include <tuple>
 
 #include "tandem/config.h"
 #include "tandem/dense.h"
@@ -220,6 +221,77 @@ TEST(Dense, RouteIsSoftmaxTopKOfTheRoundedLogits) {
   DenseLinear q(*pool, kernels(), {w.data(), SourceType::bf16, n, k}, fmt(WeightFormat::int8), "gate8");
   EXPECT_NE(test::error_of([&] { q.route(x.data(), true, 1, k, 2, true, l.data(), s.data(), false, i.data()); })
                 .find("gate8: a router runs on a bf16 weight"),
+            std::string::npos);
+}
+
+// Grouped (MLA's per-head absorbed products): each group's outputs are exactly that
+// group's weight alone on that group's inputs (the same kernel on the same panels), for
+// every pool split, bf16 or fp32 input, and the row strides of a batch.
+TEST(Dense, GroupedEqualsEachGroupAlone) {
+  std::mt19937_64 rng(test::test_seed());
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const KernelTable& kt = kernels();
+  for (const auto [G, ng, k] : {std::tuple{3, 128, 96}, {16, 64, 128}, {2, 192, 512}}) {
+    const int n = G * ng;
+    std::vector<bf16_t> w(static_cast<size_t>(n) * k);
+    for (auto& v : w) v = fp32_to_bf16(nd(rng) / std::sqrt(float(k)));
+    for (const int m : {1, 3}) {
+      const int ldx = G * k + 5;  // a row: G inputs of k, then a gap
+      std::vector<float> x(static_cast<size_t>(m) * ldx);
+      for (auto& v : x) v = nd(rng);
+      std::vector<bf16_t> xb(x.size());
+      fp32_to_bf16(x.data(), xb.data(), x.size());
+      // The reference: group g alone as an ordinary layer on its own k inputs.
+      std::vector<float> ref(static_cast<size_t>(m) * n);
+      {
+        auto pool = dense_pool(1);
+        for (int g = 0; g < G; ++g) {
+          DenseLinear one(*pool, kt, {w.data() + static_cast<size_t>(g) * ng * k, SourceType::bf16, ng, k},
+                          fmt(WeightFormat::bf16), "alone");
+          std::vector<float> y(static_cast<size_t>(m) * ng);
+          one.forward(xb.data() + static_cast<size_t>(g) * k, true, m, ldx, y.data(), ng);
+          for (int r = 0; r < m; ++r)
+            std::copy_n(y.data() + static_cast<size_t>(r) * ng, ng, ref.data() + static_cast<size_t>(r) * n + g * ng);
+        }
+      }
+      for (const auto [subpools, threads] : {std::pair{1, 1}, {1, 2}, {3, 1}}) {
+        auto pool = dense_pool(subpools, threads);
+        DenseLinear d(*pool, kt, {w.data(), SourceType::bf16, n, k}, fmt(WeightFormat::bf16), "kv_b_proj.absorbed", G);
+        EXPECT_EQ(d.groups(), G);
+        for (const bool in_bf16 : {true, false}) {
+          std::vector<float> y(static_cast<size_t>(m) * n, -1.0f);
+          d.forward(in_bf16 ? static_cast<const void*>(xb.data()) : x.data(), in_bf16, m, ldx, y.data(), n);
+          for (size_t i = 0; i < y.size(); ++i)
+            ASSERT_EQ(y[i], ref[i]) << "G=" << G << " n/G=" << ng << " k=" << k << " m=" << m << " subpools="
+                                    << subpools << " x " << threads << " bf16 in=" << in_bf16 << " at " << i;
+        }
+      }
+    }
+  }
+  // Refused: groups that do not cut n into whole panels, integer formats, short rows.
+  auto pool = dense_pool(1);
+  std::vector<bf16_t> w(static_cast<size_t>(4 * kPanel) * 32, fp32_to_bf16(1.0f));
+  const WeightView v{w.data(), SourceType::bf16, 4 * kPanel, 32};
+  EXPECT_NE(test::error_of([&] { DenseLinear d(*pool, kernels(), v, fmt(WeightFormat::bf16), "wk", 3); })
+                .find("wk: 3 groups of a weight with n = 256 rows"),
+            std::string::npos);
+  EXPECT_NE(test::error_of([&] { DenseLinear d(*pool, kernels(), v, fmt(WeightFormat::bf16), "wk", 8); })
+                .find("multiple of 64 rows"),
+            std::string::npos);
+  EXPECT_NE(test::error_of([&] { DenseLinear d(*pool, kernels(), v, fmt(WeightFormat::int8), "wv", 2); })
+                .find("wv: a grouped dense layer runs on bf16 weights, not int8"),
+            std::string::npos);
+  DenseLinear d(*pool, kernels(), v, fmt(WeightFormat::bf16), "wv", 2);
+  std::vector<bf16_t> x(64);
+  std::vector<float> y(4 * kPanel);
+  EXPECT_NE(test::error_of([&] { d.forward(x.data(), true, 1, 32, y.data(), 4 * kPanel); })
+                .find("below the input's 64 values (k = 32 x 2 groups)"),
+            std::string::npos);
+  std::vector<uint16_t> logits(4 * kPanel);
+  std::vector<float> sc(1);
+  std::vector<int64_t> ix(1);
+  EXPECT_NE(test::error_of([&] { d.route(x.data(), true, 1, 64, 1, false, logits.data(), sc.data(), true, ix.data()); })
+                .find("not a grouped one"),
             std::string::npos);
 }
 

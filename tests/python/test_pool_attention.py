@@ -186,14 +186,27 @@ def test_mla_decodes_from_the_latents_and_matches_the_expansion(ckpt, monkeypatc
                 break
 
 
-def test_mla_absorbed_attention_matches_fp64(ckpt, seed):
+@pytest.mark.parametrize("on_pool", [False, True])
+def test_mla_absorbed_attention_matches_fp64(ckpt, seed, on_pool):
     """One MLA decode step from random latents, against the expansion in fp64. The absorbed
-    form rounds three products to bf16 (q W_UK, the softmax-weighted latent, the output), each a
-    relative error of at most 2^-9 per element: a relative L2 error under 3 x 2^-9 plus the fp32
-    sums' (negligible); transformers' expansion rounds as many times (its keys, values, output)."""
+    form rounds at most three products to bf16 (q W_UK in torch, the softmax-weighted latent,
+    the output), each a relative error of at most 2^-9 per element: a relative L2 error under
+    3 x 2^-9 plus the fp32 sums' (negligible); transformers' expansion rounds as many times
+    (its keys, values, output). On the pool (latent and value widths of whole 64-output
+    panels) both per-head products run as grouped layers on tandem's kernels."""
     path = ckpt("deepseek_v3", "bf16")
     model = tandem.load_model(path, {"version": 1, "gpu": {"device": "none"}}, progress=False)
     mod = model.model.layers[1].self_attn
+    if on_pool:  # the test model's widths (16) are below a panel: a module with wider ones, same engine
+        from transformers import DeepseekV3Config
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+
+        cfg = DeepseekV3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+                               kv_lora_rank=128, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=64)
+        engine = mod.__dict__["tandem_attention_engine"]
+        torch.manual_seed(seed)
+        mod = DeepseekV3Attention(cfg, 0).to(torch.bfloat16)
+        mod.__dict__["tandem_attention_engine"] = engine
     nope, rope, v, r, H = mod.qk_nope_head_dim, mod.qk_rope_head_dim, mod.v_head_dim, mod.kv_lora_rank, \
         mod.config.num_attention_heads
     g = torch.Generator().manual_seed(seed)
@@ -212,5 +225,9 @@ def test_mla_absorbed_attention_matches_fp64(ckpt, seed):
     scores = scores.masked_fill(~mask[:, 0], float("-inf"))
     want = torch.einsum("bhs,bhsv->bhv", torch.softmax(scores, -1), val)[:, None]
     err = ((got - want).norm() / want.norm()).item()
-    print(f"absorbed MLA vs fp64: relative L2 {err:.2e}")
+    print(f"absorbed MLA vs fp64 (pool: {on_pool}): relative L2 {err:.2e}")
     assert err < 3 * 2.0 ** -9
+    wk, wv = mod.__dict__["tandem_absorbed"][1:]
+    assert isinstance(wk, tandem._C.DenseLinear) == on_pool and isinstance(wv, tandem._C.DenseLinear) == on_pool
+    if on_pool:
+        assert (wk.groups, wk.n, wk.k) == (H, H * r, nope) and (wv.groups, wv.n, wv.k) == (H, H * v, r)

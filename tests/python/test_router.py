@@ -127,14 +127,75 @@ def test_router_computes_what_the_module_does(engine, kind, norm):
     assert clean >= 0.8 * compared  # the experts comparison covered most rows
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def deepseek_v2_router(method: str, scale: float) -> nn.Module:
+    """transformers' DeepSeek-V2 router (fp32 logits of its bf16 weight, softmax, greedy or
+    group-limited top k with torch.topk(sorted=False), scaled), random bf16 weights."""
+    from transformers import DeepseekV2Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    r = DeepseekV2TopkRouter(DeepseekV2Config(hidden_size=H, n_routed_experts=E, num_experts_per_tok=K,
+                                              topk_method=method, n_group=4, topk_group=2,
+                                              routed_scaling_factor=scale))
+    torch.manual_seed(6)
+    with torch.no_grad():
+        r.weight.normal_(0, 0.3)
+    return r.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("method,scale", [("greedy", 1.0), ("greedy", 16.0), ("group_limited_greedy", 2.5)])
+def test_deepseek_v2_router_computes_what_the_module_does(engine, method, scale):
+    """DeepSeek-V2's router replaced: fp32 logits within the fp32 sums' error of the module's
+    (|error| <= H * 2^-24 * sum |x w|, the summation order's), and from those logits the
+    experts of the fp64 reference (groups: only the 2 of 4 groups with the most probable
+    expert compete), scores = probability * scale within the fp32 softmax's error; where
+    the module's k-th and (k+1)-th probabilities are further apart than that, the same
+    experts in the same order as the module's (torch.topk(sorted=False) keeps
+    std::nth_element's order), with scores as close as the two logits allow."""
+    router = deepseek_v2_router(method, scale)
+    block = Block(router)
+    assert replace_routers(block, engine, [block]) == ["gate"]
+    tr = block.gate
+    assert isinstance(tr, TandemRouter) and tr.logits_dtype == torch.float32 and not tr.sorted
+    assert (tr.groups, tr.top_groups) == ((4, 2) if method != "greedy" else (1, 1)) and tr.scale == scale
+    g = torch.Generator().manual_seed(12)
+    compared = same = 0
+    for rows, mag in ((1, 1.0), (9, 0.1), (200, 1.0), (64, 4.0)):
+        x = (torch.randn(rows, H, generator=g) * mag).bfloat16()
+        with torch.no_grad():
+            wl, ws, wi = router(x)
+            gl, gs, gi = tr(x)
+        assert gl.dtype == wl.dtype == torch.float32 and gs.dtype == ws.dtype == torch.float32
+        bound = H * 2.0 ** -24 * (x.double().abs() @ router.weight.double().abs().T) + 1e-30
+        assert ((gl.double() - wl.double()).abs() <= bound).all()
+        p = torch.softmax(gl.double(), -1)
+        if method != "greedy":
+            best = p.view(rows, 4, E // 4).amax(-1)
+            keep = torch.zeros(rows, 4, dtype=torch.bool).scatter(1, best.topk(2, -1).indices, True)
+            p = p.masked_fill(~keep.repeat_interleave(E // 4, 1), 0.0)
+        top = p.topk(K + 1, -1)
+        assert torch.equal(gi.sort(-1).values, top.indices[:, :K].sort(-1).values)
+        want = torch.gather(p, 1, gi) * scale
+        assert ((gs.double() - want).abs() <= want * 2.0 ** -20 + 1e-12).all()
+        far = (top.values[:, K - 1] - top.values[:, K]) > top.values[:, K - 1] * 2.0 ** -16
+        compared += rows
+        same += int(far.sum())
+        assert torch.equal(gi[far], wi[far])
+        # a probability moves by the largest logit difference, twice, and by the rounding of
+        # its exponent (logit - max, relative 2^-24 each side) and of exp, sum and divide
+        dl = (gl.double() - wl.double()).abs().amax(-1, keepdim=True)
+        t = gl.double().amax(-1, keepdim=True) - torch.gather(gl.double(), 1, gi)
+        assert ((gs.double() - ws.double()).abs() <= ws.double() * (2 * dl + (t + 8) * 2.0 ** -23))[far].all()
+    assert same >= 0.8 * compared
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "deepseek_v2"])
 def test_equal_probabilities_pick_the_experts_torch_picks(engine, kind):
     """Experts with the same weight row tie on every token: the router keeps the one the
     module keeps (torch.topk's algorithm), on inputs whose logits are exact (one or two
     power-of-two features), so both sides see the same values."""
     from tandem.router import _probe
 
-    router = hf_router(kind)
+    router = deepseek_v2_router("group_limited_greedy", 2.5) if kind == "deepseek_v2" else hf_router(kind)
     with torch.no_grad():
         router.weight.copy_(router.weight[torch.arange(E) // 3 * 3])  # experts 3i, 3i+1, 3i+2 alike
     block = Block(router)

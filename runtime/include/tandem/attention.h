@@ -11,6 +11,10 @@
 // split into chunks over the pool's threads (flash-decoding: per chunk a running max,
 // sum and weighted value sum, combined per head in a second phase), so one layer's cache
 // is read by every core. A row whose mask admits no key gets zeros.
+//
+// A key may come in two parts held apart (MLA's weight-absorbed decode: the compressed
+// latent and the shared rope key, cached as two tensors): with k2 set, q's first
+// head_dim - k2_dim values are dotted with k's rows and its last k2_dim with k2's.
 #pragma once
 
 #include <cstdint>
@@ -29,8 +33,11 @@ struct DecodeAttention {
   // Element strides; the elements of a row are contiguous.
   const bf16_t* q = nullptr;  // [batch, q_heads, head_dim]
   int64_t q_b = 0, q_h = 0;
-  const bf16_t* k = nullptr;  // [batch, kv_heads, keys, head_dim]
+  const bf16_t* k = nullptr;  // [batch, kv_heads, keys, head_dim - k2_dim]
   int64_t k_b = 0, k_h = 0, k_l = 0;
+  const bf16_t* k2 = nullptr;  // optional [batch, kv_heads, keys, k2_dim]: the key's second part
+  int64_t k2_b = 0, k2_h = 0, k2_l = 0;
+  int k2_dim = 0;
   const bf16_t* v = nullptr;  // [batch, kv_heads, keys, value_dim]
   int64_t v_b = 0, v_h = 0, v_l = 0;
   const uint8_t* mask = nullptr;  // optional [batch, keys]: nonzero = attend
@@ -42,5 +49,31 @@ struct DecodeAttention {
 // Validates `a` (errors name the field), runs it as one task on `pool` with the vector
 // code `level` allows (AVX-512, AVX2 + FMA, or scalar) and waits.
 void decode_attention(Pool& pool, IsaLevel level, const DecodeAttention& a);
+
+class DenseLinear;
+
+// One-token MLA attention from the cached latents, weight-absorbed (DeepSeek-V2 / V3's
+// decode as llama.cpp and vLLM run it), for each sequence b and head h:
+//   q_lat = bf16(q_nope[b,h] W_UK[h])                        (w_uk: H groups of [rank x nope])
+//   o_lat = bf16(attention of [q_lat, q_rope[b,h]] over keys [latent_l, k_rope_l] and
+//                values latent_l, as decode_attention computes it)
+//   out[b,h] = bf16(W_UV[h] o_lat)                           (w_uv: H groups of [v_dim x rank])
+// Three pool tasks in a row (the two grouped products and the attention), no Python
+// between them.
+struct MlaDecode {
+  int batch = 0, heads = 0, nope = 0, rope = 0, rank = 0, v_dim = 0, keys = 0;
+  float scale = 0.f;
+  const bf16_t* q = nullptr;  // [batch, heads, nope + rope]
+  int64_t q_b = 0, q_h = 0;
+  const bf16_t* latent = nullptr;  // [batch, keys, rank]
+  int64_t latent_b = 0, latent_l = 0;
+  const bf16_t* k_rope = nullptr;  // [batch, keys, rope]
+  int64_t k_rope_b = 0, k_rope_l = 0;
+  const uint8_t* mask = nullptr;  // optional [batch, keys]: nonzero = attend
+  int64_t mask_b = 0;
+  bf16_t* out = nullptr;  // [batch, heads, v_dim]
+  int64_t out_b = 0, out_h = 0;
+};
+void mla_decode(Pool& pool, IsaLevel level, DenseLinear& w_uk, DenseLinear& w_uv, const MlaDecode& a);
 
 }  // namespace tandem
