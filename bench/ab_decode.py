@@ -10,6 +10,8 @@ alternated figures compare):
   transformers' own;
 - ``cache``: generate's default KV cache, appending in place (``tandem.kv_cache``) /
   transformers' DynamicCache (torch.cat at every step); worth it with long prompts;
+- ``bf16out``: tandem's dense layers' bf16 outputs rounded on the pool's threads / an fp32
+  output rounded by torch (``.to(bfloat16)``: an allocation and a copy per layer call);
 - ``mla``: MLA's one-token attention from the latents in one call on the pool
   (``_C.Engine.mla_decode``) / in torch bmm on one thread (DeepSeek-V2 / V3 shapes only).
 
@@ -88,6 +90,12 @@ def mla_slots(model: nn.Module) -> list:
             for m in model.modules() if is_mla(m) and "tandem_attention_engine" in m.__dict__]
 
 
+def bf16out_slots(model: nn.Module) -> list:
+    """(packed weight, "bf16_on_pool", True, False) for every packed dense weight."""
+    packs = {id(m._packed): m._packed for m in model.modules() if isinstance(m, TandemLinear)}
+    return [(p, "bf16_on_pool", True, False) for p in packs.values()]
+
+
 def projection_slots(model: nn.Module, cfg: dict) -> list[tuple[nn.Module, str, nn.Module, nn.Module]]:
     """(parent, attribute, fused member, the same layer packed alone) for every fused layer:
     the model was loaded with cpu.dense_format torch; its linear layers are replaced here as
@@ -116,7 +124,7 @@ def projection_slots(model: nn.Module, cfg: dict) -> list[tuple[nn.Module, str, 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=("norms", "projections", "routers", "cache", "mla"))
+    p.add_argument("what", choices=("norms", "projections", "routers", "cache", "mla", "bf16out"))
     p.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(bench_hf.SHAPES))
     p.add_argument("--format", default="int4", help="cpu.format (default int4)")
     p.add_argument("--dense", default="int4", help="cpu.dense_format (default int4; not torch)")
@@ -133,17 +141,19 @@ def main() -> int:
         cpu["group_size"] = a.group_size
     cfg = {"version": 1, "cpu": cpu,
            "gpu": {"device": "auto"}}
-    if a.what in ("norms", "routers", "cache", "mla"):
+    if a.what in ("norms", "routers", "cache", "mla", "bf16out"):
         model = tandem.load_model(d, cfg, progress=False)
-        slots = {"norms": norm_slots, "routers": router_slots, "mla": mla_slots}.get(a.what, lambda m: [])(model)
+        slots = {"norms": norm_slots, "routers": router_slots, "mla": mla_slots,
+                 "bf16out": bf16out_slots}.get(a.what, lambda m: [])(model)
     else:
         model = tandem.load_model(d, dict(cfg, cpu=dict(cfg["cpu"], dense_format="torch")), progress=False)
         slots = projection_slots(model, cfg)
     print(f"{d}: {len(slots)} modules swapped ({a.what}); format {a.format}, dense {a.dense}; {a.prompt}-token "
           f"prompt, {a.new} new tokens, {a.rounds} rounds alternated")
     ids = torch.randint(0, 256, (1, a.prompt), generator=torch.Generator().manual_seed(1))
-    gen = dict(max_new_tokens=a.new, min_new_tokens=a.new, do_sample=False)
-    timed_generate(model, ids, **dict(gen, max_new_tokens=4, min_new_tokens=4))  # warm-up
+    model.generation_config.eos_token_id = None  # exactly `new` tokens (bench_hf.py says why not min_new_tokens)
+    gen = dict(max_new_tokens=a.new, do_sample=False)
+    timed_generate(model, ids, **dict(gen, max_new_tokens=4))  # warm-up
     res: dict[bool, list[float]] = {False: [], True: []}
     pre: dict[bool, list[float]] = {False: [], True: []}
     outs: dict[bool, torch.Tensor] = {}

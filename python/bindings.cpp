@@ -575,6 +575,11 @@ PYBIND11_MODULE(_C, m) {
              d.forward(reinterpret_cast<const void*>(x), x_bf16, m, ldx, reinterpret_cast<float*>(y), ldy);
            }, py::arg("x"), py::arg("x_bf16"), py::arg("m"), py::arg("ldx"), py::arg("y"), py::arg("ldy"),
            "y [m x n] fp32 (row stride ldy) = x [m x k] (bf16 or fp32, row stride ldx) . W^T; waits for the pool.")
+      .def("forward_bf16", [](DenseLinear& d, uintptr_t x, bool x_bf16, int m, int ldx, uintptr_t y, int ldy) {
+             py::gil_scoped_release nogil;
+             d.forward_bf16(reinterpret_cast<const void*>(x), x_bf16, m, ldx, reinterpret_cast<uint16_t*>(y), ldy);
+           }, py::arg("x"), py::arg("x_bf16"), py::arg("m"), py::arg("ldx"), py::arg("y"), py::arg("ldy"),
+           "forward, y [m x n] rounded to bf16 (as torch's .to(bfloat16)) on the pool's threads.")
       .def("route", [](DenseLinear& d, uintptr_t x, bool x_bf16, int m, int ldx, int top_k, bool renorm, uintptr_t logits,
                        uintptr_t scores, bool scores_f32, uintptr_t index, bool sorted, bool logits_f32, float scale,
                        int groups, int top_groups) {

@@ -128,9 +128,15 @@ std::vector<float> DenseLinear::dequantized() const {
 //          slice) through the kernel table.
 class DenseLinear::Forward final : public Task {
  public:
-  Forward(DenseLinear& d, const void* x, bool x_bf16, int m, int ldx, float* y, int ldy)
-      : d_(d), x_(x), x_bf16_(x_bf16), m_(m), ldx_(ldx), y_(y), ldy_(ldy), chunk_(d.pieces_.size(), 1),
+  Forward(DenseLinear& d, const void* x, bool x_bf16, int m, int ldx, float* y, int ldy, uint16_t* yb = nullptr)
+      : d_(d), x_(x), x_bf16_(x_bf16), m_(m), ldx_(ldx), y_(y), ldy_(ldy), yb_(yb), chunk_(d.pieces_.size(), 1),
         first_(d.pieces_.size()) {
+    if (yb_) {  // fp32 results into scratch, each item's columns rounded into yb_ by the thread that made them
+      yf_.resize(static_cast<size_t>(m) * d.n_);
+      y_ = yf_.data();
+      ldy_ = d.n_;
+      ldyb_ = ldy;
+    }
     if (d.format_.format != WeightFormat::bf16)
       for (const auto& ps : d.pieces_)
         if (!ps.empty()) {
@@ -186,6 +192,7 @@ class DenseLinear::Forward final : public Task {
     const bool quant = d_.format_.format != WeightFormat::bf16;
     if (d_.groups_ == 1) {
       core::run_gemm(d_.kt_, pc.w, m_, begin, end, quant ? nullptr : a, quant ? &qa_ : nullptr, lda, y_ + pc.n0, ldy_);
+      round_out(pc, begin, end);
       return;
     }
     // Grouped (bf16): the panels of each group against that group's k inputs of every row.
@@ -196,10 +203,18 @@ class DenseLinear::Forward final : public Task {
       core::run_gemm(d_.kt_, pc.w, m_, p, q, a + static_cast<size_t>(g) * d_.k_, nullptr, lda, y_ + pc.n0, ldy_);
       p = q;
     }
+    round_out(pc, begin, end);
   }
   void finished() override { trace::record("dense", begin_ns_, trace::now_ns(), {-1, -1, m_}); }
 
  private:
+  // bf16 output: the columns of panels [begin, end) of piece pc, every row, rounded.
+  void round_out(const Piece& pc, int begin, int end) {
+    if (!yb_) return;
+    const int c0 = pc.n0 + begin * kPanel, c1 = std::min(pc.n0 + pc.n, pc.n0 + end * kPanel);
+    for (int r = 0; r < m_; ++r)
+      fp32_to_bf16(y_ + static_cast<size_t>(r) * ldy_ + c0, yb_ + static_cast<size_t>(r) * ldyb_ + c0, c1 - c0);
+  }
   static constexpr int kPrepRows = 16;
   DenseLinear& d_;
   const void* x_;
@@ -207,6 +222,9 @@ class DenseLinear::Forward final : public Task {
   int m_, ldx_;
   float* y_;
   int ldy_;
+  uint16_t* yb_;
+  int ldyb_ = 0;
+  std::vector<float> yf_;
   std::vector<int> chunk_;                // per subpool: panels per item
   std::vector<std::vector<int>> first_;  // per subpool: prefix sums of its pieces' items
   QuantizedActs qa_;
@@ -214,13 +232,25 @@ class DenseLinear::Forward final : public Task {
   int64_t begin_ns_ = trace::now_ns();
 };
 
+// Whether forward has work (m > 0); refuses bad arguments naming the layer.
+static bool forward_checks(const std::string& name, int m, const void* x, const void* y, int ldx, int ldy, int k,
+                           int groups, int n) {
+  TANDEM_CHECK(m >= 0, Errc::invalid_argument, name, ": rows = ", m, " is negative");
+  if (m == 0) return false;
+  TANDEM_CHECK(x && y, Errc::invalid_argument, name, ": null input or output");
+  TANDEM_CHECK(ldx >= k * groups && ldy >= n, Errc::invalid_argument, name, ": row strides ", ldx, " / ", ldy,
+               " are below the input's ", k * groups, " values (k = ", k, " x ", groups, " groups) / n = ", n);
+  return true;
+}
+
 void DenseLinear::forward(const void* x, bool x_bf16, int m, int ldx, float* y, int ldy) {
-  TANDEM_CHECK(m >= 0, Errc::invalid_argument, name_, ": rows = ", m, " is negative");
-  if (m == 0) return;
-  TANDEM_CHECK(x && y, Errc::invalid_argument, name_, ": null input or output");
-  TANDEM_CHECK(ldx >= k_ * groups_ && ldy >= n_, Errc::invalid_argument, name_, ": row strides ", ldx, " / ", ldy,
-               " are below the input's ", k_ * groups_, " values (k = ", k_, " x ", groups_, " groups) / n = ", n_);
-  pool_.run(std::make_shared<Forward>(*this, x, x_bf16, m, ldx, y, ldy));
+  if (forward_checks(name_, m, x, y, ldx, ldy, k_, groups_, n_))
+    pool_.run(std::make_shared<Forward>(*this, x, x_bf16, m, ldx, y, ldy));
+}
+
+void DenseLinear::forward_bf16(const void* x, bool x_bf16, int m, int ldx, uint16_t* y, int ldy) {
+  if (forward_checks(name_, m, x, y, ldx, ldy, k_, groups_, n_))
+    pool_.run(std::make_shared<Forward>(*this, x, x_bf16, m, ldx, nullptr, ldy, y));  // ldy: of y_bf16
 }
 
 }  // namespace tandem

@@ -52,6 +52,7 @@ class _Packed:
         self._bias = (None, None)  # (what they were, their fp32 concatenation)
         self._last = None  # (x, version, y, members served): one reference, read and replaced whole
         self.runs = 0      # kernel runs (a group's members share one run per input)
+        self.bf16_on_pool = True  # bf16 inputs: the output rounded to bf16 on the pool (False: in torch)
 
     @staticmethod
     def _version(x: torch.Tensor) -> int | None:
@@ -83,13 +84,18 @@ class _Packed:
             x2 = x2.float()
         x2 = x2.contiguous()
         m = x2.shape[0]
-        y = torch.empty(m, self.out_features, dtype=torch.float32)
-        self.dense.forward(x2.data_ptr(), x2.dtype == torch.bfloat16, m, self.in_features, y.data_ptr(),
-                           self.out_features)
+        if x.dtype == torch.bfloat16 and not self.biases and self.bf16_on_pool:  # no fp32 copy in torch
+            y = torch.empty(m, self.out_features, dtype=torch.bfloat16)
+            self.dense.forward_bf16(x2.data_ptr(), True, m, self.in_features, y.data_ptr(), self.out_features)
+        else:
+            y = torch.empty(m, self.out_features, dtype=torch.float32)
+            self.dense.forward(x2.data_ptr(), x2.dtype == torch.bfloat16, m, self.in_features, y.data_ptr(),
+                               self.out_features)
+            if self.biases:
+                y += self._bias_fp32()
+            y = y.to(x.dtype)
         self.runs += 1
-        if self.biases:
-            y += self._bias_fp32()
-        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        y = y.reshape(*x.shape[:-1], self.out_features)
         if self.members > 1:
             self._last = (x, self._version(x), y, {member})
         return y

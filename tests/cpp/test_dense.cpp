@@ -78,6 +78,16 @@ TEST(Dense, EqualsTheKernelOnTheWholePackForEverySplit) {
                     << " subpools=" << subpools << " x " << threads << " bf16 in=" << in_bf16 << " at (" << r << ", " << j << ")";
               for (int j = n; j < n + 3; ++j) ASSERT_EQ(y[static_cast<size_t>(r) * (n + 3) + j], -1.0f);
             }
+            // bf16 output: the same sums rounded to nearest even, each column by the thread that made it.
+            std::vector<bf16_t> yb(static_cast<size_t>(m) * (n + 2), 0xFFFF);
+            d.forward_bf16(in_bf16 ? static_cast<const void*>(xb.data()) : x.data(), in_bf16, m, k, yb.data(), n + 2);
+            for (int r = 0; r < m; ++r) {
+              for (int j = 0; j < n; ++j)
+                ASSERT_EQ(yb[static_cast<size_t>(r) * (n + 2) + j], fp32_to_bf16(ref[static_cast<size_t>(r) * n + j]))
+                    << format_name(o.format) << " n=" << n << " m=" << m << " subpools=" << subpools << " at (" << r
+                    << ", " << j << ")";
+              for (int j = n; j < n + 2; ++j) ASSERT_EQ(yb[static_cast<size_t>(r) * (n + 2) + j], 0xFFFF);
+            }
           }
         }
       }

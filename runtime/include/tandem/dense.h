@@ -49,6 +49,9 @@ class DenseLinear {
   // columns [g * n / groups, (g + 1) * n / groups) of row r are x[r, g * k : (g + 1) * k]
   // times group g's weight. Blocks until done; rethrows a task's error.
   void forward(const void* x, bool x_bf16, int m, int ldx, float* y, int ldy);
+  // The same, y rounded to bf16 (round to nearest even, as torch's .to(bfloat16)) by the
+  // pool's threads, each on the columns it computed: y_bf16 [m x n] bf16 bits, row stride ldy.
+  void forward_bf16(const void* x, bool x_bf16, int m, int ldx, uint16_t* y_bf16, int ldy);
 
   // A MoE router of the softmax-then-top-k form (Qwen2/3-MoE, Mixtral, OLMoE, MiniMax:
   // transformers' `F.linear` logits, softmax in fp32, top_k, optionally divided by their
