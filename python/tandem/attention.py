@@ -39,7 +39,11 @@ latents instead, the weight-absorbed form llama.cpp and vLLM run: q_lat = q_nope
 scores = q_lat . latent + q_rope . k_rope, out = (softmax . latent) W_UV^T, where W_UK / W_UV
 are ``kv_b_proj``'s key and value rows (kept a torch bf16 layer for this, whatever
 ``cpu.dense_format``). The same math as the expansion, rounded differently (scores and the
-softmax in fp32). Prefill, other masks and gradients expand as transformers does.
+softmax in fp32). With the pool attention's engine (bf16, latent rank and value width in
+whole 64-output panels) the step is one C++ call, ``_C.Engine.mla_decode``: both per-head
+products as grouped layers on tandem's kernels and the attention over the latents on the
+pool (tandem/attention.h); otherwise torch's bmm. Prefill, other masks and gradients expand
+as transformers does.
 """
 from __future__ import annotations
 
