@@ -58,35 +58,25 @@ def router_slots(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, nn.M
             if isinstance(m, TandemRouter)]
 
 
-class _Engine(nn.Module):
-    """A slot's stand-in for an MLA module's engine key (with: the engine; without: none)."""
-
-    def __init__(self, engine):
-        super().__init__()
-        self.engine = engine
-
-
 class _MlaSlot:
-    """setattr target: puts or removes an MLA attention module's engine (its one-token step
-    then runs on the pool, or in torch bmm)."""
+    """setattr target: puts an MLA attention module's engine (its one-token step then runs
+    on the pool) or, given None, removes it (torch bmm)."""
 
     def __init__(self, mod):
-        self.mod = mod
+        object.__setattr__(self, "mod", mod)
 
-    def __setattr__(self, name, value):
-        if name == "mod":
-            object.__setattr__(self, name, value)
-        elif value.engine is None:
+    def __setattr__(self, name, engine):
+        if engine is None:
             self.mod.__dict__.pop("tandem_attention_engine", None)
         else:
-            self.mod.__dict__["tandem_attention_engine"] = value.engine
+            self.mod.__dict__["tandem_attention_engine"] = engine
 
 
 def mla_slots(model: nn.Module) -> list:
     """(slot, key, with the change, without it) for every MLA attention module on the pool."""
     from tandem.attention import is_mla
 
-    return [(_MlaSlot(m), "engine", _Engine(m.__dict__["tandem_attention_engine"]), _Engine(None))
+    return [(_MlaSlot(m), "engine", m.__dict__["tandem_attention_engine"], None)
             for m in model.modules() if is_mla(m) and "tandem_attention_engine" in m.__dict__]
 
 

@@ -9,6 +9,7 @@
 
 #include "bf16_round.h"
 #include "expert_core.h"
+#include "tandem/cpu_features.h"
 #include "tandem/error.h"
 #include "tandem/trace.h"
 
@@ -125,14 +126,14 @@ __attribute__((target("avx2,fma"))) void norm_rows_avx2(const uint16_t* x, const
 }
 }  // namespace
 
-// One copy per vector width, picked per call from the CPU's features (not by an ifunc:
-// sanitizer builds cannot run ifunc resolvers): the library's baseline build leaves the
-// normalization in 128-bit vectors (1.5x slower at 2048 values a row on the AMX Xeon).
+// One copy per vector width, picked by the kernels' ISA level (effective_isa: the
+// hardware's, or TANDEM_ISA's), not by an ifunc (sanitizer builds cannot run ifunc
+// resolvers): the library's baseline build leaves the normalization in 128-bit vectors
+// (3.3-3.6x slower at 1-2048 rows of 2048 values on the AMX Xeon).
 void rms_norm_bf16(const uint16_t* x, const uint16_t* w, float eps, int64_t rows, int n, uint16_t* y) {
   TANDEM_CHECK(rows >= 0 && n >= 1, Errc::invalid_argument, "rms_norm: ", rows, " rows of ", n, " values");
-  static const int width = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") ? 512
-                           : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")   ? 256
-                                                                                                  : 128;
+  static const IsaLevel level = effective_isa();
+  static const int width = level >= IsaLevel::avx512 ? 512 : level >= IsaLevel::avx2 ? 256 : 128;
   if (width == 512)
     norm_rows_avx512(x, w, eps, rows, n, y);
   else if (width == 256)

@@ -66,6 +66,16 @@ def _unknown_kwargs(kwargs: dict) -> bool:
     return any(v is not None and v is not False and k not in _HARMLESS for k, v in kwargs.items())
 
 
+def _mask_rows(mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A bool mask [B or 1, 1, 1, keys] as the pool's uint8 rows [B or 1, keys] and their
+    batch stride (0: one row for every sequence); torch's bool bytes are 0 / 1, read as
+    they are (no copy unless the keys are strided)."""
+    rows = mask[:, 0, 0, :]
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    return rows, 0 if rows.shape[0] == 1 else rows.stride(0)
+
+
 def _sdpa(module, query, key, value, attention_mask, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -93,15 +103,13 @@ def pool_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Te
         return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     Hkv, L = key.shape[1], key.shape[2]
     Dv = value.shape[3]
-    mask = None
+    mask, mask_b = None, 0
     if attention_mask is not None:
         m = attention_mask
         if (m.dtype != torch.bool or m.dim() != 4 or m.shape[-1] != L or m.shape[1] != 1 or m.shape[2] != 1
                 or m.shape[0] not in (1, B)):
             return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-        mask = m[:, 0, 0, :]  # torch's bool bytes are 0 / 1: read as they are, no copy
-        if mask.stride(-1) != 1:
-            mask = mask.contiguous()
+        mask, mask_b = _mask_rows(m)
     if (query.stride(3) != 1 or key.stride(3) != 1 or value.stride(3) != 1 or Hq % Hkv or value.shape[:3] != key.shape[:3]
             or key.shape[0] != B or key.shape[3] != D):
         return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -110,9 +118,7 @@ def pool_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Te
     engine.decode_attention(B, Hq, Hkv, D, Dv, L, scale, query.data_ptr(), query.stride(0), query.stride(1),
                             key.data_ptr(), key.stride(0), key.stride(1), key.stride(2),
                             value.data_ptr(), value.stride(0), value.stride(1), value.stride(2),
-                            0 if mask is None else mask.data_ptr(),
-                            0 if mask is None or mask.shape[0] == 1 else mask.stride(0),
-                            out.data_ptr(), Hq * Dv, Dv)
+                            0 if mask is None else mask.data_ptr(), mask_b, out.data_ptr(), Hq * Dv, Dv)
     return out, None
 
 
@@ -192,16 +198,12 @@ def _mla_decode_on_pool(engine: Any, absorbed: tuple, query: torch.Tensor, nope:
         kv = kv.contiguous()
     if k_rope.stride(3) != 1:
         k_rope = k_rope.contiguous()
-    m = None
-    if mask is not None:
-        m = mask[:, 0, 0, :]  # torch's bool bytes are 0 / 1: read as they are
-        if m.stride(-1) != 1:
-            m = m.contiguous()
+    m, mask_b = _mask_rows(mask) if mask is not None else (None, 0)
     out = torch.empty(B, 1, H, v_dim, dtype=torch.bfloat16)
     engine.mla_decode(wk, wv, B, H, nope, rope, r, v_dim, S, scale, query.data_ptr(), query.stride(0),
                       query.stride(1), kv.data_ptr(), kv.stride(0), kv.stride(2), k_rope.data_ptr(), k_rope.stride(0),
-                      k_rope.stride(2), 0 if m is None else m.data_ptr(),
-                      0 if m is None or m.shape[0] == 1 else m.stride(0), out.data_ptr(), H * v_dim, v_dim)
+                      k_rope.stride(2), 0 if m is None else m.data_ptr(), mask_b, out.data_ptr(), H * v_dim,
+                      v_dim)
     return out
 
 

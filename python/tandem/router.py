@@ -22,8 +22,9 @@ bit; the expert indices must then be the same (or tied), and the scores the same
 one rounding of their dtype. The probe also decides whether the module divides by the top
 k's sum, whether its order is torch.topk's sorted one, and in which dtypes it returns the
 logits and scores. Routers of other forms (DeepSeek-V3's sigmoid with groups and a bias,
-gpt-oss's top-k-then-softmax in bf16 with a bias, fp32 weights) fail it and stay in torch. Inference only: inputs that need a gradient, other
-dtypes or devices go to the module replaced.
+gpt-oss's top-k-then-softmax in bf16 with a bias, fp32 weights) fail it and stay in torch.
+Inference only: inputs that need a gradient, other dtypes or devices go to the module
+replaced.
 """
 from __future__ import annotations
 

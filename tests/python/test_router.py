@@ -84,6 +84,16 @@ class HotRouter(nn.Module):
         return logits, (v / v.sum(-1, keepdim=True)).to(logits.dtype), i
 
 
+def on_random_rows(router: nn.Module, tr: nn.Module, seed: int, cases):
+    """For each (rows, magnitude) in cases: rows, random bf16 inputs of that magnitude, and
+    what the module and the TandemRouter return on them."""
+    g = torch.Generator().manual_seed(seed)
+    for rows, mag in cases:
+        x = (torch.randn(rows, H, generator=g) * mag).bfloat16()
+        with torch.no_grad():
+            yield rows, x, router(x), tr(x)
+
+
 def reference(logits: torch.Tensor, k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The experts torch.topk picks from the fp32 softmax of `logits` (as transformers' router;
     equal probabilities resolved by its algorithm), and their fp64 scores."""
@@ -104,13 +114,9 @@ def test_router_computes_what_the_module_does(engine, kind, norm):
     assert replace_routers(block, engine, [block]) == ["gate"]
     tr = block.gate
     assert isinstance(tr, TandemRouter) and tr.inner is router and tr.renorm == norm
-    g = torch.Generator().manual_seed(11)
     compared = clean = 0
-    for rows, scale in ((1, 1.0), (7, 0.1), (300, 1.0), (64, 4.0)):
-        x = (torch.randn(rows, H, generator=g) * scale).bfloat16()
-        with torch.no_grad():
-            wl, ws, wi = router(x)
-            gl, gs, gi = tr(x)
+    for rows, _, (wl, ws, wi), (gl, gs, gi) in on_random_rows(router, tr, 11, ((1, 1.0), (7, 0.1), (300, 1.0),
+                                                                                 (64, 4.0))):
         assert gl.dtype == wl.dtype and gs.dtype == ws.dtype and gi.dtype == torch.int64
         assert gl.shape == wl.shape and gs.shape == ws.shape == gi.shape == (rows, K)
         step = wl.float().abs() * 2.0 ** -7 + 1e-30  # one bf16 step of each logit
@@ -157,13 +163,9 @@ def test_deepseek_v2_router_computes_what_the_module_does(engine, method, scale)
     tr = block.gate
     assert isinstance(tr, TandemRouter) and tr.logits_dtype == torch.float32 and not tr.sorted
     assert (tr.groups, tr.top_groups) == ((4, 2) if method != "greedy" else (1, 1)) and tr.scale == scale
-    g = torch.Generator().manual_seed(12)
     compared = same = 0
-    for rows, mag in ((1, 1.0), (9, 0.1), (200, 1.0), (64, 4.0)):
-        x = (torch.randn(rows, H, generator=g) * mag).bfloat16()
-        with torch.no_grad():
-            wl, ws, wi = router(x)
-            gl, gs, gi = tr(x)
+    for rows, x, (wl, ws, wi), (gl, gs, gi) in on_random_rows(router, tr, 12, ((1, 1.0), (9, 0.1), (200, 1.0),
+                                                                                (64, 4.0))):
         assert gl.dtype == wl.dtype == torch.float32 and gs.dtype == ws.dtype == torch.float32
         bound = H * 2.0 ** -24 * (x.double().abs() @ router.weight.double().abs().T) + 1e-30
         assert ((gl.double() - wl.double()).abs() <= bound).all()
