@@ -19,6 +19,7 @@
 #include "tandem/error.h"
 #include "tandem/lora.h"
 #include "tandem/attention.h"
+#include "tandem/decode_layer.h"
 #include "tandem/dense.h"
 #include "tandem/lora_engine.h"
 #include "tandem/memory_plan.h"
@@ -565,8 +566,51 @@ PYBIND11_MODULE(_C, m) {
            py::keep_alive<0, 1>(),
            "Packs a row-major [n x k] weight (nn.Linear layout) for forward on this engine's pool (tandem/dense.h); "
            "groups > 1: n / groups rows per group, each applied to its own k inputs of a row (bf16 only).")
+      .def("decoder_layer_step",
+           [](Engine& e, int hidden, int q_heads, int kv_heads, int head_dim, float scale, uintptr_t input_norm,
+              uintptr_t post_norm, float eps, uintptr_t q_norm, uintptr_t k_norm, float qk_eps,
+              std::shared_ptr<DenseLinear> qkv, std::shared_ptr<DenseLinear> o, std::shared_ptr<DenseLinear> router,
+              int top_k, bool renorm, bool sorted, bool scores_f32, int moe_index, const std::string& name) {
+             DecoderLayerSpec s;
+             s.hidden = hidden, s.q_heads = q_heads, s.kv_heads = kv_heads, s.head_dim = head_dim, s.scale = scale;
+             s.input_norm = reinterpret_cast<const bf16_t*>(input_norm);
+             s.post_norm = reinterpret_cast<const bf16_t*>(post_norm);
+             s.eps = eps;
+             s.q_norm = reinterpret_cast<const bf16_t*>(q_norm), s.k_norm = reinterpret_cast<const bf16_t*>(k_norm);
+             s.qk_eps = qk_eps;
+             s.qkv = std::move(qkv), s.o = std::move(o), s.router = std::move(router);
+             s.top_k = top_k, s.renorm = renorm, s.sorted = sorted, s.scores_f32 = scores_f32, s.moe_index = moe_index;
+             return std::make_shared<DecoderLayerStep>(e, std::move(s), name);
+           }, py::arg("hidden"), py::arg("q_heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("scale"),
+           py::arg("input_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("q_norm"), py::arg("k_norm"),
+           py::arg("qk_eps"), py::arg("qkv"), py::arg("o"), py::arg("router"), py::arg("top_k"), py::arg("renorm"),
+           py::arg("sorted"), py::arg("scores_f32"), py::arg("moe_index"), py::arg("name"), py::keep_alive<0, 1>(),
+           "A decoder layer's one-token step on this engine (tandem/decode_layer.h); the norm weights are bf16 "
+           "[hidden] / [head_dim] pointers the caller keeps alive (q_norm / k_norm 0: none).")
       .def("reset_counts", [](Engine& e) { e.hybrid().reset_counts(); })
       .def("write_statistics", [](Engine& e, const std::filesystem::path& p) { e.hybrid().write_statistics(p); });
+
+  py::class_<DecoderLayerStep, std::shared_ptr<DecoderLayerStep>>(m, "DecoderLayerStep",
+      "One token through a decoder layer in two calls (tandem/decode_layer.h).")
+      .def("qkv", [](DecoderLayerStep& d, uintptr_t x, uintptr_t cos, uintptr_t sin, uintptr_t q, uintptr_t k,
+                     uintptr_t v) {
+             py::gil_scoped_release nogil;
+             d.qkv(reinterpret_cast<const bf16_t*>(x), reinterpret_cast<const bf16_t*>(cos),
+                   reinterpret_cast<const bf16_t*>(sin), reinterpret_cast<bf16_t*>(q), reinterpret_cast<bf16_t*>(k),
+                   reinterpret_cast<bf16_t*>(v));
+           }, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("q"), py::arg("k"), py::arg("v"),
+           "x [hidden], cos / sin [head_dim] -> q [q_heads x head_dim], k / v [kv_heads x head_dim] (bf16 pointers)")
+      .def("rest", [](DecoderLayerStep& d, uintptr_t x, uintptr_t q, uintptr_t k, int64_t k_h, int64_t k_l,
+                      uintptr_t v, int64_t v_h, int64_t v_l, int keys, uintptr_t y) {
+             py::gil_scoped_release nogil;
+             d.rest(reinterpret_cast<const bf16_t*>(x), reinterpret_cast<const bf16_t*>(q),
+                    reinterpret_cast<const bf16_t*>(k), k_h, k_l, reinterpret_cast<const bf16_t*>(v), v_h, v_l, keys,
+                    reinterpret_cast<bf16_t*>(y));
+           }, py::arg("x"), py::arg("q"), py::arg("k"), py::arg("k_h"), py::arg("k_l"), py::arg("v"), py::arg("v_h"),
+           py::arg("v_l"), py::arg("keys"), py::arg("y"),
+           "attention over the cache (its last key this step's), o_proj, residual, norm, router, experts, residual "
+           "-> y [hidden] (bf16 pointers, element strides)")
+      .def_property_readonly("name", &DecoderLayerStep::name);
 
   py::class_<DenseLinear, std::shared_ptr<DenseLinear>>(m, "DenseLinear",
                                                         "A dense layer's weight on tandem's kernels (tandem/dense.h).")

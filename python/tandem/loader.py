@@ -31,6 +31,7 @@ from .checkpoint_reader import TensorReader
 from .config import ConfigLike, config_json
 from .checkpoint_names import CheckpointNames
 from .attention import is_mla, use_mla_absorption, use_pool_attention
+from .decode_step import use_decoder_steps
 from .dense import replace_dense, replace_norms
 from .router import replace_routers
 from .discovery import PLAIN, ExpertMath, expert_shape, find_moe_blocks, oai_math
@@ -457,6 +458,8 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
             # One-token attention (generation) on the pool too: tandem.attention.
             model.tandem_attention = use_pool_attention(model, engine)
             model.tandem_mla = use_mla_absorption(model) if model.tandem_attention else 0
+            # Whole decoder layers' one-token steps in C++ where every part is tandem's (tandem.decode_step).
+            model.tandem_decoder_steps = use_decoder_steps(model, engine) if model.tandem_attention else 0
     if not train and device.type == "cpu":
         # generate appends to the KV cache in place (tandem.kv_cache), not by torch.cat.
         use_growing_cache(model)

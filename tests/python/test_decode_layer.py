@@ -1,0 +1,177 @@
+"""tandem.decode_step: whole Qwen3-MoE decoder layers' one-token steps in C++.
+
+The step rounds where the module path rounds, so a generation with it gives the same
+logits, bit for bit, as the same model with every layer's step switched off (which runs
+transformers' layer over tandem's modules), in every format; calls it does not take (a
+batch of two, prefill, a hook on a part, a replaced part) run the module path; a layer
+whose probe disagrees keeps its own forward; bad shapes are refused naming the layer.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_models import VOCAB, checkpoint_cache
+
+import tandem
+from tandem import decode_step
+
+CFG = {"version": 1, "cpu": {"virtual_subpools": 2}, "gpu": {"device": "none"}}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return checkpoint_cache(tmp_path_factory, "dl-")
+
+
+def steps_of(model):
+    return [m.tandem_decoder_step for m in model.modules() if "tandem_decoder_step" in m.__dict__]
+
+
+def decode(model, cache_cls, n=12, seed=0):
+    """Logits of a 9-token prompt and n greedy one-token steps."""
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(seed))
+    cache = cache_cls(config=model.config)
+    out_logits = []
+    with torch.no_grad():
+        out = model(ids, past_key_values=cache, use_cache=True)
+        out_logits.append(out.logits)
+        for _ in range(n):
+            tok = out.logits[:, -1:].argmax(-1)
+            out = model(tok, past_key_values=cache, use_cache=True)
+            out_logits.append(out.logits)
+    return out_logits
+
+
+def set_enabled(model, on):
+    for s in steps_of(model):
+        s.enabled = on
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+def test_step_is_bit_identical_to_the_module_path(ckpt, fmt):
+    cpu = dict(CFG["cpu"], format=fmt, dense_format=fmt)
+    if fmt == "int4":
+        cpu["group_size"] = 32
+    model = tandem.load_model(ckpt("qwen3_moe", "bf16"), dict(CFG, cpu=cpu), progress=False)
+    layers = [m for m in model.modules() if type(m).__name__ == "Qwen3MoeDecoderLayer"]
+    assert model.tandem_decoder_steps == len(layers) == len(steps_of(model)) > 0
+    calls = []
+    for s in steps_of(model):
+        real = s.step
+
+        class Counting:  # counts the C++ calls (the path was really taken)
+            name = real.name
+
+            def qkv(self, *a, real=real):
+                calls.append(1)
+                return real.qkv(*a)
+
+            def rest(self, *a, real=real):
+                return real.rest(*a)
+
+        s.step = Counting()
+    for cache in (DynamicCache, tandem.kv_cache.GrowingCache):
+        set_enabled(model, False)
+        want = decode(model, cache)
+        assert not calls
+        set_enabled(model, True)
+        got = decode(model, cache)
+        assert len(calls) == 12 * len(layers)  # every one-token step of every layer, no prefill
+        calls.clear()
+        for a, b in zip(want, got):
+            assert torch.equal(a, b)
+
+
+def test_generate_and_calls_it_does_not_take(ckpt):
+    model = tandem.load_model(ckpt("qwen3_moe", "bf16"), CFG, progress=False)
+    ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(1))
+    gen = dict(max_new_tokens=10, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    set_enabled(model, False)
+    want = model.generate(ids, **gen)
+    set_enabled(model, True)
+    got = model.generate(ids, **gen)
+    assert torch.equal(want.sequences, got.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(want.scores, got.scores))
+    # A forward hook on a part: the module path runs (the hook sees every step), same logits.
+    layer = next(m for m in model.modules() if "tandem_decoder_step" in m.__dict__)
+    seen = []
+    h = layer.self_attn.o_proj.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    try:
+        hooked = model.generate(ids, **gen)
+    finally:
+        h.remove()
+    assert len(seen) == 1 + 9  # prefill and every decode step
+    assert torch.equal(hooked.sequences, want.sequences)
+    # A batch of two (padded): the module path, the same as with the steps off.
+    batch = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(batch)
+    mask[0, :2] = 0
+    outs = []
+    for on in (False, True):
+        set_enabled(model, on)
+        outs.append(model.generate(batch, attention_mask=mask, max_new_tokens=5, do_sample=False))
+    assert torch.equal(*outs)
+
+
+def test_a_replaced_part_sends_calls_to_the_module_path(ckpt):
+    model = tandem.load_model(ckpt("qwen3_moe", "bf16"), CFG, progress=False)
+    layer = next(m for m in model.modules() if "tandem_decoder_step" in m.__dict__)
+    step = layer.tandem_decoder_step
+    x = torch.randn(1, 1, step.hidden).to(torch.bfloat16)
+    pe = (torch.ones(1, 1, step.D, dtype=torch.bfloat16), torch.zeros(1, 1, step.D, dtype=torch.bfloat16))
+    assert step.takes(x, None, DynamicCache(config=model.config), pe, {})
+    gate = layer.mlp.gate
+    layer.mlp.gate = gate.inner  # the router put back: the step no longer computes this layer
+    assert not step.takes(x, None, DynamicCache(config=model.config), pe, {})
+    layer.mlp.gate = gate
+    assert step.takes(x, None, DynamicCache(config=model.config), pe, {})
+    assert not step.takes(x, None, DynamicCache(config=model.config), pe, {"output_attentions": True})
+    assert not step.takes(x.float(), None, DynamicCache(config=model.config), pe, {})
+
+
+def test_a_probe_that_disagrees_keeps_the_layers_forward(ckpt, monkeypatch):
+    real = decode_step._Step.__call__
+
+    def off_by_one_ulp(self, x, cache, pe):
+        y = real(self, x, cache, pe)
+        return (y.view(torch.int16) + 1).view(torch.bfloat16)
+
+    monkeypatch.setattr(decode_step._Step, "__call__", off_by_one_ulp)
+    model = tandem.load_model(ckpt("qwen3_moe", "bf16"), CFG, progress=False)
+    assert model.tandem_decoder_steps == 0 and not steps_of(model)
+    assert not any("tandem_module_forward" in m.__dict__ for m in model.modules())
+
+
+def test_no_step_without_tandems_parts(ckpt):
+    model = tandem.load_model(ckpt("qwen3_moe", "bf16"), dict(CFG, cpu=dict(CFG["cpu"], dense_format="torch")),
+                              progress=False)
+    assert getattr(model, "tandem_decoder_steps", 0) == 0 and not steps_of(model)
+    model = tandem.load_model(ckpt("mixtral", "bf16"), CFG, progress=False)  # not a supported layer
+    assert model.tandem_decoder_steps == 0
+
+
+def test_bad_shapes_are_refused_naming_the_layer(ckpt):
+    model = tandem.load_model(ckpt("qwen3_moe", "bf16"), CFG, progress=False)
+    layer = next(m for m in model.modules() if "tandem_decoder_step" in m.__dict__)
+    engine, attn = model.tandem_engine, layer.self_attn
+    p = decode_step._parts(layer, engine)
+    w = [n.weight for n in p["norms"]]
+    args = dict(hidden=p["q"].in_features, q_heads=p["nq"] // p["D"], kv_heads=p["nkv"] // p["D"], head_dim=p["D"],
+                scale=float(attn.scaling), input_norm=w[0].data_ptr(), post_norm=w[1].data_ptr(), eps=1e-6,
+                q_norm=w[2].data_ptr(), k_norm=w[3].data_ptr(), qk_eps=1e-6, qkv=p["q"]._packed.dense,
+                o=p["o"]._packed.dense, router=p["gate"]._dense, top_k=p["gate"].top_k, renorm=True, sorted=True,
+                scores_f32=False, moe_index=p["experts"].index, name="model.layers.0")
+    engine.decoder_layer_step(**args)  # as built
+    for bad, says in ((dict(q_heads=args["q_heads"] + args["kv_heads"]), "q/k/v weight"),
+                      (dict(q_heads=args["q_heads"] + 1), "a multiple of the kv heads"),
+                      (dict(qkv=p["o"]._packed.dense), "q/k/v weight"),
+                      (dict(o=p["q"]._packed.dense), "o_proj weight"),
+                      (dict(top_k=0), "top_k 0"),
+                      (dict(moe_index=99), "MoE index 99"),
+                      (dict(k_norm=0), "q_norm and k_norm"),
+                      (dict(head_dim=1024, q_heads=1, kv_heads=1), "head_dim 1024")):
+        with pytest.raises(ValueError, match="model.layers.0") as e:
+            engine.decoder_layer_step(**dict(args, **bad))
+        assert says in str(e.value)
