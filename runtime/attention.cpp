@@ -26,15 +26,18 @@ struct Loops {
   void (*accumulate)(const float*, int, int, const bf16_t*, int64_t, int, float*);
   float (*exp_shifted)(const float*, float, int, float*);
   void (*widen)(const bf16_t*, int, float*);
+  float (*row_max)(const float*, int);
 };
 
 namespace scalar {
+constexpr bool kTwoKeys = false;  // (dots8x2's 16 accumulators: registers only under AVX-512)
 #include "attention_loops.inc"
 }  // namespace scalar
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
+constexpr bool kTwoKeys = false;
 #include "attention_loops.inc"
 }  // namespace avx2
 #pragma GCC pop_options
@@ -42,14 +45,15 @@ namespace avx2 {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl")
 namespace avx512 {
+constexpr bool kTwoKeys = true;
 #include "attention_loops.inc"
 }  // namespace avx512
 #pragma GCC pop_options
 
 const Loops& loops_for(IsaLevel level) {
-  static const Loops s{scalar::scores, scalar::accumulate, scalar::exp_shifted, scalar::widen},
-      a2{avx2::scores, avx2::accumulate, avx2::exp_shifted, avx2::widen},
-      a5{avx512::scores, avx512::accumulate, avx512::exp_shifted, avx512::widen};
+  static const Loops s{scalar::scores, scalar::accumulate, scalar::exp_shifted, scalar::widen, scalar::row_max},
+      a2{avx2::scores, avx2::accumulate, avx2::exp_shifted, avx2::widen, avx2::row_max},
+      a5{avx512::scores, avx512::accumulate, avx512::exp_shifted, avx512::widen, avx512::row_max};
   if (level >= IsaLevel::avx512) return a5;
   if (level >= IsaLevel::avx2) return a2;
   return s;
@@ -104,8 +108,7 @@ class AttentionTask final : public Task {
     float* part = part_.data();
     for (int j = 0; j < G_; ++j) {
       float* sj = s.data() + static_cast<size_t>(j) * n;
-      float m = -std::numeric_limits<float>::infinity();
-      for (int l = 0; l < n; ++l) m = std::max(m, sj[l]);
+      const float m = f_.row_max(sj, n);
       float* pr = part + ((static_cast<size_t>(b) * a_.q_heads + g * G_ + j) * chunks_ + c) * stride_;
       pr[0] = m;
       if (m == -std::numeric_limits<float>::infinity()) {  // every key of the chunk masked

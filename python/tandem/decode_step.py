@@ -5,10 +5,10 @@ step still spent a quarter to a third of its time between them: transformers' mo
 views, casts, the rotary embedding's six bf16 operations, the residual adds, each a torch
 operation of a few microseconds, about forty per layer (a 4-layer Qwen3-30B-A3B-shaped model
 at int4: ~3 ms of a 13 ms token). ``use_decoder_steps(model, engine)`` gives each
-``Qwen3MoeDecoderLayer`` whose parts are all tandem's (a fused q/k/v ``TandemLinear``,
-``TandemRMSNorm`` norms, a ``TandemRouter``, ``TandemExperts`` on this engine, the pool
-attention) a one-token path of two C++ calls (``_C.DecoderLayerStep``, tandem/decode_layer.h):
-norm, q/k/v, q/k norms and rotary embedding; then the caller's cache appends the key and
+Qwen3-MoE or Mixtral decoder layer whose parts are all tandem's (a fused q/k/v
+``TandemLinear``, ``TandemRMSNorm`` norms, a ``TandemRouter``, ``TandemExperts`` on this
+engine, the pool attention) a one-token path of two C++ calls (``_C.DecoderLayerStep``, tandem/decode_layer.h):
+norm, q/k/v, Qwen3's per-head q/k norms and the rotary embedding; then the caller's cache appends the key and
 value as transformers' layer would; then attention, o_proj, residual, norm, router, experts
 and residual. Every rounding is the module path's, so the output is bit-identical to it.
 
@@ -16,7 +16,7 @@ A layer takes the path only after a probe shows it: two one-token steps of rando
 states through the layer's own forward and through the C++ step, on fresh caches, must give
 the same bits (a transformers version whose layer computes something else keeps its own
 forward). At each call the path is taken for one sequence of one token, bf16 on the CPU, no
-gradient, the pool attention in use, no attention mask (or one that keeps every key), no
+gradient, in eval mode, the pool attention in use, no attention mask (or one that keeps every key), no
 other keyword that changes the math, and no hooks on the layer's parts (output capture such
 as ``output_attentions`` works through hooks); any other call runs transformers' forward.
 """
@@ -29,7 +29,11 @@ from torch import nn
 
 from .peft_glue import route_peft_wrappers
 
-SUPPORTED = frozenset({"Qwen3MoeDecoderLayer"})
+# Decoder layers whose forward is norm, attention, residual, norm, MoE block, residual, and
+# the MoE blocks whose eval forward is router then experts (no shared expert); the probe
+# still decides per layer.
+SUPPORTED = frozenset({"Qwen3MoeDecoderLayer", "MixtralDecoderLayer"})
+MOE_BLOCKS = frozenset({"Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock"})
 
 
 def _parts(layer: nn.Module, engine: Any) -> dict | None:
@@ -39,11 +43,13 @@ def _parts(layer: nn.Module, engine: Any) -> dict | None:
     from .router import TandemRouter
 
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if attn is None or mlp is None or type(mlp).__name__ != "Qwen3MoeSparseMoeBlock":
+    if attn is None or mlp is None or type(mlp).__name__ not in MOE_BLOCKS:
         return None
     q, k, v, o = (getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
-    norms = [getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None),
-             getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
+    norms = [getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)]
+    qk = [getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]  # Qwen3's per-head norms
+    if qk != [None, None]:
+        norms += qk
     gate, experts = getattr(mlp, "gate", None), getattr(mlp, "experts", None)
     if not (all(isinstance(t, TandemLinear) for t in (q, k, v, o)) and all(isinstance(n, TandemRMSNorm) for n in norms)
             and isinstance(gate, TandemRouter) and isinstance(experts, TandemExperts)):
@@ -77,6 +83,7 @@ class _Step:
         self.layer, self.attn, self.D = layer, attn, p["D"]
         self.Hq, self.Hkv = p["nq"] // p["D"], p["nkv"] // p["D"]
         self.hidden = p["q"].in_features
+        qk = len(norms) == 4  # Qwen3's q_norm / k_norm
         self.weights = [n.weight for n in norms]
         self.ptrs = [w.data_ptr() for w in self.weights]
         self.packs = (p["q"]._packed, p["o"]._packed)
@@ -93,23 +100,25 @@ class _Step:
         # projection) sends every call to the module path
         self.parts = [(layer._modules, "self_attn", attn), (layer._modules, "mlp", p["mlp"]),
                       (p["mlp"]._modules, "gate", gate), (p["mlp"]._modules, "experts", p["experts"]),
-                      *((attn._modules, a, getattr(attn, a)) for a in ("q_proj", "k_proj", "v_proj", "o_proj",
-                                                                         "q_norm", "k_norm")),
-                      (layer._modules, "input_layernorm", norms[0]), (layer._modules, "post_attention_layernorm", norms[1])]
+                      *((attn._modules, a, getattr(attn, a)) for a in ("q_proj", "k_proj", "v_proj", "o_proj")
+                        + (("q_norm", "k_norm") if qk else ())),
+                      (layer._modules, "input_layernorm", norms[0]),
+                      (layer._modules, "post_attention_layernorm", norms[1])]
+        if qk and norms[2].eps != norms[3].eps:
+            raise ValueError(f"{name}: q_norm and k_norm have different eps")
         self.step = engine.decoder_layer_step(
             self.hidden, self.Hq, self.Hkv, self.D, float(attn.scaling), self.ptrs[0], self.ptrs[1], norms[0].eps,
-            self.ptrs[2], self.ptrs[3], norms[2].eps, p["q"]._packed.dense, p["o"]._packed.dense, gate._dense,
-            gate.top_k, gate.renorm, gate.sorted, gate.scores_dtype == torch.float32, p["experts"].index, name)
-        if norms[2].eps != norms[3].eps:
-            raise ValueError(f"{name}: q_norm and k_norm have different eps")
+            self.ptrs[2] if qk else 0, self.ptrs[3] if qk else 0, norms[2].eps if qk else 0.0, p["q"]._packed.dense,
+            p["o"]._packed.dense, gate._dense, gate.top_k, gate.renorm, gate.sorted, gate.scores_dtype == torch.float32,
+            p["experts"].index, name)
         self.config = attn.config
         self.enabled = True  # (bench/ab_decode.py turns it off to compare)
 
     def takes(self, x: torch.Tensor, mask: torch.Tensor | None, cache: Any, pos_emb: Any, kwargs: dict) -> bool:
         from .attention import ATTENTION_NAME, _unknown_kwargs
 
-        if (not self.enabled or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape != (1, 1, self.hidden) or cache is None
-                or not isinstance(pos_emb, tuple) or len(pos_emb) != 2
+        if (not self.enabled or self.layer.training or x.dtype != torch.bfloat16 or x.device.type != "cpu"
+                or x.shape != (1, 1, self.hidden) or cache is None or not isinstance(pos_emb, tuple) or len(pos_emb) != 2
                 or getattr(self.config, "_attn_implementation", None) != ATTENTION_NAME
                 or (torch.is_grad_enabled() and x.requires_grad) or _unknown_kwargs(kwargs)):
             return False

@@ -45,7 +45,10 @@ TEST(DecodeAttention, MatchesAnFp64ReferenceAtEveryLevel) {
   const Case cases[] = {{1, 32, 4, 128, 128, 150, false}, {2, 8, 8, 64, 64, 37, true}, {1, 16, 2, 192, 128, 1100, false},
                         {3, 6, 3, 40, 24, 1, true},       {2, 4, 1, 16, 16, 700, true}, {1, 9, 1, 8, 5, 33, false},
                         {1, 16, 1, 576, 512, 150, true, 64}, {2, 9, 1, 40, 32, 70, false, 8},
-                        {2, 8, 2, 48, 16, 600, false, 16}};
+                        {2, 8, 2, 48, 16, 600, false, 16},
+                        // eight query heads per kv head with partial vectors (AVX-512's two-key
+                        // scores: their tails, a masked pair, a split key's tail-only part)
+                        {1, 16, 2, 40, 40, 33, false}, {2, 8, 1, 72, 40, 45, true, 8}};
   for (const int subpools : {1, 2}) {
     auto pool = attention_pool(subpools, 1);
     for (const Case& c : cases) {

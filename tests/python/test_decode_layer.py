@@ -1,4 +1,4 @@
-"""tandem.decode_step: whole Qwen3-MoE decoder layers' one-token steps in C++.
+"""tandem.decode_step: whole Qwen3-MoE and Mixtral decoder layers' one-token steps in C++.
 
 The step rounds where the module path rounds, so a generation with it gives the same
 logits, bit for bit, as the same model with every layer's step switched off (which runs
@@ -49,13 +49,14 @@ def set_enabled(model, on):
         s.enabled = on
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
-def test_step_is_bit_identical_to_the_module_path(ckpt, fmt):
+@pytest.mark.parametrize("kind,fmt", [("qwen3_moe", "bf16"), ("qwen3_moe", "int8"), ("qwen3_moe", "int4"),
+                                      ("mixtral", "bf16"), ("mixtral", "int4")])
+def test_step_is_bit_identical_to_the_module_path(ckpt, kind, fmt):
     cpu = dict(CFG["cpu"], format=fmt, dense_format=fmt)
     if fmt == "int4":
         cpu["group_size"] = 32
-    model = tandem.load_model(ckpt("qwen3_moe", "bf16"), dict(CFG, cpu=cpu), progress=False)
-    layers = [m for m in model.modules() if type(m).__name__ == "Qwen3MoeDecoderLayer"]
+    model = tandem.load_model(ckpt(kind, "bf16"), dict(CFG, cpu=cpu), progress=False)
+    layers = [m for m in model.modules() if type(m).__name__ in decode_step.SUPPORTED]
     assert model.tandem_decoder_steps == len(layers) == len(steps_of(model)) > 0
     calls = []
     for s in steps_of(model):
@@ -129,6 +130,10 @@ def test_a_replaced_part_sends_calls_to_the_module_path(ckpt):
     assert step.takes(x, None, DynamicCache(config=model.config), pe, {})
     assert not step.takes(x, None, DynamicCache(config=model.config), pe, {"output_attentions": True})
     assert not step.takes(x.float(), None, DynamicCache(config=model.config), pe, {})
+    model.train()  # (Mixtral's router jitters its input in training mode)
+    assert not step.takes(x, None, DynamicCache(config=model.config), pe, {})
+    model.eval()
+    assert step.takes(x, None, DynamicCache(config=model.config), pe, {})
 
 
 def test_a_probe_that_disagrees_keeps_the_layers_forward(ckpt, monkeypatch):
@@ -148,7 +153,7 @@ def test_no_step_without_tandems_parts(ckpt):
     model = tandem.load_model(ckpt("qwen3_moe", "bf16"), dict(CFG, cpu=dict(CFG["cpu"], dense_format="torch")),
                               progress=False)
     assert getattr(model, "tandem_decoder_steps", 0) == 0 and not steps_of(model)
-    model = tandem.load_model(ckpt("mixtral", "bf16"), CFG, progress=False)  # not a supported layer
+    model = tandem.load_model(ckpt("deepseek_v3", "bf16"), CFG, progress=False)  # MLA, shared experts: not supported
     assert model.tandem_decoder_steps == 0
 
 
