@@ -4,6 +4,8 @@
 // (sequence, query head), the chunks combined and rounded to bf16.
 #include "tandem/attention.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -46,7 +48,9 @@ constexpr bool kTwoKeys = false;
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl")
 namespace avx512 {
 constexpr bool kTwoKeys = true;
+#define TANDEM_ATTENTION_ZMM 1
 #include "attention_loops.inc"
+#undef TANDEM_ATTENTION_ZMM
 }  // namespace avx512
 #pragma GCC pop_options
 
