@@ -118,7 +118,8 @@ class _Step:
         from .attention import ATTENTION_NAME, _unknown_kwargs
 
         if (not self.enabled or self.layer.training or x.dtype != torch.bfloat16 or x.device.type != "cpu"
-                or x.shape != (1, 1, self.hidden) or cache is None or not isinstance(pos_emb, tuple) or len(pos_emb) != 2
+                or x.shape != (1, 1, self.hidden) or cache is None
+                or not isinstance(pos_emb, tuple) or len(pos_emb) != 2
                 or getattr(self.config, "_attn_implementation", None) != ATTENTION_NAME
                 or (torch.is_grad_enabled() and x.requires_grad) or _unknown_kwargs(kwargs)):
             return False
@@ -128,7 +129,8 @@ class _Step:
             return False
         if mask is not None and not (mask.dtype == torch.bool and mask.numel() == mask.shape[-1] and bool(mask.all())):
             return False
-        if any(w.data_ptr() != p for w, p in zip(self.weights, self.ptrs)) or not all(pk.bf16_on_pool for pk in self.packs):
+        if (any(w.data_ptr() != p for w, p in zip(self.weights, self.ptrs))
+                or not all(pk.bf16_on_pool for pk in self.packs)):
             return False
         from torch.nn.modules import module as _m
 
@@ -138,7 +140,7 @@ class _Step:
             return False
         return all((len(m._forward_hooks), len(m._forward_pre_hooks)) == h for m, h in zip(self.watched, self.hooks))
 
-    def __call__(self, x: torch.Tensor, cache: Any, pos_emb: tuple) -> torch.Tensor | None:
+    def __call__(self, x: torch.Tensor, cache: Any, pos_emb: tuple) -> torch.Tensor:
         """The layer's output for x [1, 1, hidden]; the cache gets this step's key and value
         (a cache whose keys are not [1, kv_heads, keys, head_dim] bf16 rows is refused)."""
         x = x.contiguous()
@@ -166,21 +168,24 @@ def _probe(layer: nn.Module, step: _Step, rotary: nn.Module, seed: int) -> bool:
 
     g = torch.Generator().manual_seed(seed)
     outs = []
-    with torch.no_grad():
-        xs = [torch.randn(1, 1, step.hidden, generator=g).to(torch.bfloat16) for _ in range(2)]
-        for fast in (False, True):
-            cache = DynamicCache(config=step.config)
-            got = []
-            for pos, x in enumerate(xs):
-                pos_ids = torch.tensor([[pos]])
-                pe = rotary(x, pos_ids)
-                if fast:
-                    got.append(step(x, cache, pe))
-                else:
-                    y = layer.tandem_module_forward(x, attention_mask=None, position_ids=pos_ids,
-                                                    past_key_values=cache, use_cache=True, position_embeddings=pe)
-                    got.append(y[0] if isinstance(y, tuple) else y)
-            outs.append(got)
+    try:
+        with torch.no_grad():
+            xs = [torch.randn(1, 1, step.hidden, generator=g).to(torch.bfloat16) for _ in range(2)]
+            for fast in (False, True):
+                cache = DynamicCache(config=step.config)
+                got = []
+                for pos, x in enumerate(xs):
+                    pos_ids = torch.tensor([[pos]])
+                    pe = rotary(x, pos_ids)
+                    if fast:
+                        got.append(step(x, cache, pe))
+                    else:
+                        y = layer.tandem_module_forward(x, attention_mask=None, position_ids=pos_ids,
+                                                        past_key_values=cache, use_cache=True, position_embeddings=pe)
+                        got.append(y[0] if isinstance(y, tuple) else y)
+                outs.append(got)
+    except (ValueError, RuntimeError):  # either path refused the probe: not this step
+        return False
     return all(isinstance(a, torch.Tensor) and a.shape == b.shape and torch.equal(a, b) for a, b in zip(*outs))
 
 
