@@ -32,14 +32,12 @@ struct Loops {
 };
 
 namespace scalar {
-constexpr bool kTwoKeys = false;  // (dots8x2's 16 accumulators: registers only under AVX-512)
 #include "attention_loops.inc"
 }  // namespace scalar
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
-constexpr bool kTwoKeys = false;
 #include "attention_loops.inc"
 }  // namespace avx2
 #pragma GCC pop_options
@@ -47,7 +45,6 @@ constexpr bool kTwoKeys = false;
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl")
 namespace avx512 {
-constexpr bool kTwoKeys = true;
 #define TANDEM_ATTENTION_ZMM 1
 #include "attention_loops.inc"
 #undef TANDEM_ATTENTION_ZMM

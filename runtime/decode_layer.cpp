@@ -14,13 +14,6 @@ namespace tandem {
 
 namespace {
 
-inline float widen(bf16_t v) {
-  const uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 // apply_rotary_pos_emb on `heads` rows of d values in place: t * cos + rotate_half(t) *
 // sin, each product and the sum rounded to bf16 as torch's bf16 operations round them
 // (rotate_half(t) = [-t[d/2:], t[:d/2]]; the negation is exact).
@@ -29,11 +22,11 @@ void rope(bf16_t* t, int heads, int d, const bf16_t* cos, const bf16_t* sin) {
   for (int h = 0; h < heads; ++h) {
     bf16_t* r = t + static_cast<size_t>(h) * d;
     float a[512];  // head_dim <= 512: checked by the constructor
-    for (int i = 0; i < d; ++i) a[i] = widen(r[i]);
+    for (int i = 0; i < d; ++i) a[i] = from_bf16(r[i]);
     for (int i = 0; i < d; ++i) {
       const float rot = i < half ? -a[i + half] : a[i - half];
-      const float x = widen(round_to_bf16(a[i] * widen(cos[i])));
-      const float y = widen(round_to_bf16(rot * widen(sin[i])));
+      const float x = from_bf16(round_to_bf16(a[i] * from_bf16(cos[i])));
+      const float y = from_bf16(round_to_bf16(rot * from_bf16(sin[i])));
       r[i] = round_to_bf16(x + y);
     }
   }
@@ -41,7 +34,7 @@ void rope(bf16_t* t, int heads, int d, const bf16_t* cos, const bf16_t* sin) {
 
 // bf16(a + b), elementwise (torch's bf16 add).
 void add_bf16(const bf16_t* a, const bf16_t* b, int n, bf16_t* y) {
-  for (int i = 0; i < n; ++i) y[i] = round_to_bf16(widen(a[i]) + widen(b[i]));
+  for (int i = 0; i < n; ++i) y[i] = round_to_bf16(from_bf16(a[i]) + from_bf16(b[i]));
 }
 
 }  // namespace
@@ -127,13 +120,13 @@ void DecoderLayerStep::rest(const bf16_t* x, const bf16_t* q, const bf16_t* k, i
     s.router->route(hn.data(), true, 1, H, s.top_k, s.renorm, logits.data(), w.data(), true, ids.data(), ro);
   } else {
     s.router->route(hn.data(), true, 1, H, s.top_k, s.renorm, logits.data(), scores16.data(), false, ids.data(), ro);
-    for (int j = 0; j < s.top_k; ++j) w[j] = widen(scores16[j]);
+    for (int j = 0; j < s.top_k; ++j) w[j] = from_bf16(scores16[j]);
   }
   LayerIO io;
   io.x = hn.data(), io.x_type = XType::bf16, io.tokens = 1;
   io.ids = ids.data(), io.ids_i64 = true, io.weights = w.data(), io.top_k = s.top_k, io.out = out.data();
   e_.run(s.moe_index, io);
-  for (int i = 0; i < H; ++i) y[i] = round_to_bf16(widen(h[i]) + widen(round_to_bf16(out[i])));
+  for (int i = 0; i < H; ++i) y[i] = round_to_bf16(from_bf16(h[i]) + from_bf16(round_to_bf16(out[i])));
 }
 
 }  // namespace tandem

@@ -83,15 +83,6 @@ size_t DenseLinear::bytes() const {
 }
 
 namespace {
-inline float from_bf16(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-}  // namespace
-
-namespace {
 // The rows, inlined into each of the ISA-specific copies below so that the compiler
 // vectorizes them at that width.
 __attribute__((always_inline)) inline void norm_rows(const uint16_t* x, const uint16_t* w, float eps, int64_t rows,

@@ -26,7 +26,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _torch_module
 
+from .attention import ATTENTION_NAME, _unknown_kwargs
 from .peft_glue import route_peft_wrappers
 
 # Decoder layers whose forward is norm, attention, residual, norm, MoE block, residual, and
@@ -115,8 +117,6 @@ class _Step:
         self.enabled = True  # (bench/ab_decode.py turns it off to compare)
 
     def takes(self, x: torch.Tensor, mask: torch.Tensor | None, cache: Any, pos_emb: Any, kwargs: dict) -> bool:
-        from .attention import ATTENTION_NAME, _unknown_kwargs
-
         if (not self.enabled or self.layer.training or x.dtype != torch.bfloat16 or x.device.type != "cpu"
                 or x.shape != (1, 1, self.hidden) or cache is None
                 or not isinstance(pos_emb, tuple) or len(pos_emb) != 2
@@ -132,9 +132,7 @@ class _Step:
         if (any(w.data_ptr() != p for w, p in zip(self.weights, self.ptrs))
                 or not all(pk.bf16_on_pool for pk in self.packs)):
             return False
-        from torch.nn.modules import module as _m
-
-        if _m._global_forward_hooks or _m._global_forward_pre_hooks:
+        if _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks:
             return False
         if any(d.get(a) is not m for d, a, m in self.parts):
             return False
@@ -161,7 +159,7 @@ class _Step:
         return y
 
 
-def _probe(layer: nn.Module, step: _Step, rotary: nn.Module, seed: int) -> bool:
+def _probe(module_forward: Any, step: _Step, rotary: nn.Module, seed: int) -> bool:
     """Two one-token steps of random hidden states (positions 0 and 1) through the layer's
     own forward and through the step, each on a fresh cache: the same bits?"""
     from transformers import DynamicCache
@@ -180,8 +178,8 @@ def _probe(layer: nn.Module, step: _Step, rotary: nn.Module, seed: int) -> bool:
                     if fast:
                         got.append(step(x, cache, pe))
                     else:
-                        y = layer.tandem_module_forward(x, attention_mask=None, position_ids=pos_ids,
-                                                        past_key_values=cache, use_cache=True, position_embeddings=pe)
+                        y = module_forward(x, attention_mask=None, position_ids=pos_ids, past_key_values=cache,
+                                           use_cache=True, position_embeddings=pe)
                         got.append(y[0] if isinstance(y, tuple) else y)
                 outs.append(got)
     except (ValueError, RuntimeError):  # either path refused the probe: not this step
@@ -192,8 +190,6 @@ def _probe(layer: nn.Module, step: _Step, rotary: nn.Module, seed: int) -> bool:
 def use_decoder_steps(model: nn.Module, engine: Any) -> int:
     """Gives `model`'s supported decoder layers (module docstring) the one-token C++ step
     where the probe agrees; returns how many. Needs the pool attention in use."""
-    from .attention import ATTENTION_NAME
-
     if engine is None or getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
         return 0
     rotary = next((m for n, m in model.named_modules() if n.endswith("rotary_emb")), None)
@@ -210,17 +206,15 @@ def use_decoder_steps(model: nn.Module, engine: Any) -> int:
             step = _Step(layer, engine, p, name)
         except (ValueError, RuntimeError):
             continue
-        layer.tandem_module_forward = layer.forward  # the bound method: every call the step does not take
-        if not _probe(layer, step, rotary, seed=n):
-            del layer.tandem_module_forward
+        module_forward = layer.forward  # the bound method: every call the step does not take
+        if not _probe(module_forward, step, rotary, seed=n):
             continue
-        _install(layer, step)
+        _install(layer, step, module_forward)
         n += 1
     return n
 
 
-def _install(layer: nn.Module, step: _Step) -> None:
-    module_forward = layer.tandem_module_forward
+def _install(layer: nn.Module, step: _Step, module_forward: Any) -> None:
 
     def forward(hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
                 position_embeddings=None, **kwargs):
@@ -231,4 +225,5 @@ def _install(layer: nn.Module, step: _Step) -> None:
                               position_embeddings=position_embeddings, **kwargs)
 
     layer.forward = forward
+    layer.tandem_module_forward = module_forward
     layer.tandem_decoder_step = step
