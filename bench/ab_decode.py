@@ -15,7 +15,10 @@ alternated figures compare):
 - ``mla``: MLA's one-token attention from the latents in one call on the pool
   (``_C.Engine.mla_decode``) / in torch bmm on one thread (DeepSeek-V2 / V3 shapes only);
 - ``layers``: whole decoder layers' one-token steps in C++ (``tandem.decode_step``) /
-  transformers' layer over tandem's modules (Qwen3-MoE shapes only).
+  transformers' layer over tandem's modules;
+- ``mlps``: gated MLPs (shared experts, dense MLPs) in one call (``tandem.dense.use_gated_mlps``) /
+  transformers' MLP over tandem's layers (DeepSeek-V2 shapes; with the decoder-layer steps
+  off in both arms, since a step needs its MLP's path).
 
     .venv/bin/python bench/ab_decode.py norms                  # int4 experts, int4 dense layers
     .venv/bin/python bench/ab_decode.py projections --format bf16 --dense auto --rounds 8
@@ -24,6 +27,8 @@ alternated figures compare):
     .venv/bin/python bench/ab_decode.py cache --prompt 4096 --rounds 4
     .venv/bin/python bench/ab_decode.py mla --model deepseek-v2-lite --group-size 64
     .venv/bin/python bench/ab_decode.py layers --format bf16 --dense auto
+    .venv/bin/python bench/ab_decode.py layers --model deepseek-v2-lite --group-size 64 --format bf16 --dense auto
+    .venv/bin/python bench/ab_decode.py mlps --model deepseek-v2-lite --group-size 64
 
 The checkpoints are bench_hf.py's random ones (Qwen3-30B-A3B or DeepSeek-V2-Lite shapes,
 4 layers, vocabulary 32768), built once into tandem's cache.
@@ -95,6 +100,15 @@ def layer_slots(model: nn.Module) -> list:
             if "tandem_decoder_step" in m.__dict__]
 
 
+def mlp_slots(model: nn.Module) -> list:
+    """(gated MLP path, "enabled", True, False) for every gated MLP with the one-call path;
+    the decoder-layer steps are turned off (they need it)."""
+    for m in model.modules():
+        if "tandem_decoder_step" in m.__dict__:
+            m.tandem_decoder_step.enabled = False
+    return [(m.tandem_mlp, "enabled", True, False) for m in model.modules() if "tandem_mlp" in m.__dict__]
+
+
 def projection_slots(model: nn.Module, cfg: dict) -> list[tuple[nn.Module, str, nn.Module, nn.Module]]:
     """(parent, attribute, fused member, the same layer packed alone) for every fused layer:
     the model was loaded with cpu.dense_format torch; its linear layers are replaced here as
@@ -123,7 +137,7 @@ def projection_slots(model: nn.Module, cfg: dict) -> list[tuple[nn.Module, str, 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=("norms", "projections", "routers", "cache", "mla", "bf16out", "layers"))
+    p.add_argument("what", choices=("norms", "projections", "routers", "cache", "mla", "bf16out", "layers", "mlps"))
     p.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(bench_hf.SHAPES))
     p.add_argument("--format", default="int4", help="cpu.format (default int4)")
     p.add_argument("--dense", default="int4", help="cpu.dense_format (default int4; not torch)")
@@ -140,10 +154,10 @@ def main() -> int:
         cpu["group_size"] = a.group_size
     cfg = {"version": 1, "cpu": cpu,
            "gpu": {"device": "auto"}}
-    if a.what in ("norms", "routers", "cache", "mla", "bf16out", "layers"):
+    if a.what in ("norms", "routers", "cache", "mla", "bf16out", "layers", "mlps"):
         model = tandem.load_model(d, cfg, progress=False)
         slots = {"norms": norm_slots, "routers": router_slots, "mla": mla_slots,
-                 "bf16out": bf16out_slots, "layers": layer_slots}.get(a.what, lambda m: [])(model)
+                 "bf16out": bf16out_slots, "layers": layer_slots, "mlps": mlp_slots}.get(a.what, lambda m: [])(model)
     else:
         model = tandem.load_model(d, dict(cfg, cpu=dict(cfg["cpu"], dense_format="torch")), progress=False)
         slots = projection_slots(model, cfg)

@@ -206,6 +206,14 @@ PYBIND11_MODULE(_C, m) {
                       reinterpret_cast<uint16_t*>(y));
       }, py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("rows"), py::arg("n"), py::arg("out"),
       "transformers' Llama-family RMSNorm on bf16 rows (tandem/dense.h): out = bf16(w * bf16(x / rms(x)))");
+  m.def("gated_mlp_bf16", [](std::shared_ptr<DenseLinear> gate_up, std::shared_ptr<DenseLinear> down, uintptr_t x,
+                             int64_t rows, uintptr_t y) {
+        GatedMlp mlp{std::move(gate_up), std::move(down)};
+        check_gated_mlp(mlp, "gated MLP");
+        py::gil_scoped_release nogil;
+        gated_mlp_bf16(mlp, reinterpret_cast<const bf16_t*>(x), rows, reinterpret_cast<bf16_t*>(y));
+      }, py::arg("gate_up"), py::arg("down"), py::arg("x"), py::arg("rows"), py::arg("y"),
+      "down(bf16(bf16(silu(g)) * u)), g|u = gate_up(x), on bf16 rows [rows x hidden] (tandem/decode_layer.h)");
   m.def("hot_auto_reserve", &hot_auto_reserve, py::arg("device_total_bytes"),
         "device bytes gpu.hot_experts count: auto leaves free for the KV cache and activations (placement.h)");
   m.def("load_config_json", [](const std::filesystem::path& p) { return load_config(p).to_json(); },
@@ -568,25 +576,41 @@ PYBIND11_MODULE(_C, m) {
            "groups > 1: n / groups rows per group, each applied to its own k inputs of a row (bf16 only).")
       .def("decoder_layer_step",
            [](Engine& e, int hidden, int q_heads, int kv_heads, int head_dim, float scale, uintptr_t input_norm,
-              uintptr_t post_norm, float eps, uintptr_t q_norm, uintptr_t k_norm, float qk_eps,
-              std::shared_ptr<DenseLinear> qkv, std::shared_ptr<DenseLinear> o, std::shared_ptr<DenseLinear> router,
-              int top_k, bool renorm, bool sorted, bool scores_f32, int moe_index, const std::string& name) {
+              uintptr_t post_norm, float eps, std::shared_ptr<DenseLinear> qkv, std::shared_ptr<DenseLinear> o,
+              const std::string& name, uintptr_t q_norm, uintptr_t k_norm, float qk_eps,
+              std::shared_ptr<DenseLinear> router, int top_k, bool renorm, bool scores_f32, bool sorted,
+              bool logits_f32, float route_scale, int groups, int top_groups, int moe_index,
+              std::shared_ptr<DenseLinear> mlp_gate_up, std::shared_ptr<DenseLinear> mlp_down, int mla_rank, int rope,
+              int v_dim, uintptr_t kv_norm, float kv_eps, std::shared_ptr<DenseLinear> q_b, uintptr_t q_a_norm,
+              float q_a_eps, std::shared_ptr<DenseLinear> w_uk, std::shared_ptr<DenseLinear> w_uv) {
+             auto bf = [](uintptr_t p) { return reinterpret_cast<const bf16_t*>(p); };
              DecoderLayerSpec s;
              s.hidden = hidden, s.q_heads = q_heads, s.kv_heads = kv_heads, s.head_dim = head_dim, s.scale = scale;
-             s.input_norm = reinterpret_cast<const bf16_t*>(input_norm);
-             s.post_norm = reinterpret_cast<const bf16_t*>(post_norm);
-             s.eps = eps;
-             s.q_norm = reinterpret_cast<const bf16_t*>(q_norm), s.k_norm = reinterpret_cast<const bf16_t*>(k_norm);
-             s.qk_eps = qk_eps;
+             s.input_norm = bf(input_norm), s.post_norm = bf(post_norm), s.eps = eps;
+             s.q_norm = bf(q_norm), s.k_norm = bf(k_norm), s.qk_eps = qk_eps;
              s.qkv = std::move(qkv), s.o = std::move(o), s.router = std::move(router);
-             s.top_k = top_k, s.renorm = renorm, s.sorted = sorted, s.scores_f32 = scores_f32, s.moe_index = moe_index;
+             s.top_k = top_k, s.renorm = renorm, s.scores_f32 = scores_f32, s.moe_index = moe_index;
+             s.route.sorted = sorted, s.route.logits_f32 = logits_f32, s.route.scale = route_scale;
+             s.route.groups = groups, s.route.top_groups = top_groups;
+             s.mlp.gate_up = std::move(mlp_gate_up), s.mlp.down = std::move(mlp_down);
+             s.mla_rank = mla_rank, s.rope = rope, s.v_dim = v_dim, s.kv_norm = bf(kv_norm), s.kv_eps = kv_eps;
+             s.q_b = std::move(q_b), s.q_a_norm = bf(q_a_norm), s.q_a_eps = q_a_eps;
+             s.w_uk = std::move(w_uk), s.w_uv = std::move(w_uv);
              return std::make_shared<DecoderLayerStep>(e, std::move(s), name);
            }, py::arg("hidden"), py::arg("q_heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("scale"),
-           py::arg("input_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("q_norm"), py::arg("k_norm"),
-           py::arg("qk_eps"), py::arg("qkv"), py::arg("o"), py::arg("router"), py::arg("top_k"), py::arg("renorm"),
-           py::arg("sorted"), py::arg("scores_f32"), py::arg("moe_index"), py::arg("name"), py::keep_alive<0, 1>(),
+           py::arg("input_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("qkv"), py::arg("o"), py::arg("name"),
+           py::kw_only(), py::arg("q_norm") = 0, py::arg("k_norm") = 0, py::arg("qk_eps") = 0.f,
+           py::arg("router") = nullptr, py::arg("top_k") = 0, py::arg("renorm") = true, py::arg("scores_f32") = false,
+           py::arg("sorted") = true, py::arg("logits_f32") = false, py::arg("route_scale") = 1.f,
+           py::arg("groups") = 1, py::arg("top_groups") = 1, py::arg("moe_index") = -1,
+           py::arg("mlp_gate_up") = nullptr, py::arg("mlp_down") = nullptr, py::arg("mla_rank") = 0,
+           py::arg("rope") = 0, py::arg("v_dim") = 0, py::arg("kv_norm") = 0, py::arg("kv_eps") = 0.f,
+           py::arg("q_b") = nullptr, py::arg("q_a_norm") = 0, py::arg("q_a_eps") = 0.f, py::arg("w_uk") = nullptr,
+           py::arg("w_uv") = nullptr, py::keep_alive<0, 1>(),
            "A decoder layer's one-token step on this engine (tandem/decode_layer.h); the norm weights are bf16 "
-           "[hidden] / [head_dim] pointers the caller keeps alive (q_norm / k_norm 0: none).")
+           "pointers the caller keeps alive (0: none). Routed experts: moe_index >= 0 with the router's settings, "
+           "plus mlp_gate_up / mlp_down as shared experts when given; a dense layer: moe_index -1 and the MLP. "
+           "MLA: mla_rank > 0 with rope, v_dim, kv_norm, w_uk / w_uv (and q_b with q_a_norm for a low-rank query).")
       .def("reset_counts", [](Engine& e) { e.hybrid().reset_counts(); })
       .def("write_statistics", [](Engine& e, const std::filesystem::path& p) { e.hybrid().write_statistics(p); });
 
@@ -610,6 +634,25 @@ PYBIND11_MODULE(_C, m) {
            py::arg("v_l"), py::arg("keys"), py::arg("y"),
            "attention over the cache (its last key this step's), o_proj, residual, norm, router, experts, residual "
            "-> y [hidden] (bf16 pointers, element strides)")
+      .def("qkv_mla", [](DecoderLayerStep& d, uintptr_t x, uintptr_t freqs, uintptr_t q, uintptr_t latent,
+                         uintptr_t k_rope) {
+             py::gil_scoped_release nogil;
+             d.qkv_mla(reinterpret_cast<const bf16_t*>(x), reinterpret_cast<const float*>(freqs),
+                       reinterpret_cast<bf16_t*>(q), reinterpret_cast<bf16_t*>(latent), reinterpret_cast<bf16_t*>(k_rope));
+           }, py::arg("x"), py::arg("freqs"), py::arg("q"), py::arg("latent"), py::arg("k_rope"),
+           "MLA: x [hidden], freqs [rope] fp32 (complex, interleaved) -> q [heads x head_dim], latent [rank], "
+           "k_rope [rope] (bf16 pointers)")
+      .def("rest_mla", [](DecoderLayerStep& d, uintptr_t x, uintptr_t q, uintptr_t latent, int64_t latent_l,
+                          uintptr_t k_rope, int64_t k_rope_l, int keys, uintptr_t y) {
+             py::gil_scoped_release nogil;
+             d.rest_mla(reinterpret_cast<const bf16_t*>(x), reinterpret_cast<const bf16_t*>(q),
+                        reinterpret_cast<const bf16_t*>(latent), latent_l, reinterpret_cast<const bf16_t*>(k_rope),
+                        k_rope_l, keys, reinterpret_cast<bf16_t*>(y));
+           }, py::arg("x"), py::arg("q"), py::arg("latent"), py::arg("latent_l"), py::arg("k_rope"),
+           py::arg("k_rope_l"), py::arg("keys"), py::arg("y"),
+           "MLA: attention over the cached latents and rope keys (the last this step's), o_proj, residual, norm, "
+           "feed-forward, residual -> y [hidden] (bf16 pointers, element strides per key)")
+      .def_property_readonly("mla", &DecoderLayerStep::mla)
       .def_property_readonly("name", &DecoderLayerStep::name);
 
   py::class_<DenseLinear, std::shared_ptr<DenseLinear>>(m, "DenseLinear",

@@ -11,6 +11,12 @@ engine, the pool attention) a one-token path of two C++ calls (``_C.DecoderLayer
 norm, q/k/v, Qwen3's per-head q/k norms and the rotary embedding; then the caller's cache appends the key and
 value as transformers' layer would; then attention, o_proj, residual, norm, router, experts
 and residual. Every rounding is the module path's, so the output is bit-identical to it.
+DeepSeek-V2 decoder layers get the same two calls with MLA (the query and kv_a products, the
+latent's norm, the complex rotary embedding; the cache stores the latent and the rope key;
+then ``tandem.attention``'s weight-absorbed one-token attention over the latents) and a
+feed-forward of routed plus shared experts, or the dense first layer's MLP (each gated MLP on
+``tandem.dense.use_gated_mlps``' path, which the module path runs too). DeepSeek-V3 layers
+keep their forward (a sigmoid router with a bias, another rotary embedding).
 
 A layer takes the path only after a probe shows it: two one-token steps of random hidden
 states through the layer's own forward and through the C++ step, on fresh caches, must give
@@ -31,30 +37,31 @@ from torch.nn.modules import module as _torch_module
 from .attention import ATTENTION_NAME, _unknown_kwargs
 from .peft_glue import route_peft_wrappers
 
-# Decoder layers whose forward is norm, attention, residual, norm, MoE block, residual, and
-# the MoE blocks whose eval forward is router then experts (no shared expert); the probe
-# still decides per layer.
-SUPPORTED = frozenset({"Qwen3MoeDecoderLayer", "MixtralDecoderLayer"})
-MOE_BLOCKS = frozenset({"Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock"})
+# Decoder layers whose forward is norm, attention, residual, norm, feed-forward, residual;
+# the MoE blocks whose eval forward is router then experts (DeepSeek-V2's: plus its shared
+# experts' MLP on the same input); the dense MLPs of the layers without routed experts.
+# The probe still decides per layer.
+SUPPORTED = frozenset({"Qwen3MoeDecoderLayer", "MixtralDecoderLayer", "DeepseekV2DecoderLayer"})
+MOE_BLOCKS = frozenset({"Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock", "DeepseekV2Moe"})
+SHARED_EXPERTS = {"DeepseekV2Moe": "shared_experts"}
+DENSE_MLPS = frozenset({"DeepseekV2MLP"})
 
 
-def _parts(layer: nn.Module, engine: Any) -> dict | None:
-    """The layer's tandem parts and shapes, or None when one is not tandem's."""
+def _fused_pair(a: Any, b: Any) -> bool:
+    """a and b: the two members of one packed weight, a's rows first."""
+    pk = a._packed
+    return (b._packed is pk and pk.members == 2 and not pk.biases and a._columns == (0, a.out_features)
+            and b._columns == (a.out_features, a.out_features + b.out_features))
+
+
+def _attention_parts(attn: nn.Module) -> dict | None:
+    """The GQA attention's tandem parts (Qwen3-MoE / Mixtral), or None."""
     from .dense import TandemLinear, TandemRMSNorm
-    from .modules import TandemExperts
-    from .router import TandemRouter
 
-    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if attn is None or mlp is None or type(mlp).__name__ not in MOE_BLOCKS:
-        return None
     q, k, v, o = (getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
-    norms = [getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)]
     qk = [getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]  # Qwen3's per-head norms
-    if qk != [None, None]:
-        norms += qk
-    gate, experts = getattr(mlp, "gate", None), getattr(mlp, "experts", None)
-    if not (all(isinstance(t, TandemLinear) for t in (q, k, v, o)) and all(isinstance(n, TandemRMSNorm) for n in norms)
-            and isinstance(gate, TandemRouter) and isinstance(experts, TandemExperts)):
+    qk = [] if qk == [None, None] else qk
+    if not (all(isinstance(t, TandemLinear) for t in (q, k, v, o)) and all(isinstance(n, TandemRMSNorm) for n in qk)):
         return None
     packed = q._packed
     if not (k._packed is packed and v._packed is packed and packed.members == 3 and not packed.biases
@@ -67,81 +74,202 @@ def _parts(layer: nn.Module, engine: Any) -> dict | None:
     if (q._columns != (0, nq) or k._columns != (nq, nq + nkv) or v._columns != (nq + nkv, nq + 2 * nkv)
             or nq % D or nkv % D or v.out_features != nkv):
         return None
-    if (gate.groups != 1 or gate.scale != 1.0 or gate.logits_dtype != torch.bfloat16
-            or gate.scores_dtype not in (torch.bfloat16, torch.float32)):
+    names = ("q_proj", "k_proj", "v_proj", "o_proj") + (("q_norm", "k_norm") if qk else ())
+    return dict(kind="gqa", q=q, o=o, qk=qk, D=D, nq=nq, nkv=nkv, names=names,
+                watched=[q, k, v, o, *qk], packs=(q._packed, o._packed))
+
+
+def _mla_parts(attn: nn.Module) -> dict | None:
+    """DeepSeek-V2's MLA attention's tandem parts (its one-token path on the pool:
+    tandem.attention.use_mla_absorption), or None."""
+    from .attention import _absorbed_weights, is_mla
+    from .dense import TandemLinear, TandemRMSNorm
+
+    if not is_mla(attn) or "tandem_expand_kv" not in attn.__dict__:
+        return None
+    engine = attn.__dict__.get("tandem_attention_engine")
+    H = getattr(attn, "num_heads", None)
+    nope, rope, v_dim, r = attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim, attn.kv_lora_rank
+    kv_a, kv_norm, o = attn.kv_a_proj_with_mqa, attn.kv_a_layernorm, attn.o_proj
+    low_rank = getattr(attn, "q_lora_rank", None) is not None
+    q = attn.q_a_proj if low_rank else attn.q_proj
+    q_norm, q_b = (attn.q_a_layernorm, attn.q_b_proj) if low_rank else (None, None)
+    if (engine is None or not isinstance(H, int) or attn.kv_b_proj.weight.dtype != torch.bfloat16
+            or r % 64 or v_dim % 64 or rope % 2 or nope < 1):
+        return None
+    if not (all(isinstance(t, TandemLinear) for t in (q, kv_a, o) + ((q_b,) if low_rank else ()))
+            and all(isinstance(n, TandemRMSNorm) for n in (kv_norm,) + ((q_norm,) if low_rank else ()))):
+        return None
+    if (not _fused_pair(q, kv_a) or kv_a.out_features != r + rope or o._columns is not None or o.bias is not None
+            or (low_rank and (q_b._columns is not None or q_b.bias is not None))
+            or (not low_rank and q.out_features != H * (nope + rope))):
+        return None
+    scaling = getattr(attn, "scaling", None)
+    if not isinstance(scaling, float):
+        return None
+    wk, wv = _absorbed_weights(attn, H, nope, v_dim, r, engine)
+    names = ("kv_a_proj_with_mqa", "kv_a_layernorm", "o_proj", "kv_b_proj") + (
+        ("q_a_proj", "q_a_layernorm", "q_b_proj") if low_rank else ("q_proj",))
+    norms = [kv_norm] + ([q_norm] if low_rank else [])
+    return dict(kind="mla", q=q, kv_a=kv_a, o=o, q_b=q_b, q_norm=q_norm, kv_norm=kv_norm, H=H, nope=nope, rope=rope,
+                v_dim=v_dim, r=r, wk=wk, wv=wv, engine=engine, names=names, kv_b=attn.kv_b_proj.weight,
+                watched=[q, kv_a, o, attn.kv_b_proj, *norms] + ([q_b] if low_rank else []),
+                packs=(q._packed, o._packed) + ((q_b._packed,) if low_rank else ()))
+
+
+def _ffn_parts(mlp: nn.Module, engine: Any) -> dict | None:
+    """The feed-forward's tandem parts: routed experts (and shared experts), or a dense MLP."""
+    from .modules import TandemExperts
+    from .router import TandemRouter
+
+    kind = type(mlp).__name__
+    if kind in DENSE_MLPS:
+        fast = mlp.__dict__.get("tandem_mlp")
+        return None if fast is None else dict(moe=False, shared=fast, names=(), watched=[])
+    if kind not in MOE_BLOCKS:
+        return None
+    gate, experts = getattr(mlp, "gate", None), getattr(mlp, "experts", None)
+    if not (isinstance(gate, TandemRouter) and isinstance(experts, TandemExperts)):
+        return None
+    if gate.logits_dtype not in (torch.bfloat16, torch.float32) or gate.scores_dtype not in (torch.bfloat16,
+                                                                                              torch.float32):
         return None
     if experts.engine is not engine or experts.exchange is not None or engine.is_cuda:
         return None
-    if any(n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() for n in norms):
+    shared, names = None, ("gate", "experts")
+    if kind in SHARED_EXPERTS:
+        attr = SHARED_EXPERTS[kind]
+        shared = getattr(mlp, attr, None)
+        shared = None if shared is None else shared.__dict__.get("tandem_mlp")
+        if shared is None:
+            return None
+        names += (attr,)
+    return dict(moe=True, gate=gate, experts=experts, shared=shared, names=names, watched=[gate, experts])
+
+
+def _parts(layer: nn.Module, engine: Any) -> dict | None:
+    """The layer's tandem parts and shapes, or None when one is not tandem's."""
+    from .dense import TandemRMSNorm
+
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if attn is None or mlp is None:
         return None
-    return dict(attn=attn, mlp=mlp, q=q, o=o, gate=gate, experts=experts, norms=norms, D=D, nq=nq, nkv=nkv)
+    at = _mla_parts(attn) if hasattr(attn, "kv_a_proj_with_mqa") else _attention_parts(attn)
+    ffn = _ffn_parts(mlp, engine)
+    norms = [getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)]
+    if at is None or ffn is None or not all(isinstance(n, TandemRMSNorm) for n in norms):
+        return None
+    every_norm = norms + (at["qk"] if at["kind"] == "gqa" else [at["kv_norm"]] + ([at["q_norm"]] if at["q_b"] else []))
+    if any(n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() for n in every_norm):
+        return None
+    return dict(attn=attn, mlp=mlp, at=at, ffn=ffn, norms=norms)
 
 
 class _Step:
     """One layer's C++ step and what a call checks before taking it."""
 
     def __init__(self, layer: nn.Module, engine: Any, p: dict, name: str) -> None:
-        attn, gate, norms = p["attn"], p["gate"], p["norms"]
-        self.layer, self.attn, self.D = layer, attn, p["D"]
-        self.Hq, self.Hkv = p["nq"] // p["D"], p["nkv"] // p["D"]
-        self.hidden = p["q"].in_features
-        qk = len(norms) == 4  # Qwen3's q_norm / k_norm
-        self.weights = [n.weight for n in norms]
+        attn, at, ffn, norms = p["attn"], p["at"], p["ffn"], p["norms"]
+        self.layer, self.attn, self.mla = layer, attn, at["kind"] == "mla"
+        self.norms = norms + (at["qk"] if not self.mla else [at["kv_norm"]] + ([at["q_norm"]] if at["q_b"] else []))
+        self.weights = [n.weight for n in self.norms]
         self.ptrs = [w.data_ptr() for w in self.weights]
-        self.packs = (p["q"]._packed, p["o"]._packed)
+        self.packs = at["packs"] + ((ffn["shared"].packs if ffn["shared"] is not None else ()))
         # hooks on any of these mean a caller watches their inputs or outputs: the module path
         # (tandem's own pre-hook on the MoE block, which routes PEFT wrappers of its experts,
-        # excepted: wrapped experts are no longer these parts, checked below)
-        self.watched = [layer, attn, p["mlp"], gate, p["experts"], p["q"], p["o"], *norms,
-                        attn.k_proj, attn.v_proj]
+        # excepted: wrapped experts are no longer these parts, checked below; and tandem's
+        # pre-hook on an MLA attention, which records the call's length)
+        shared_mods = [] if ffn["shared"] is None else [ffn["shared"].mod, *(m for _, m in ffn["shared"].parts)]
+        self.watched = [layer, p["mlp"], *norms, *at["watched"], *ffn["watched"], *shared_mods]
         self.hooks = [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in self.watched]
+        own_pre = attn._forward_pre_hooks.values() if self.mla else ()
         if any(h is not route_peft_wrappers for m in self.watched
                for h in (*m._forward_hooks.values(), *m._forward_pre_hooks.values())):
             raise ValueError(f"{name}: its modules have forward hooks")
+        if attn._forward_hooks or len(attn._forward_pre_hooks) != len(own_pre):
+            raise ValueError(f"{name}: its attention has forward hooks")
+        self.attn_hooks = (len(attn._forward_hooks), len(attn._forward_pre_hooks))
         # the parts as they were found: a replaced one (PEFT wrapping the experts, a new
         # projection) sends every call to the module path
         self.parts = [(layer._modules, "self_attn", attn), (layer._modules, "mlp", p["mlp"]),
-                      (p["mlp"]._modules, "gate", gate), (p["mlp"]._modules, "experts", p["experts"]),
-                      *((attn._modules, a, getattr(attn, a)) for a in ("q_proj", "k_proj", "v_proj", "o_proj")
-                        + (("q_norm", "k_norm") if qk else ())),
                       (layer._modules, "input_layernorm", norms[0]),
-                      (layer._modules, "post_attention_layernorm", norms[1])]
-        if qk and norms[2].eps != norms[3].eps:
-            raise ValueError(f"{name}: q_norm and k_norm have different eps")
-        self.step = engine.decoder_layer_step(
-            self.hidden, self.Hq, self.Hkv, self.D, float(attn.scaling), self.ptrs[0], self.ptrs[1], norms[0].eps,
-            self.ptrs[2] if qk else 0, self.ptrs[3] if qk else 0, norms[2].eps if qk else 0.0, p["q"]._packed.dense,
-            p["o"]._packed.dense, gate._dense, gate.top_k, gate.renorm, gate.sorted, gate.scores_dtype == torch.float32,
-            p["experts"].index, name)
+                      (layer._modules, "post_attention_layernorm", norms[1]),
+                      *((attn._modules, a, getattr(attn, a)) for a in at["names"]),
+                      *((p["mlp"]._modules, a, getattr(p["mlp"], a)) for a in ffn["names"])]
+        self.shared = ffn["shared"]
+        mlp_dense = dict(mlp_gate_up=self.shared.dense[0], mlp_down=self.shared.dense[1]) if self.shared else {}
+        route = {}
+        if ffn["moe"]:
+            gate = ffn["gate"]
+            route = dict(router=gate._dense, top_k=gate.top_k, renorm=gate.renorm,
+                         scores_f32=gate.scores_dtype == torch.float32, sorted=gate.sorted,
+                         logits_f32=gate.logits_dtype == torch.float32, route_scale=gate.scale, groups=gate.groups,
+                         top_groups=gate.top_groups, moe_index=ffn["experts"].index)
+        self.hidden = norms[0].weight.shape[0]
+        if self.mla:
+            H, D = at["H"], at["nope"] + at["rope"]
+            self.Hq, self.D, self.rank, self.rope = H, D, at["r"], at["rope"]
+            self.kv_b = (at["kv_b"], at["kv_b"].data_ptr(), at["kv_b"]._version)
+            low = {} if at["q_b"] is None else dict(q_b=at["q_b"]._packed.dense, q_a_norm=self.ptrs[3],
+                                                     q_a_eps=at["q_norm"].eps)
+            self.step = engine.decoder_layer_step(
+                self.hidden, H, 1, D, float(attn.scaling), self.ptrs[0], self.ptrs[1], norms[0].eps,
+                at["q"]._packed.dense, at["o"]._packed.dense, name, mla_rank=at["r"], rope=at["rope"],
+                v_dim=at["v_dim"], kv_norm=self.ptrs[2], kv_eps=at["kv_norm"].eps, w_uk=at["wk"], w_uv=at["wv"],
+                **low, **route, **mlp_dense)
+        else:
+            qk = bool(at["qk"])
+            if qk and at["qk"][0].eps != at["qk"][1].eps:
+                raise ValueError(f"{name}: q_norm and k_norm have different eps")
+            self.D = at["D"]
+            self.Hq, self.Hkv = at["nq"] // self.D, at["nkv"] // self.D
+            self.step = engine.decoder_layer_step(
+                self.hidden, self.Hq, self.Hkv, self.D, float(attn.scaling), self.ptrs[0], self.ptrs[1], norms[0].eps,
+                at["q"]._packed.dense, at["o"]._packed.dense, name, q_norm=self.ptrs[2] if qk else 0,
+                k_norm=self.ptrs[3] if qk else 0, qk_eps=at["qk"][0].eps if qk else 0.0, **route, **mlp_dense)
         self.config = attn.config
         self.enabled = True  # (bench/ab_decode.py turns it off to compare)
 
-    def takes(self, x: torch.Tensor, mask: torch.Tensor | None, cache: Any, pos_emb: Any, kwargs: dict) -> bool:
-        if (not self.enabled or self.layer.training or x.dtype != torch.bfloat16 or x.device.type != "cpu"
-                or x.shape != (1, 1, self.hidden) or cache is None
-                or not isinstance(pos_emb, tuple) or len(pos_emb) != 2
-                or getattr(self.config, "_attn_implementation", None) != ATTENTION_NAME
-                or (torch.is_grad_enabled() and x.requires_grad) or _unknown_kwargs(kwargs)):
+    def _pos_ok(self, pos_emb: Any) -> bool:
+        if self.mla:  # DeepSeek-V2's complex frequencies [.., rope / 2]
+            return (isinstance(pos_emb, torch.Tensor) and pos_emb.dtype == torch.complex64
+                    and pos_emb.numel() * 2 == self.rope and pos_emb.is_contiguous())
+        if not isinstance(pos_emb, tuple) or len(pos_emb) != 2:
             return False
         cos, sin = pos_emb
-        if (cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16 or cos.numel() != self.D or sin.numel() != self.D
-                or not cos.is_contiguous() or not sin.is_contiguous()):
+        return (cos.dtype == torch.bfloat16 and sin.dtype == torch.bfloat16 and cos.numel() == self.D
+                and sin.numel() == self.D and cos.is_contiguous() and sin.is_contiguous())
+
+    def takes(self, x: torch.Tensor, mask: torch.Tensor | None, cache: Any, pos_emb: Any, kwargs: dict) -> bool:
+        if (not self.enabled or self.layer.training or x.dtype != torch.bfloat16 or x.device.type != "cpu"
+                or x.shape != (1, 1, self.hidden) or cache is None or not self._pos_ok(pos_emb)
+                or getattr(self.config, "_attn_implementation", None) != ATTENTION_NAME
+                or (torch.is_grad_enabled() and x.requires_grad) or _unknown_kwargs(kwargs)):
             return False
         if mask is not None and not (mask.dtype == torch.bool and mask.numel() == mask.shape[-1] and bool(mask.all())):
             return False
         if (any(w.data_ptr() != p for w, p in zip(self.weights, self.ptrs))
                 or not all(pk.bf16_on_pool for pk in self.packs)):
             return False
+        if self.mla and (self.kv_b[0].data_ptr() != self.kv_b[1] or self.kv_b[0]._version != self.kv_b[2]
+                         or self.attn.__dict__.get("tandem_absorbed") is None):
+            return False  # kv_b_proj changed: the module path absorbs it again
+        if self.shared is not None and not self.shared.takes(x):
+            return False
         if _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks:
             return False
         if any(d.get(a) is not m for d, a, m in self.parts):
             return False
+        if (len(self.attn._forward_hooks), len(self.attn._forward_pre_hooks)) != self.attn_hooks:
+            return False
         return all((len(m._forward_hooks), len(m._forward_pre_hooks)) == h for m, h in zip(self.watched, self.hooks))
 
-    def __call__(self, x: torch.Tensor, cache: Any, pos_emb: tuple) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, cache: Any, pos_emb: Any) -> torch.Tensor:
         """The layer's output for x [1, 1, hidden]; the cache gets this step's key and value
         (a cache whose keys are not [1, kv_heads, keys, head_dim] bf16 rows is refused)."""
         x = x.contiguous()
+        if self.mla:
+            return self._call_mla(x, cache, pos_emb)
         cos, sin = pos_emb
         q = torch.empty(1, self.Hq, 1, self.D, dtype=torch.bfloat16)
         k = torch.empty(1, self.Hkv, 1, self.D, dtype=torch.bfloat16)
@@ -156,6 +284,23 @@ class _Step:
         y = torch.empty_like(x)
         self.step.rest(x.data_ptr(), q.data_ptr(), keys.data_ptr(), keys.stride(1), keys.stride(2), values.data_ptr(),
                        values.stride(1), values.stride(2), L, y.data_ptr())
+        return y
+
+    def _call_mla(self, x: torch.Tensor, cache: Any, freqs: torch.Tensor) -> torch.Tensor:
+        q = torch.empty(1, self.Hq, 1, self.D, dtype=torch.bfloat16)
+        latent = torch.empty(1, 1, 1, self.rank, dtype=torch.bfloat16)
+        k_rope = torch.empty(1, 1, 1, self.rope, dtype=torch.bfloat16)
+        self.step.qkv_mla(x.data_ptr(), torch.view_as_real(freqs).data_ptr(), q.data_ptr(), latent.data_ptr(),
+                          k_rope.data_ptr())
+        lat, kr = cache.update(latent, k_rope, self.attn.layer_idx)
+        L = lat.shape[2]
+        if (lat.dtype != torch.bfloat16 or kr.dtype != torch.bfloat16 or lat.shape != (1, 1, L, self.rank)
+                or kr.shape != (1, 1, L, self.rope) or lat.stride(3) != 1 or kr.stride(3) != 1):
+            raise RuntimeError(f"{self.step.name}: the KV cache returned latents {tuple(lat.shape)} {lat.dtype}; the "
+                               "decoder-layer step reads [1, 1, keys, rank] and [1, 1, keys, rope] bf16 rows")
+        y = torch.empty_like(x)
+        self.step.rest_mla(x.data_ptr(), q.data_ptr(), lat.data_ptr(), lat.stride(2), kr.data_ptr(), kr.stride(2), L,
+                           y.data_ptr())
         return y
 
 

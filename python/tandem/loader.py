@@ -32,7 +32,7 @@ from .config import ConfigLike, config_json
 from .checkpoint_names import CheckpointNames
 from .attention import is_mla, use_mla_absorption, use_pool_attention
 from .decode_step import use_decoder_steps
-from .dense import replace_dense, replace_norms
+from .dense import replace_dense, replace_norms, use_gated_mlps
 from .router import replace_routers
 from .discovery import PLAIN, ExpertMath, expert_shape, find_moe_blocks, oai_math
 from .distributed import ExpertExchange, machine_group, sync_generation, warn_partial_pool
@@ -453,6 +453,8 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
         # Their RMSNorms too, where the fused kernel computes what they do (checked per kind).
         if cfg_json["cpu"].get("dense_format", "auto") != "torch":
             model.tandem_norms = replace_norms(model)
+            # Gated MLPs (shared experts, dense MLPs) in one call each where a probe agrees.
+            model.tandem_mlps = use_gated_mlps(model)
             # The routers of the softmax-then-top-k form too (checked per module, tandem.router).
             model.tandem_routers = replace_routers(model, engine, [b.block for b in blocks])
             # One-token attention (generation) on the pool too: tandem.attention.

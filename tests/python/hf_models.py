@@ -12,11 +12,16 @@ import torch
 from torch import nn
 
 KINDS = ("qwen3_moe", "mixtral", "deepseek_v3")
+# Also built on request (not in every KINDS test): DeepSeek-V2 (MLA with latents and values
+# in whole 64-wide panels, so its one-token attention runs on the pool; softmax router,
+# group-limited and scaled; two shared experts; a dense first layer), with the query
+# direct (V2-Lite) or through a low rank ("deepseek_v2_qlora").
+MORE_KINDS = ("deepseek_v2", "deepseek_v2_qlora")
 VOCAB = 200
 
 
 def hf_config(kind: str):
-    from transformers import DeepseekV3Config, MixtralConfig, Qwen3MoeConfig
+    from transformers import DeepseekV2Config, DeepseekV3Config, MixtralConfig, Qwen3MoeConfig
 
     # initializer_range 0.08: activations large enough that logits are not all near-ties.
     common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -32,6 +37,13 @@ def hf_config(kind: str):
                                 n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2,
                                 q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
                                 routed_scaling_factor=2.5, **common)
+    if kind in ("deepseek_v2", "deepseek_v2_qlora"):
+        common["num_key_value_heads"] = 4
+        return DeepseekV2Config(intermediate_size=128, moe_intermediate_size=64, first_k_dense_replace=1,
+                                n_routed_experts=16, n_shared_experts=2, num_experts_per_tok=4, n_group=4,
+                                topk_group=2, topk_method="group_limited_greedy", routed_scaling_factor=2.5,
+                                q_lora_rank=32 if kind == "deepseek_v2_qlora" else None, kv_lora_rank=64,
+                                qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=64, **common)
     raise ValueError(kind)
 
 

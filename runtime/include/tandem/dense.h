@@ -84,6 +84,7 @@ class DenseLinear {
   int groups() const { return groups_; }
   const PackOptions& format() const { return format_; }
   const std::string& name() const { return name_; }
+  const KernelTable& kernels() const { return kt_; }
   size_t bytes() const;  // packed bytes, all slices
   // The packed weight as fp32 [n x k] (nn.Linear layout): what forward multiplies by.
   std::vector<float> dequantized() const;
