@@ -16,6 +16,8 @@ alternated figures compare):
   (``_C.Engine.mla_decode``) / in torch bmm on one thread (DeepSeek-V2 / V3 shapes only);
 - ``layers``: whole decoder layers' one-token steps in C++ (``tandem.decode_step``) /
   transformers' layer over tandem's modules;
+- ``caller``: the calling thread runs worker 0's part of each pool task on an idle pool
+  (``Engine.caller_runs``, tandem/pool.h) / it sleeps until the workers finish;
 - ``mlps``: gated MLPs (shared experts, dense MLPs) in one call (``tandem.dense.use_gated_mlps``) /
   transformers' MLP over tandem's layers (DeepSeek-V2 shapes; with the decoder-layer steps
   off in both arms, since a step needs its MLP's path).
@@ -100,6 +102,11 @@ def layer_slots(model: nn.Module) -> list:
             if "tandem_decoder_step" in m.__dict__]
 
 
+def caller_slots(model: nn.Module) -> list:
+    """(engine, "caller_runs", True, False)."""
+    return [(model.tandem_engine, "caller_runs", True, False)]
+
+
 def mlp_slots(model: nn.Module) -> list:
     """(gated MLP path, "enabled", True, False) for every gated MLP with the one-call path;
     the decoder-layer steps are turned off (they need it)."""
@@ -137,7 +144,8 @@ def projection_slots(model: nn.Module, cfg: dict) -> list[tuple[nn.Module, str, 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=("norms", "projections", "routers", "cache", "mla", "bf16out", "layers", "mlps"))
+    p.add_argument("what", choices=("norms", "projections", "routers", "cache", "mla", "bf16out", "layers", "mlps",
+                                    "caller"))
     p.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(bench_hf.SHAPES))
     p.add_argument("--format", default="int4", help="cpu.format (default int4)")
     p.add_argument("--dense", default="int4", help="cpu.dense_format (default int4; not torch)")
@@ -154,10 +162,11 @@ def main() -> int:
         cpu["group_size"] = a.group_size
     cfg = {"version": 1, "cpu": cpu,
            "gpu": {"device": "auto"}}
-    if a.what in ("norms", "routers", "cache", "mla", "bf16out", "layers", "mlps"):
+    if a.what in ("norms", "routers", "cache", "mla", "bf16out", "layers", "mlps", "caller"):
         model = tandem.load_model(d, cfg, progress=False)
         slots = {"norms": norm_slots, "routers": router_slots, "mla": mla_slots,
-                 "bf16out": bf16out_slots, "layers": layer_slots, "mlps": mlp_slots}.get(a.what, lambda m: [])(model)
+                 "bf16out": bf16out_slots, "layers": layer_slots, "mlps": mlp_slots,
+                 "caller": caller_slots}.get(a.what, lambda m: [])(model)
     else:
         model = tandem.load_model(d, dict(cfg, cpu=dict(cfg["cpu"], dense_format="torch")), progress=False)
         slots = projection_slots(model, cfg)

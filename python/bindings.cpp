@@ -611,6 +611,10 @@ PYBIND11_MODULE(_C, m) {
            "pointers the caller keeps alive (0: none). Routed experts: moe_index >= 0 with the router's settings, "
            "plus mlp_gate_up / mlp_down as shared experts when given; a dense layer: moe_index -1 and the MLP. "
            "MLA: mla_rank > 0 with rope, v_dim, kv_norm, w_uk / w_uv (and q_b with q_a_norm for a low-rank query).")
+      .def_property("caller_runs", [](Engine& e) { return e.pool().caller_runs(); },
+                    [](Engine& e, bool on) { e.pool().set_caller_runs(on); },
+                    "whether a call into the pool on an idle pool runs worker 0's part on the calling thread "
+                    "(tandem/pool.h; default True)")
       .def("reset_counts", [](Engine& e) { e.hybrid().reset_counts(); })
       .def("write_statistics", [](Engine& e, const std::filesystem::path& p) { e.hybrid().write_statistics(p); });
 

@@ -159,14 +159,27 @@ TokenGroups group_tokens(const MoeInput& in, int experts, int layer, const std::
   return g;
 }
 
-uint64_t MoeLayer::submit(const MoeInput& in) {
+std::shared_ptr<Task> MoeLayer::task_for(const MoeInput& in) {
   TANDEM_CHECK(loaded_, Errc::invalid_argument, "moe: layer ", layer_, " has no weights (call load first)");
   TokenGroups groups = group_tokens(in, shape_.experts, layer_, excluded_);
-  if (in.tokens == 0) return 0;
+  if (in.tokens == 0) return nullptr;
   std::vector<int> threads(pool_.subpools());
   for (int s = 0; s < pool_.subpools(); ++s) threads[s] = pool_.threads(s);
-  return pool_.submit(std::make_shared<core::ExpertForward>(*packs_, *scratch_, *kt_, std::move(threads), layer_, in,
-                                                            std::move(groups)));
+  return std::make_shared<core::ExpertForward>(*packs_, *scratch_, *kt_, std::move(threads), layer_, in,
+                                               std::move(groups));
+}
+
+uint64_t MoeLayer::submit(const MoeInput& in) {
+  auto task = task_for(in);
+  return task ? pool_.submit(std::move(task)) : 0;
+}
+
+void MoeLayer::forward(const MoeInput& in) {
+  auto task = task_for(in);
+  if (task)
+    pool_.run(std::move(task));
+  else
+    pool_.sync();
 }
 
 }  // namespace tandem

@@ -7,6 +7,8 @@
 #include <sched.h>
 
 #include <chrono>
+#include <cstdlib>
+#include <string_view>
 #include <system_error>
 
 #include "tandem/error.h"
@@ -15,6 +17,8 @@
 namespace tandem {
 
 Pool::Pool(PoolOptions options) : options_(std::move(options)) {
+  if (const char* v = std::getenv("TANDEM_POOL_CALLER_RUNS"); v && std::string_view(v) == "0")
+    caller_runs_.store(false);
   TANDEM_CHECK(!options_.subpools.empty(), Errc::invalid_argument, "pool: no subpools");
   for (size_t s = 0; s < options_.subpools.size(); ++s) {
     auto& sp = options_.subpools[s];
@@ -32,9 +36,12 @@ Pool::Pool(PoolOptions options) : options_(std::move(options)) {
   try {
     for (size_t s = 0; s < subs_.size(); ++s) {
       const auto& sp = options_.subpools[s];
-      for (int i = 0; i < sp.threads; ++i, ++worker)
+      for (int i = 0; i < sp.threads; ++i, ++worker) {
+        worker_cpu_.push_back(sp.cpus.empty() ? -1 : sp.cpus[i]);
+        worker_subpool_.push_back(static_cast<int>(s));
         workers_.emplace_back(&Pool::worker_main, this, static_cast<int>(s), worker, i,
                               sp.cpus.empty() ? -1 : sp.cpus[i]);
+      }
     }
   } catch (const std::system_error& e) {
     // The system refused a thread (memory, thread limits): stop and join the workers that
@@ -56,9 +63,9 @@ void Pool::stop_and_join() {
 }
 
 template <typename Pred>
-void Pool::wait_until(std::atomic<uint64_t>& word, Pred done) {
+void Pool::wait_until(std::atomic<uint64_t>& word, Pred done, int spin_us) {
   using Clock = std::chrono::steady_clock;
-  const auto until = Clock::now() + std::chrono::microseconds(options_.spin_us);
+  const auto until = Clock::now() + std::chrono::microseconds(spin_us);
   for (int i = 0; !done(); ++i) {
     if ((i & 63) == 63 && Clock::now() > until) {
       for (;;) {  // park
@@ -77,7 +84,7 @@ uint64_t Pool::submit(std::shared_ptr<Task> task) {
   uint64_t ticket;
   {
     std::lock_guard<std::mutex> lock(queue_mu_);
-    queue_.push_back(std::move(task));
+    queue_.push_back({std::move(task), -1});
     ticket = submitted_.fetch_add(1, std::memory_order_release) + 1;
   }
   wake_.fetch_add(1, std::memory_order_release);
@@ -126,8 +133,44 @@ bool Pool::wait_for(int allow_pending, int timeout_ms) {
 void Pool::sync(int allow_pending) { wait_for(allow_pending, -1); }
 
 void Pool::run(std::shared_ptr<Task> task) {
-  submit(std::move(task));
-  sync(0);
+  TANDEM_CHECK(task != nullptr, Errc::invalid_argument, "pool: run(nullptr)");
+  TANDEM_CHECK(!stop_.load(), Errc::invalid_argument, "pool: run after shutdown began");
+  bool here = caller_runs();
+  uint64_t ticket = 0;
+  // The worker whose part this thread runs: the one pinned to the CPU it is on (so the
+  // other workers keep their own cores), else worker 0.
+  int as = 0;
+  if (here) {
+    const int cpu = sched_getcpu();
+    for (size_t w = 0; w < worker_cpu_.size(); ++w)
+      if (worker_cpu_[w] == cpu) as = static_cast<int>(w);
+  }
+  if (here) {
+    std::lock_guard<std::mutex> lock(queue_mu_);
+    here = queue_.empty();  // idle: no task ahead of this one (FIFO)
+    if (here) {
+      queue_.push_back({task, as});
+      ticket = submitted_.fetch_add(1, std::memory_order_release) + 1;
+    }
+  }
+  if (!here) {
+    submit(std::move(task));
+    sync(0);
+    return;
+  }
+  wake_.fetch_add(1, std::memory_order_release);
+  wake_.notify_all();
+  // The task before this one has finished (the queue was empty), but the thread that
+  // finished it may not have released its last barrier yet: arriving at this task's first
+  // barrier before that would read the old barrier generation.
+  wait_until(retired_, [&] { return retired_.load(std::memory_order_acquire) + 1 >= ticket; }, options_.spin_us);
+  run_phases(*task, worker_subpool_[as], as);  // that worker's part; when it returns the task has finished
+  std::exception_ptr e;
+  {
+    std::lock_guard<std::mutex> g(error_mu_);
+    std::swap(e, first_error_);
+  }
+  if (e) std::rethrow_exception(e);
 }
 
 void Pool::fail(std::exception_ptr e) {
@@ -199,10 +242,24 @@ void Pool::arrive(Task& t, int& phase) {
     }
     phase_gen_.fetch_add(1, std::memory_order_release);
     phase_gen_.notify_all();
+    if (next >= t.phases()) {  // the task's last barrier released
+      retired_.fetch_add(1, std::memory_order_release);
+      retired_.notify_all();
+    }
   } else {
-    wait_until(phase_gen_, [&] { return phase_gen_.load(std::memory_order_acquire) != gen; });
+    wait_until(phase_gen_, [&] { return phase_gen_.load(std::memory_order_acquire) != gen; }, options_.spin_us);
   }
   ++phase;
+}
+
+void Pool::run_phases(Task& t, int subpool, int worker) {
+  // Phase -1: everyone has picked the task up; the last one sets up phase 0.
+  int phase = -1;
+  arrive(t, phase);
+  while (phase < t.phases()) {
+    run_items(t, phase, subpool, worker);
+    arrive(t, phase);
+  }
 }
 
 void Pool::worker_main(int subpool, int worker, int index, int cpu) {
@@ -217,22 +274,29 @@ void Pool::worker_main(int subpool, int worker, int index, int cpu) {
   trace::name_thread(str_cat("subpool ", subpool, " worker ", index), subpool + 1,
                      str_cat("tandem subpool ", subpool, " (NUMA node ", options_.subpools[subpool].numa_node, ")"));
   uint64_t done = 0;
+  bool sat_out = false;
   for (;;) {
-    wait_until(wake_, [&] { return submitted_.load(std::memory_order_acquire) > done || stop_.load(); });
+    // After sitting a task out, park at once: the thread that ran its part may share this
+    // core, and spinning here would take it from that thread.
+    wait_until(wake_, [&] { return submitted_.load(std::memory_order_acquire) > done || stop_.load(); },
+               sat_out ? 0 : options_.spin_us);
     if (submitted_.load(std::memory_order_acquire) == done) break;  // stopping, queue drained
-    std::shared_ptr<Task> task;
+    // Every task before this one released its last barrier (a task this worker sat out may
+    // still be running on its caller): then task done + 1 is the front, unless it was one
+    // this worker sits out that finished before it looked (only those finish without it).
+    wait_until(retired_, [&] { return retired_.load(std::memory_order_acquire) >= done; },
+               sat_out ? 0 : options_.spin_us);
+    Queued q;
+    bool finished = false;
     {
       std::lock_guard<std::mutex> lock(queue_mu_);
-      task = queue_.front();
-    }
-    // Phase -1: everyone has picked the task up; the last one sets up phase 0.
-    int phase = -1;
-    arrive(*task, phase);
-    while (phase < task->phases()) {
-      run_items(*task, phase, subpool, worker);
-      arrive(*task, phase);
+      finished = done < completed_.load(std::memory_order_acquire);
+      if (!finished) q = queue_.front();
     }
     ++done;
+    sat_out = finished || q.sit_out == worker;
+    if (sat_out) continue;  // the submitting thread runs this worker's part (run())
+    run_phases(*q.task, subpool, worker);
   }
 }
 

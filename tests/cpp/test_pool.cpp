@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -104,6 +105,77 @@ TEST(Pool, WorkerExceptionsReachSyncAndThePoolStaysUsable) {
   auto good = std::make_shared<CountingTask>(2);
   pool.run(good);  // no stale error
   EXPECT_EQ(good->finished_calls.load(), 1);
+}
+
+// Records which thread ran each item under which worker index.
+struct WhoTask : Task {
+  explicit WhoTask(int n) : n(n), thread(n), worker(n) {}
+  int phases() const override { return 2; }
+  int items(int, int s) override { return s == 0 ? n : 0; }
+  void run(int p, int, int i, int w) override {
+    if (p == 0) {
+      thread[i] = std::this_thread::get_id();
+      worker[i] = w;
+      if (i == 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));  // let every thread take items
+    }
+  }
+  int n;
+  std::vector<std::thread::id> thread;
+  std::vector<int> worker;
+};
+
+TEST(Pool, RunOnAnIdlePoolTakesTheCallerAsWorkerZero) {
+  for (int threads : {1, 2, 3}) {
+    PoolOptions o;
+    o.subpools.push_back(SubpoolSpec{0, {}, threads});  // (threads, not pinned: any machine)
+    Pool pool(o);
+    ASSERT_TRUE(pool.caller_runs());
+    for (int round = 0; round < 20; ++round) {
+      auto t = std::make_shared<WhoTask>(64);
+      pool.run(t);
+      std::set<int> workers;
+      for (int i = 0; i < t->n; ++i) {
+        ASSERT_GE(t->worker[i], 0);
+        ASSERT_LT(t->worker[i], threads);
+        workers.insert(t->worker[i]);
+        // worker 0's items, and only they, ran on this thread
+        EXPECT_EQ(t->worker[i] == 0, t->thread[i] == std::this_thread::get_id()) << i;
+      }
+      if (threads == 1) EXPECT_EQ(workers, std::set<int>{0});
+    }
+    auto c = std::make_shared<CountingTask>(1);
+    pool.run(c);  // phases in order, each item once (CountingTask checks)
+    EXPECT_EQ(c->finished_calls.load(), 1);
+    pool.set_caller_runs(false);
+    auto t = std::make_shared<WhoTask>(8);
+    pool.run(t);
+    for (int i = 0; i < t->n; ++i) EXPECT_NE(t->thread[i], std::this_thread::get_id());
+  }
+}
+
+TEST(Pool, RunBehindQueuedTasksWaitsItsTurnAndErrorsReachTheCaller) {
+  Pool pool(small_pool(2, 1));
+  std::vector<int> log;
+  std::mutex mu;
+  for (int i = 0; i < 4; ++i) pool.submit(std::make_shared<OrderTask>(log, mu, i));
+  pool.run(std::make_shared<OrderTask>(log, mu, 4));  // not idle: queued behind them (FIFO)
+  EXPECT_EQ(pool.pending(), 0u);
+  std::vector<int> want;
+  for (int i = 0; i < 5; ++i) want.push_back(i), want.push_back(i);
+  EXPECT_EQ(log, want);
+  auto bad = std::make_shared<ThrowingTask>();
+  EXPECT_EQ(test::error_of([&] { pool.run(bad); }), "item 5 is broken");
+  EXPECT_EQ(bad->ran_phase1.load(), 0);
+  // run() and submit() from other threads at once: every task runs once, in some order
+  std::vector<std::shared_ptr<CountingTask>> tasks;
+  for (int i = 0; i < 40; ++i) tasks.push_back(std::make_shared<CountingTask>(2, 2));
+  std::thread other([&] {
+    for (int i = 0; i < 20; ++i) pool.submit(tasks[i]);
+  });
+  for (int i = 20; i < 40; ++i) pool.run(tasks[i]);
+  other.join();
+  pool.sync();
+  for (const auto& t : tasks) EXPECT_EQ(t->finished_calls.load(), 1);
 }
 
 TEST(Pool, ShutdownWithTasksPendingRunsThemAndJoins) {

@@ -98,10 +98,9 @@ class MoeLayer {
   // pool().sync() (or pool().wait(ticket)) says the task finished. Returns the pool
   // ticket, 0 when there was nothing to do (no tokens).
   uint64_t submit(const MoeInput& in);
-  void forward(const MoeInput& in) {
-    submit(in);
-    pool_.sync();
-  }
+  // The same, then waits for it (and every task before it); on an idle pool the calling
+  // thread takes part (Pool::run).
+  void forward(const MoeInput& in);
 
   const MoeShape& shape() const { return shape_; }
   int layer_index() const { return layer_; }
@@ -129,6 +128,7 @@ class MoeLayer {
   std::vector<uint8_t> excluded_;  // [experts], empty: none
   const KernelTable* kt_;
   std::unique_ptr<core::ExpertPacks> packs_;
+  std::shared_ptr<Task> task_for(const MoeInput& in);  // validated; null when there are no tokens
   std::unique_ptr<core::ForwardScratch> scratch_;  // reused by this layer's tasks (they run one at a time)
 };
 

@@ -15,6 +15,15 @@
 // another in FIFO order, and wait(ticket) blocks until that one finished. sync(n) blocks (without spinning) until at most n tasks are pending and
 // rethrows the first exception a finished task threw (the pool stays usable). Idle
 // workers spin for a few microseconds, then park on a futex.
+//
+// run() (submit and wait) on an idle pool lets the calling thread do one worker's share
+// itself (the worker pinned to the CPU the caller is on, else worker 0; that worker's
+// thread sits the task out, parked): the caller neither sleeps on a
+// condition variable while the workers run nor waits to be woken when they finish, and on
+// a machine where the caller and the workers share the cores (CPU decode: torch's thread
+// and the pool) one thread fewer competes for them. The items, phases and worker indices
+// are the same as without it (set_caller_runs(false), or TANDEM_POOL_CALLER_RUNS=0 in the
+// environment when the pool is made, turns it off).
 #pragma once
 
 #include <atomic>
@@ -81,8 +90,11 @@ class Pool {
   void sync(int allow_pending = 0);
   // As sync(), but gives up after `timeout_ms`; returns whether the wait was satisfied.
   bool wait_for(int allow_pending, int timeout_ms);
-  // Runs a task and waits for it (submit + sync(0)).
+  // Runs a task and waits for it (submit + sync(0)); on an idle pool the calling thread
+  // runs one worker's part (see the file comment). Not from inside a task.
   void run(std::shared_ptr<Task> task);
+  void set_caller_runs(bool on) { caller_runs_.store(on, std::memory_order_relaxed); }
+  bool caller_runs() const { return caller_runs_.load(std::memory_order_relaxed); }
   uint64_t pending() const { return submitted_.load() - completed_.load(); }
 
  private:
@@ -92,29 +104,39 @@ class Pool {
     alignas(64) std::atomic<int> next{0};
     std::atomic<int> count{0};
   };
+  struct Queued {
+    std::shared_ptr<Task> task;
+    int sit_out = -1;  // the worker whose part the submitting thread runs (run()), or -1
+  };
   void worker_main(int subpool, int worker, int index, int cpu);
+  void run_phases(Task& t, int subpool, int worker);  // one thread's part of a task, all phases
   void stop_and_join();  // workers finish the queued tasks and exit; all are joined
   void run_items(Task& t, int phase, int subpool, int worker);
   void arrive(Task& t, int& phase);
   void set_counts(Task& t, int phase);
   void fail(std::exception_ptr e);
   template <typename Pred>
-  void wait_until(std::atomic<uint64_t>& word, Pred done);
+  void wait_until(std::atomic<uint64_t>& word, Pred done, int spin_us);
 
   PoolOptions options_;
   std::deque<Sub> subs_;  // deque: Sub holds atomics (not movable)
   std::vector<std::thread> workers_;
+  std::vector<int> worker_cpu_;      // the CPU each worker is pinned to, or -1
+  std::vector<int> worker_subpool_;  // each worker's subpool
 
   std::mutex queue_mu_;
-  std::deque<std::shared_ptr<Task>> queue_;  // front: the running task
+  std::deque<Queued> queue_;  // front: the running task
   std::condition_variable done_cv_;          // completed_ changed (callers of sync wait here)
   alignas(64) std::atomic<uint64_t> submitted_{0};
   alignas(64) std::atomic<uint64_t> completed_{0};
   alignas(64) std::atomic<uint64_t> wake_{0};  // bumps on submit and stop: parked idle workers wait on it
   alignas(64) std::atomic<uint64_t> phase_gen_{0};  // bumps when a phase (or task) completes
+  alignas(64) std::atomic<uint64_t> retired_{0};    // tasks whose last barrier was released (a
+                                                    // sitting-out worker parks on it)
   std::atomic<int> arrived_{0};
   std::atomic<bool> stop_{false};
   std::atomic<bool> task_failed_{false};
+  std::atomic<bool> caller_runs_{true};
   std::exception_ptr task_error_;   // of the running task
   std::mutex error_mu_;
   std::exception_ptr first_error_;  // of finished tasks, for sync()
