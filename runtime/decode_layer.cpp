@@ -73,7 +73,8 @@ void gated_mlp_bf16(const GatedMlp& m, const bf16_t* x, int64_t rows, bf16_t* y)
   thread_local std::vector<float> g, ones, s;
   constexpr int64_t kChunk = 64;  // rows per pass (the activation's buffers stay small)
   const auto silu = m.gate_up->kernels().silu_mul;
-  ones.assign(I, 1.0f), g.resize(I), s.resize(I);
+  if (ones.size() != static_cast<size_t>(I)) ones.assign(I, 1.0f);
+  g.resize(I), s.resize(I);
   for (int64_t r0 = 0; r0 < rows; r0 += kChunk) {
     const int n = static_cast<int>(std::min(kChunk, rows - r0));
     gu.resize(static_cast<size_t>(n) * 2 * I), h.resize(static_cast<size_t>(n) * I);
