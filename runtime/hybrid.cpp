@@ -309,7 +309,10 @@ bool HybridMoe::run_direct(int layer, const LayerIO& io) {
   in.weights = io.weights;
   in.out = io.out;
   trace::Span span("run_cpu", {cpu.layer_index(), -1, io.tokens});
-  cpu.forward(in);  // validates the ids and weights first, naming the slot
+  if (in.tokens > 0)
+    cpu.forward(in);  // validates the ids and weights first, naming the slot
+  else
+    cpu.submit(in);  // (validates; nothing to run or wait for)
   const int E = shape_.experts;
   std::atomic<uint64_t>* c = &counts_[static_cast<size_t>(layer) * (3 * E + 1)];
   const size_t n = static_cast<size_t>(io.tokens) * io.top_k;

@@ -141,9 +141,15 @@ void Pool::run(std::shared_ptr<Task> task) {
   // other workers keep their own cores), else worker 0.
   int as = 0;
   if (here) {
+    // A pinned pool whose CPUs do not include the caller's keeps the caller out: as worker 0
+    // it would leave that worker's core idle and share another.
     const int cpu = sched_getcpu();
-    for (size_t w = 0; w < worker_cpu_.size(); ++w)
-      if (worker_cpu_[w] == cpu) as = static_cast<int>(w);
+    bool pinned = false, found = false;
+    for (size_t w = 0; w < worker_cpu_.size(); ++w) {
+      pinned |= worker_cpu_[w] >= 0;
+      if (worker_cpu_[w] == cpu) as = static_cast<int>(w), found = true;
+    }
+    here = found || !pinned;
   }
   if (here) {
     std::lock_guard<std::mutex> lock(queue_mu_);
@@ -219,7 +225,8 @@ void Pool::arrive(Task& t, int& phase) {
   if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == total) {
     arrived_.store(0, std::memory_order_relaxed);
     const int next = phase + 1;
-    if (next < t.phases()) {
+    const bool last = next >= t.phases();  // asked once: after the release below the task may be gone
+    if (!last) {
       set_counts(t, next);
     } else {
       try {
@@ -242,7 +249,7 @@ void Pool::arrive(Task& t, int& phase) {
     }
     phase_gen_.fetch_add(1, std::memory_order_release);
     phase_gen_.notify_all();
-    if (next >= t.phases()) {  // the task's last barrier released
+    if (last) {  // the task's last barrier released
       retired_.fetch_add(1, std::memory_order_release);
       retired_.notify_all();
     }

@@ -1,5 +1,7 @@
 // Worker pools: phased tasks, FIFO order, dynamic items, errors, idle CPU, shutdown.
 #include <gtest/gtest.h>
+#include <pthread.h>
+#include <sched.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -151,6 +153,25 @@ TEST(Pool, RunOnAnIdlePoolTakesTheCallerAsWorkerZero) {
     pool.run(t);
     for (int i = 0; i < t->n; ++i) EXPECT_NE(t->thread[i], std::this_thread::get_id());
   }
+}
+
+TEST(Pool, RunTakesThePlaceOfTheWorkerOnTheCallersCpu) {
+  Pool pool(small_pool(1, 0));  // one pinned thread per core, when the machine allows pinning
+  const std::vector<int>& cpus = pool.spec(0).cpus;
+  if (cpus.empty()) GTEST_SKIP() << "the pool is not pinned here";
+  std::thread t([&] {
+    for (int w : {static_cast<int>(cpus.size()) - 1, 0}) {
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      CPU_SET(cpus[w], &set);
+      ASSERT_EQ(pthread_setaffinity_np(pthread_self(), sizeof(set), &set), 0);
+      auto task = std::make_shared<WhoTask>(32);
+      pool.run(task);
+      for (int i = 0; i < task->n; ++i)  // this thread ran worker w's items, and only those
+        EXPECT_EQ(task->worker[i] == w, task->thread[i] == std::this_thread::get_id()) << w << " " << i;
+    }
+  });
+  t.join();
 }
 
 TEST(Pool, RunBehindQueuedTasksWaitsItsTurnAndErrorsReachTheCaller) {

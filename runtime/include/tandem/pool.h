@@ -17,7 +17,8 @@
 // workers spin for a few microseconds, then park on a futex.
 //
 // run() (submit and wait) on an idle pool lets the calling thread do one worker's share
-// itself (the worker pinned to the CPU the caller is on, else worker 0; that worker's
+// itself (the worker pinned to the CPU the caller is on, or worker 0 of an unpinned pool;
+// a pinned pool without the caller's CPU runs the task on its workers; that worker's
 // thread sits the task out, parked): the caller neither sleeps on a
 // condition variable while the workers run nor waits to be woken when they finish, and on
 // a machine where the caller and the workers share the cores (CPU decode: torch's thread
