@@ -259,7 +259,7 @@ void DecoderLayerStep::tail(const bf16_t* x, const bf16_t* a, bf16_t* y) {
     io.x = hn.data(), io.x_type = XType::bf16, io.tokens = 1;
     io.ids = ids.data(), io.ids_i64 = true, io.weights = w.data(), io.top_k = s.top_k, io.out = out.data();
     e_.run(s.moe_index, io);
-    for (int i = 0; i < H; ++i) f[i] = round_to_bf16(out[i]);
+    fp32_to_bf16(out.data(), f.data(), H);
     if (!s.mlp.empty()) {
       shared.resize(H);
       gated_mlp_bf16(s.mlp, hn.data(), 1, shared.data());

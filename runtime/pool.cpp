@@ -36,12 +36,9 @@ Pool::Pool(PoolOptions options) : options_(std::move(options)) {
   try {
     for (size_t s = 0; s < subs_.size(); ++s) {
       const auto& sp = options_.subpools[s];
-      for (int i = 0; i < sp.threads; ++i, ++worker) {
-        worker_cpu_.push_back(sp.cpus.empty() ? -1 : sp.cpus[i]);
-        worker_subpool_.push_back(static_cast<int>(s));
+      for (int i = 0; i < sp.threads; ++i, ++worker)
         workers_.emplace_back(&Pool::worker_main, this, static_cast<int>(s), worker, i,
                               sp.cpus.empty() ? -1 : sp.cpus[i]);
-      }
     }
   } catch (const std::system_error& e) {
     // The system refused a thread (memory, thread limits): stop and join the workers that
@@ -99,6 +96,10 @@ void Pool::wait(uint64_t ticket) {
     std::unique_lock<std::mutex> lock(queue_mu_);
     done_cv_.wait(lock, [&] { return completed_.load() >= ticket; });
   }
+  rethrow_first_error();
+}
+
+void Pool::rethrow_first_error() {
   std::exception_ptr e;
   {
     std::lock_guard<std::mutex> g(error_mu_);
@@ -119,14 +120,7 @@ bool Pool::wait_for(int allow_pending, int timeout_ms) {
     satisfied = done_cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), ok);
   }
   lock.unlock();
-  if (satisfied) {
-    std::exception_ptr e;
-    {
-      std::lock_guard<std::mutex> g(error_mu_);
-      std::swap(e, first_error_);
-    }
-    if (e) std::rethrow_exception(e);
-  }
+  if (satisfied) rethrow_first_error();
   return satisfied;
 }
 
@@ -139,15 +133,18 @@ void Pool::run(std::shared_ptr<Task> task) {
   uint64_t ticket = 0;
   // The worker whose part this thread runs: the one pinned to the CPU it is on (so the
   // other workers keep their own cores), else worker 0.
-  int as = 0;
+  int as = 0, as_subpool = 0;
   if (here) {
     // A pinned pool whose CPUs do not include the caller's keeps the caller out: as worker 0
     // it would leave that worker's core idle and share another.
     const int cpu = sched_getcpu();
     bool pinned = false, found = false;
-    for (size_t w = 0; w < worker_cpu_.size(); ++w) {
-      pinned |= worker_cpu_[w] >= 0;
-      if (worker_cpu_[w] == cpu) as = static_cast<int>(w), found = true;
+    for (int s = 0, w = 0; s < static_cast<int>(options_.subpools.size()); ++s) {
+      const auto& sp = options_.subpools[s];
+      for (int i = 0; i < sp.threads; ++i, ++w) {
+        pinned |= !sp.cpus.empty();
+        if (!sp.cpus.empty() && sp.cpus[i] == cpu) as = w, as_subpool = s, found = true;
+      }
     }
     here = found || !pinned;
   }
@@ -170,13 +167,8 @@ void Pool::run(std::shared_ptr<Task> task) {
   // finished it may not have released its last barrier yet: arriving at this task's first
   // barrier before that would read the old barrier generation.
   wait_until(retired_, [&] { return retired_.load(std::memory_order_acquire) + 1 >= ticket; }, options_.spin_us);
-  run_phases(*task, worker_subpool_[as], as);  // that worker's part; when it returns the task has finished
-  std::exception_ptr e;
-  {
-    std::lock_guard<std::mutex> g(error_mu_);
-    std::swap(e, first_error_);
-  }
-  if (e) std::rethrow_exception(e);
+  run_phases(*task, as_subpool, as);  // that worker's part; when it returns the task has finished
+  rethrow_first_error();
 }
 
 void Pool::fail(std::exception_ptr e) {

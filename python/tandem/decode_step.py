@@ -47,13 +47,6 @@ SHARED_EXPERTS = {"DeepseekV2Moe": "shared_experts"}
 DENSE_MLPS = frozenset({"DeepseekV2MLP"})
 
 
-def _fused_pair(a: Any, b: Any) -> bool:
-    """a and b: the two members of one packed weight, a's rows first."""
-    pk = a._packed
-    return (b._packed is pk and pk.members == 2 and not pk.biases and a._columns == (0, a.out_features)
-            and b._columns == (a.out_features, a.out_features + b.out_features))
-
-
 def _attention_parts(attn: nn.Module) -> dict | None:
     """The GQA attention's tandem parts (Qwen3-MoE / Mixtral), or None."""
     from .dense import TandemLinear, TandemRMSNorm
@@ -75,7 +68,7 @@ def _attention_parts(attn: nn.Module) -> dict | None:
             or nq % D or nkv % D or v.out_features != nkv):
         return None
     names = ("q_proj", "k_proj", "v_proj", "o_proj") + (("q_norm", "k_norm") if qk else ())
-    return dict(kind="gqa", q=q, o=o, qk=qk, D=D, nq=nq, nkv=nkv, names=names,
+    return dict(kind="gqa", q=q, o=o, qk=qk, norms=qk, D=D, nq=nq, nkv=nkv, names=names,
                 watched=[q, k, v, o, *qk], packs=(q._packed, o._packed))
 
 
@@ -83,7 +76,7 @@ def _mla_parts(attn: nn.Module) -> dict | None:
     """DeepSeek-V2's MLA attention's tandem parts (its one-token path on the pool:
     tandem.attention.use_mla_absorption), or None."""
     from .attention import _absorbed_weights, is_mla
-    from .dense import TandemLinear, TandemRMSNorm
+    from .dense import TandemLinear, TandemRMSNorm, fused_pair
 
     if not is_mla(attn) or "tandem_expand_kv" not in attn.__dict__:
         return None
@@ -100,7 +93,7 @@ def _mla_parts(attn: nn.Module) -> dict | None:
     if not (all(isinstance(t, TandemLinear) for t in (q, kv_a, o) + ((q_b,) if low_rank else ()))
             and all(isinstance(n, TandemRMSNorm) for n in (kv_norm,) + ((q_norm,) if low_rank else ()))):
         return None
-    if (not _fused_pair(q, kv_a) or kv_a.out_features != r + rope or o._columns is not None or o.bias is not None
+    if (not fused_pair(q, kv_a) or kv_a.out_features != r + rope or o._columns is not None or o.bias is not None
             or (low_rank and (q_b._columns is not None or q_b.bias is not None))
             or (not low_rank and q.out_features != H * (nope + rope))):
         return None
@@ -111,8 +104,8 @@ def _mla_parts(attn: nn.Module) -> dict | None:
     names = ("kv_a_proj_with_mqa", "kv_a_layernorm", "o_proj", "kv_b_proj") + (
         ("q_a_proj", "q_a_layernorm", "q_b_proj") if low_rank else ("q_proj",))
     norms = [kv_norm] + ([q_norm] if low_rank else [])
-    return dict(kind="mla", q=q, kv_a=kv_a, o=o, q_b=q_b, q_norm=q_norm, kv_norm=kv_norm, H=H, nope=nope, rope=rope,
-                v_dim=v_dim, r=r, wk=wk, wv=wv, engine=engine, names=names, kv_b=attn.kv_b_proj.weight,
+    return dict(kind="mla", q=q, o=o, q_b=q_b, q_norm=q_norm, kv_norm=kv_norm, norms=norms, H=H, nope=nope,
+                rope=rope, v_dim=v_dim, r=r, wk=wk, wv=wv, names=names, kv_b=attn.kv_b_proj.weight,
                 watched=[q, kv_a, o, attn.kv_b_proj, *norms] + ([q_b] if low_rank else []),
                 packs=(q._packed, o._packed) + ((q_b._packed,) if low_rank else ()))
 
@@ -159,8 +152,7 @@ def _parts(layer: nn.Module, engine: Any) -> dict | None:
     norms = [getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)]
     if at is None or ffn is None or not all(isinstance(n, TandemRMSNorm) for n in norms):
         return None
-    every_norm = norms + (at["qk"] if at["kind"] == "gqa" else [at["kv_norm"]] + ([at["q_norm"]] if at["q_b"] else []))
-    if any(n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() for n in every_norm):
+    if any(n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() for n in norms + at["norms"]):
         return None
     return dict(attn=attn, mlp=mlp, at=at, ffn=ffn, norms=norms)
 
@@ -171,8 +163,7 @@ class _Step:
     def __init__(self, layer: nn.Module, engine: Any, p: dict, name: str) -> None:
         attn, at, ffn, norms = p["attn"], p["at"], p["ffn"], p["norms"]
         self.layer, self.attn, self.mla = layer, attn, at["kind"] == "mla"
-        self.norms = norms + (at["qk"] if not self.mla else [at["kv_norm"]] + ([at["q_norm"]] if at["q_b"] else []))
-        self.weights = [n.weight for n in self.norms]
+        self.weights = [n.weight for n in norms + at["norms"]]
         self.ptrs = [w.data_ptr() for w in self.weights]
         self.packs = at["packs"] + ((ffn["shared"].packs if ffn["shared"] is not None else ()))
         # hooks on any of these mean a caller watches their inputs or outputs: the module path
@@ -197,6 +188,8 @@ class _Step:
                       *((attn._modules, a, getattr(attn, a)) for a in at["names"]),
                       *((p["mlp"]._modules, a, getattr(p["mlp"], a)) for a in ffn["names"])]
         self.shared = ffn["shared"]
+        if self.shared is not None:  # its layers as found (their hooks are watched above)
+            self.parts += [(self.shared.mod._modules, a, m) for a, m in self.shared.parts]
         mlp_dense = dict(mlp_gate_up=self.shared.dense[0], mlp_down=self.shared.dense[1]) if self.shared else {}
         route = {}
         if ffn["moe"]:
@@ -254,8 +247,8 @@ class _Step:
         if self.mla and (self.kv_b[0].data_ptr() != self.kv_b[1] or self.kv_b[0]._version != self.kv_b[2]
                          or self.attn.__dict__.get("tandem_absorbed") is None):
             return False  # kv_b_proj changed: the module path absorbs it again
-        if self.shared is not None and not self.shared.takes(x):
-            return False
+        if self.shared is not None and not self.shared.enabled:
+            return False  # the MLP's own path is off: the module path computes it in torch
         if _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks:
             return False
         if any(d.get(a) is not m for d, a, m in self.parts):

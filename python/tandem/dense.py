@@ -490,13 +490,19 @@ class _GatedMlp:
         return y.view(x.shape)
 
 
+def fused_pair(a: TandemLinear, b: TandemLinear) -> bool:
+    """a and b are the two members of one packed weight without biases, a's rows first."""
+    pk = a._packed
+    return (b._packed is pk and pk.members == 2 and not pk.biases and a._columns == (0, a.out_features)
+            and b._columns == (a.out_features, a.out_features + b.out_features))
+
+
 def _gated_mlp_parts(mod: nn.Module) -> tuple | None:
     gate, up, down = (getattr(mod, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
     if not all(isinstance(t, TandemLinear) for t in (gate, up, down)):
         return None
-    pk, n = gate._packed, gate.out_features
-    if not (up._packed is pk and pk.members == 2 and not pk.biases and gate._columns == (0, n)
-            and up._columns == (n, 2 * n) and down._columns is None and down.bias is None
+    n = gate.out_features
+    if not (fused_pair(gate, up) and up.out_features == n and down._columns is None and down.bias is None
             and down.in_features == n and down.out_features == gate.in_features):
         return None
     if type(getattr(mod, "act_fn", None)).__name__ not in _SILU:

@@ -116,14 +116,13 @@ class Pool {
   void arrive(Task& t, int& phase);
   void set_counts(Task& t, int phase);
   void fail(std::exception_ptr e);
+  void rethrow_first_error();  // the first error of the finished tasks, cleared
   template <typename Pred>
   void wait_until(std::atomic<uint64_t>& word, Pred done, int spin_us);
 
   PoolOptions options_;
   std::deque<Sub> subs_;  // deque: Sub holds atomics (not movable)
   std::vector<std::thread> workers_;
-  std::vector<int> worker_cpu_;      // the CPU each worker is pinned to, or -1
-  std::vector<int> worker_subpool_;  // each worker's subpool
 
   std::mutex queue_mu_;
   std::deque<Queued> queue_;  // front: the running task
