@@ -14,7 +14,8 @@
 // of one expert, all its rows), in amx_run:
 //   rows in chunks of up to kChunkRows; panels in groups whose accumulators (fp32, or
 //   for INT8 int32 until the end of the k) fit about kAccBytes;
-//   blocks of k (BF16 256 to 1024 k, INT8 512 to 1024 k, INT4 256 k: block_steps_for):
+//   blocks of k (BF16 128 k up to 64 rows, else 256 to 1024 k; INT8 256 k up to 64 rows,
+//   else 512 to 1024 k; INT4 256 k: block_steps_for):
 //   the chunk's A rows of the block are packed tile by tile
 //   (pack_a: 1 KB tiles, no cache-set conflicts from power-of-two row strides, rows past
 //   m zero), then for each panel of the group, each half of the panel (its B tiles of
@@ -214,7 +215,7 @@ void run_rows(const char* a, int nb, int steps, int a_bytes, const char* b, size
 
 // BF16 and INT8: the panel's packed rows are B tiles as they are. A step is 64 bytes of
 // an A row (32 bf16 or 64 int8) against 16 packed rows (4 KB) of the panel; a block of
-// k is block_steps steps (block_steps_for: 8 to 32). The accumulators stay in the panel's
+// k is block_steps steps (block_steps_for: 4, or 8 to 32). The accumulators stay in the panel's
 // own buffer across blocks (fp32 for BF16, int32 for INT8 until finish).
 template <class Dot>
 struct DirectFmt {
@@ -245,21 +246,32 @@ struct DirectFmt {
 // A rows fill L2. Measured (one thread, qwen3-235b's expert, weights from DRAM, best of
 // alternated runs, AMX Xeon): BF16 at 128 rows 32 steps +9% over 8, at 256 rows 16
 // steps level; INT8 at 128 rows 16 steps +5% over 4.
+// Up to kShortBlockRows rows, blocks of 4 steps: there the weight stream sets the pace,
+// and a call's first block is read without the prefetch that covers the others (the
+// engine's items are ~512 KB, so that block is a large share of each call), while the
+// accumulators of so few rows cost little to store and reload. Measured on the same
+// machine (2 threads, calls of one panel pair as the engine cuts them, qwen3-30b's
+// expert, variants alternated per step, medians of the paired ratios): BF16 at 1 / 4 / 8
+// / 32 / 64 rows 1.09-1.14x / 1.00-1.18x / 1.11-1.17x / 1.23-1.29x / 1.15-1.20x the
+// speed of the blocks above, 128 rows 1.03x; qwen3-235b's 1 / 32 / 128 rows 1.07x / 1.12x
+// / 0.96x; INT8 at 8 and 32 rows 1.08x.
 constexpr size_t kABlockBytes = 256 << 10;
+constexpr int kShortBlockRows = 64;
 inline int block_steps_for(int m, int max_steps) {
+  if (m <= kShortBlockRows) return 4;
   const int rows = std::min(kChunkRows, (m + 31) / 32 * 32);
   return std::clamp(static_cast<int>(kABlockBytes / (static_cast<size_t>(rows) * 64)), 8, max_steps);
 }
 
 struct Bf16Fmt : DirectFmt<Dpbf16> {
-  Bf16Fmt(int k, int m) : DirectFmt{k / 32, block_steps_for(m, 32)} {}  // 8 to 32 steps: 256 to 1024 k
+  Bf16Fmt(int k, int m) : DirectFmt{k / 32, block_steps_for(m, 32)} {}  // 4, or 8 to 32 steps: 128, or 256 to 1024 k
   void finish(const std::byte*, float*, int, int) {}
 };
 
 struct Int8Fmt : DirectFmt<Dpbsud> {
   const PackedWeight* w;
   const QuantInput* in;
-  Int8Fmt(const PackedWeight& pw, const QuantInput& qi, int m)  // 8 to 16 steps: 512 to 1024 k
+  Int8Fmt(const PackedWeight& pw, const QuantInput& qi, int m)  // 4, or 8 to 16 steps: 256, or 512 to 1024 k
       : DirectFmt{pw.k_pad / 64, block_steps_for(m, 16), kPanel * sizeof(float)}, w(&pw), in(&qi) {}
   // acc = scale[j] * (sum - 128 * sum(q_a)), in place: the VNNI kernel's arithmetic.
   void finish(const std::byte* panel, float* acc, int r0, int rows) {

@@ -20,6 +20,7 @@ struct FmaFixed {
     const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
     const __m512i* w = reinterpret_cast<const __m512i*>(wp);
     for (int p = 0; p < (k + 1) / 2; ++p) {
+      prefetch_ahead(w + 4 * p);
       __m512 we[4], wo[4];
 #pragma GCC unroll 4
       for (int b = 0; b < 4; ++b) {

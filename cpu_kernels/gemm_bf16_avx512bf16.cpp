@@ -29,6 +29,8 @@ struct DpFixed {
     int p = 0;
     if constexpr (kTwoSets) {
       for (; p + 1 < kp; p += 2) {
+        prefetch_ahead(w + 4 * p);
+        prefetch_ahead(w + 4 * p + 4);
         const __m512i w0 = _mm512_load_si512(w + 4 * p), w1 = _mm512_load_si512(w + 4 * p + 1),
                       w2 = _mm512_load_si512(w + 4 * p + 2), w3 = _mm512_load_si512(w + 4 * p + 3);
         const __m512i v0 = _mm512_load_si512(w + 4 * p + 4), v1 = _mm512_load_si512(w + 4 * p + 5),
@@ -53,6 +55,7 @@ struct DpFixed {
     }
     // Remaining full pairs, then the odd-k tail (its weight column is zero-padded).
     for (; p < (k + 1) / 2; ++p) {
+      prefetch_ahead(w + 4 * p);
       const __m512i w0 = _mm512_load_si512(w + 4 * p), w1 = _mm512_load_si512(w + 4 * p + 1),
                     w2 = _mm512_load_si512(w + 4 * p + 2), w3 = _mm512_load_si512(w + 4 * p + 3);
 #pragma GCC unroll 8

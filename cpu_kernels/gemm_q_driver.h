@@ -100,16 +100,6 @@ inline const uint16_t* int4_scales(const PackedWeight& w, const std::byte* group
 inline const uint8_t* int4_zeros(const PackedWeight& w, const std::byte* group) {
   return reinterpret_cast<const uint8_t*>(group + static_cast<size_t>(w.group) * kPanel / 2 + kPanel * 2);
 }
-// Asks for the packed row (256 bytes) 8 KB after `row`: the next groups of the panel,
-// or the next panel. Without it the hardware prefetcher alone kept an INT4 decode at
-// 55-62% of the read bandwidth; with it, 77-92%, and INT8 88-100% instead of 79-84%
-// (bench_kernels, AMX Xeon, 2 threads). Every integer kernel calls it once per packed
-// row.
-inline void prefetch_ahead(const void* row) {
-  const char* p = static_cast<const char*>(row) + 8192;
-#pragma GCC unroll 4
-  for (int b = 0; b < 4; ++b) _mm_prefetch(p + 64 * b, _MM_HINT_T1);
-}
 inline int32_t load_i32(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);

@@ -111,7 +111,7 @@ TEST(KernelList, ChainCpuGetsTheLevelTables) {
       {IsaLevel::avx512_bf16,
        "bf16=avx512_bf16 int8=avx512_vnni int4=avx512_vnni quantize=avx512_vnni silu_mul=avx512_bf16"},
       {IsaLevel::amx,
-       "bf16=amx_bf16 int8=avx512_vnni|amx_int8@8 int4=avx512_vnni|amx_int4@8 quantize=avx512_vnni "
+       "bf16=avx512_bf16|amx_bf16@3 int8=avx512_vnni|amx_int8@8 int4=avx512_vnni|amx_int4@8 quantize=avx512_vnni "
        "silu_mul=avx512_bf16"},
   };
   for (const auto& [level, tables] : want) {
