@@ -659,6 +659,23 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("mla", &DecoderLayerStep::mla)
       .def_property_readonly("name", &DecoderLayerStep::name);
 
+  static_assert(sizeof(LayerCache) == 6 * sizeof(int64_t) && std::is_standard_layout_v<LayerCache>,
+                "DecoderStack.run reads each layer's cache as six int64");
+  py::class_<DecoderStack, std::shared_ptr<DecoderStack>>(m, "DecoderStack",
+      "One token through consecutive decoder layers in one call (tandem/decode_layer.h).")
+      .def(py::init<std::vector<std::shared_ptr<DecoderLayerStep>>>(), py::arg("layers"))
+      .def("run", [](DecoderStack& d, uintptr_t x, uintptr_t cos, uintptr_t sin, uintptr_t freqs, uintptr_t caches,
+                     int pos) {
+             py::gil_scoped_release nogil;
+             d.run(reinterpret_cast<bf16_t*>(x), reinterpret_cast<const bf16_t*>(cos),
+                   reinterpret_cast<const bf16_t*>(sin), reinterpret_cast<const float*>(freqs),
+                   reinterpret_cast<const LayerCache*>(caches), pos);
+           }, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("freqs"), py::arg("caches"), py::arg("pos"),
+           "x [hidden] bf16 in place through every layer; cos / sin [head_dim] bf16 (GQA) or freqs [rope] fp32 "
+           "(MLA), 0 where unused; caches: per layer six int64 (k pointer, k per-head and per-position strides, "
+           "v pointer, v strides; elements), each layer writing position `pos` and attending over [0, pos]")
+      .def("__len__", &DecoderStack::size);
+
   py::class_<DenseLinear, std::shared_ptr<DenseLinear>>(m, "DenseLinear",
                                                         "A dense layer's weight on tandem's kernels (tandem/dense.h).")
       .def("forward", [](DenseLinear& d, uintptr_t x, bool x_bf16, int m, int ldx, uintptr_t y, int ldy) {

@@ -269,4 +269,43 @@ void DecoderLayerStep::tail(const bf16_t* x, const bf16_t* a, bf16_t* y) {
   add_bf16(h.data(), f.data(), H, y);
 }
 
+void DecoderLayerStep::step(bf16_t* x, const bf16_t* cos, const bf16_t* sin, const float* freqs, const LayerCache& c,
+                            int pos) {
+  TANDEM_CHECK(x && c.k && c.v && pos >= 0, Errc::invalid_argument, name_, ": null cache or input, or position ", pos);
+  const DecoderLayerSpec& s = s_;
+  thread_local std::vector<bf16_t> q, kv;
+  q.resize(static_cast<size_t>(s.q_heads) * s.head_dim);
+  if (mla()) {
+    kv.resize(static_cast<size_t>(s.mla_rank + s.rope));
+    qkv_mla(x, freqs, q.data(), kv.data(), kv.data() + s.mla_rank);
+    std::memcpy(c.k + pos * c.k_l, kv.data(), sizeof(bf16_t) * s.mla_rank);
+    std::memcpy(c.v + pos * c.v_l, kv.data() + s.mla_rank, sizeof(bf16_t) * s.rope);
+    rest_mla(x, q.data(), c.k, c.k_l, c.v, c.v_l, pos + 1, x);
+    return;
+  }
+  const size_t row = static_cast<size_t>(s.kv_heads) * s.head_dim;
+  kv.resize(2 * row);
+  qkv(x, cos, sin, q.data(), kv.data(), kv.data() + row);
+  for (int h = 0; h < s.kv_heads; ++h) {
+    std::memcpy(c.k + h * c.k_h + pos * c.k_l, kv.data() + h * s.head_dim, sizeof(bf16_t) * s.head_dim);
+    std::memcpy(c.v + h * c.v_h + pos * c.v_l, kv.data() + row + h * s.head_dim, sizeof(bf16_t) * s.head_dim);
+  }
+  rest(x, q.data(), c.k, c.k_h, c.k_l, c.v, c.v_h, c.v_l, pos + 1, x);
+}
+
+DecoderStack::DecoderStack(std::vector<std::shared_ptr<DecoderLayerStep>> layers) : layers_(std::move(layers)) {
+  TANDEM_CHECK(!layers_.empty(), Errc::invalid_argument, "decoder stack: no layers");
+  for (const auto& l : layers_) {
+    TANDEM_CHECK(l != nullptr, Errc::invalid_argument, "decoder stack: a null layer");
+    TANDEM_CHECK(l->spec().hidden == layers_[0]->spec().hidden, Errc::invalid_argument, "decoder stack: ", l->name(),
+                 " has hidden size ", l->spec().hidden, ", ", layers_[0]->name(), " ", layers_[0]->spec().hidden);
+  }
+}
+
+void DecoderStack::run(bf16_t* x, const bf16_t* cos, const bf16_t* sin, const float* freqs, const LayerCache* caches,
+                       int pos) {
+  TANDEM_CHECK(caches != nullptr, Errc::invalid_argument, "decoder stack: null cache table");
+  for (size_t i = 0; i < layers_.size(); ++i) layers_[i]->step(x, cos, sin, freqs, caches[i], pos);
+}
+
 }  // namespace tandem

@@ -47,6 +47,31 @@ SHARED_EXPERTS = {"DeepseekV2Moe": "shared_experts"}
 DENSE_MLPS = frozenset({"DeepseekV2MLP"})
 
 
+def _capture_hook(h: Any) -> bool:
+    """transformers' output-capture hook (output_hidden_states and the like): installed on a
+    model's layers at the first call that asks for such outputs and left there, inert while
+    no capture is active (``_capturing``)."""
+    return getattr(h, "__qualname__", "").endswith("output_capturing_hook")
+
+
+def _hooks(m: nn.Module) -> tuple[int, int]:
+    """A module's forward hooks (transformers' inert output-capture hooks not counted) and
+    pre-hooks."""
+    fh = m._forward_hooks
+    n = sum(1 for h in fh.values() if not _capture_hook(h)) if fh else 0
+    return n, len(m._forward_pre_hooks)
+
+
+def _capturing() -> bool:
+    """Whether transformers is capturing layer outputs now (a call with output_hidden_states,
+    output_attentions, ...): the layers must then run their forward, which the hooks see."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # a transformers without it captures differently; its hooks count as hooks
+        return False
+    return bool(_active_collector.get())  # (every forward sets one; empty when nothing is captured)
+
+
 def _attention_parts(attn: nn.Module) -> dict | None:
     """The GQA attention's tandem parts (Qwen3-MoE / Mixtral), or None."""
     from .dense import TandemLinear, TandemRMSNorm
@@ -172,14 +197,14 @@ class _Step:
         # pre-hook on an MLA attention, which records the call's length)
         shared_mods = [] if ffn["shared"] is None else [ffn["shared"].mod, *(m for _, m in ffn["shared"].parts)]
         self.watched = [layer, p["mlp"], *norms, *at["watched"], *ffn["watched"], *shared_mods]
-        self.hooks = [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in self.watched]
+        self.hooks = [_hooks(m) for m in self.watched]
         own_pre = attn._forward_pre_hooks.values() if self.mla else ()
         if any(h is not route_peft_wrappers for m in self.watched
-               for h in (*m._forward_hooks.values(), *m._forward_pre_hooks.values())):
+               for h in (*m._forward_hooks.values(), *m._forward_pre_hooks.values()) if not _capture_hook(h)):
             raise ValueError(f"{name}: its modules have forward hooks")
-        if attn._forward_hooks or len(attn._forward_pre_hooks) != len(own_pre):
+        if _hooks(attn) != (0, len(own_pre)):
             raise ValueError(f"{name}: its attention has forward hooks")
-        self.attn_hooks = (len(attn._forward_hooks), len(attn._forward_pre_hooks))
+        self.attn_hooks = _hooks(attn)
         # the parts as they were found: a replaced one (PEFT wrapping the experts, a new
         # projection) sends every call to the module path
         self.parts = [(layer._modules, "self_attn", attn), (layer._modules, "mlp", p["mlp"]),
@@ -234,12 +259,21 @@ class _Step:
                 and sin.numel() == self.D and cos.is_contiguous() and sin.is_contiguous())
 
     def takes(self, x: torch.Tensor, mask: torch.Tensor | None, cache: Any, pos_emb: Any, kwargs: dict) -> bool:
-        if (not self.enabled or self.layer.training or x.dtype != torch.bfloat16 or x.device.type != "cpu"
-                or x.shape != (1, 1, self.hidden) or cache is None or not self._pos_ok(pos_emb)
+        if (x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape != (1, 1, self.hidden) or cache is None or not self._pos_ok(pos_emb)
                 or getattr(self.config, "_attn_implementation", None) != ATTENTION_NAME
                 or (torch.is_grad_enabled() and x.requires_grad) or _unknown_kwargs(kwargs)):
             return False
         if mask is not None and not (mask.dtype == torch.bool and mask.numel() == mask.shape[-1] and bool(mask.all())):
+            return False
+        if _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks or _capturing():
+            return False
+        return self.layer_ok()
+
+    def layer_ok(self) -> bool:
+        """The checks of ``takes`` that do not depend on the call: the step is on, its
+        weights, packs and parts are the ones found, and none of its modules has hooks
+        (global hooks are the caller's to check)."""
+        if not self.enabled or self.layer.training:
             return False
         if (any(w.data_ptr() != p for w, p in zip(self.weights, self.ptrs))
                 or not all(pk.bf16_on_pool for pk in self.packs)):
@@ -249,13 +283,11 @@ class _Step:
             return False  # kv_b_proj changed: the module path absorbs it again
         if self.shared is not None and not self.shared.enabled:
             return False  # the MLP's own path is off: the module path computes it in torch
-        if _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks:
-            return False
         if any(d.get(a) is not m for d, a, m in self.parts):
             return False
-        if (len(self.attn._forward_hooks), len(self.attn._forward_pre_hooks)) != self.attn_hooks:
+        if _hooks(self.attn) != self.attn_hooks:
             return False
-        return all((len(m._forward_hooks), len(m._forward_pre_hooks)) == h for m, h in zip(self.watched, self.hooks))
+        return all(_hooks(m) == h for m, h in zip(self.watched, self.hooks))
 
     def __call__(self, x: torch.Tensor, cache: Any, pos_emb: Any) -> torch.Tensor:
         """The layer's output for x [1, 1, hidden]; the cache gets this step's key and value
@@ -365,3 +397,178 @@ def _install(layer: nn.Module, step: _Step, module_forward: Any) -> None:
     layer.forward = forward
     layer.tandem_module_forward = module_forward
     layer.tandem_decoder_step = step
+
+
+# Base models whose forward is: embed_tokens, position ids from the cache's length, a causal
+# mask, rotary_emb once, every decoder layer in order, norm (transformers' Qwen3-MoE, Mixtral
+# and DeepSeek-V2). The probe still decides.
+MODEL_STEP_BASES = frozenset({"Qwen3MoeModel", "MixtralModel", "DeepseekV2Model"})
+# Keywords of a base model's forward that do not change a one-token decode without extra
+# outputs (a set output_* or return_dict=False sends the call to the module path).
+_MODEL_HARMLESS = frozenset({"cache_position", "use_cache", "return_dict"})
+_OUTPUT_FLAGS = ("output_attentions", "output_hidden_states", "output_router_logits")
+
+
+class _ModelStep:
+    """One token through a whole base model: embedding, rotary embedding, every decoder
+    layer's step in one C++ call (``_C.DecoderStack``, each layer appending its key and
+    value into a ``GrowingCache``'s buffers itself), final norm. The per-layer path's
+    arithmetic without its Python between the layers."""
+
+    def __init__(self, base: nn.Module, steps: list[_Step], engine: Any) -> None:
+        from . import _C
+
+        self.base, self.steps, self.config = base, steps, base.config
+        self.layers = list(base.layers)
+        self.mla = steps[0].mla
+        if any(st.mla != self.mla for st in steps):
+            raise ValueError("decoder layers of two attention kinds")
+        self.stack = _C.DecoderStack([st.step for st in steps])
+        self.forwards = [layer.__dict__.get("forward") for layer in self.layers]
+        self.table = torch.zeros(len(steps), 6, dtype=torch.int64)  # per layer: the cache's pointers and strides
+        self.bufs: list = []  # the buffers the table was made from
+        self.enabled = True
+
+    def takes(self, input_ids: Any, inputs_embeds: Any, attention_mask: Any, position_ids: Any, cache: Any,
+              use_cache: Any, kwargs: dict) -> int | None:
+        """The cache's length n when this call is one token of a decode step the layers
+        take (position n, every earlier key kept), else None."""
+        from .kv_cache import GrowingCache, GrowingLayer
+
+        base = self.base
+        if (not self.enabled or base.training or torch.is_grad_enabled() or inputs_embeds is not None
+                or not isinstance(input_ids, torch.Tensor) or input_ids.shape != (1, 1) or input_ids.is_cuda
+                or type(cache) is not GrowingCache or use_cache is False
+                or (use_cache is None and not getattr(self.config, "use_cache", True))
+                or getattr(self.config, "_attn_implementation", None) != ATTENTION_NAME
+                or base.config.num_hidden_layers != len(self.layers)):
+            return None
+        if any(k not in _MODEL_HARMLESS and v is not None and v is not False for k, v in kwargs.items()):
+            return None
+        if kwargs.get("return_dict") is False or any(getattr(self.config, f, False) for f in _OUTPUT_FLAGS):
+            return None
+        if _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks or _capturing():
+            return None
+        layers = cache.layers
+        if len(layers) != len(self.layers) or any(type(c) is not GrowingLayer or not c.is_initialized for c in layers):
+            return None
+        n = layers[0].keys.shape[-2]
+        if n < 1 or any(c.keys.shape[-2] != n for c in layers):
+            return None
+        if position_ids is not None and (position_ids.numel() != 1 or int(position_ids) != n):
+            return None
+        cp = kwargs.get("cache_position")
+        if cp is not None and (cp.numel() != 1 or int(cp) != n):
+            return None
+        if attention_mask is not None and not (attention_mask.dim() == 2 and attention_mask.shape == (1, n + 1)
+                                               and bool(attention_mask.all())):
+            return None
+        for layer, fwd, st in zip(self.layers, self.forwards, self.steps):
+            if layer.__dict__.get("forward") is not fwd or not st.layer_ok():  # (the layer is among its watched)
+                return None
+        return n
+
+    def _cache_table(self, cache: Any) -> None:
+        """Room for one more position in every layer's buffers, and the table of their
+        pointers and strides (remade when a buffer moved)."""
+        layers = cache.layers
+        for c in layers:
+            c.reserve(1, c.keys, c.values)
+        bufs = [c._buffers for c in layers]
+        if len(bufs) == len(self.bufs) and all(a is b for a, b in zip(bufs, self.bufs)):
+            return
+        rows = []
+        for kb, vb in bufs:
+            if kb.dtype != torch.bfloat16 or vb.dtype != torch.bfloat16 or kb.stride(-1) != 1 or vb.stride(-1) != 1:
+                raise RuntimeError("the KV cache does not hold bf16 rows: the model step cannot append to it")
+            rows.append((kb.data_ptr(), kb.stride(1), kb.stride(2), vb.data_ptr(), vb.stride(1), vb.stride(2)))
+        self.table = torch.tensor(rows, dtype=torch.int64)
+        self.bufs = bufs
+
+    def __call__(self, input_ids: torch.Tensor, cache: Any, n: int) -> Any:
+        from transformers.modeling_outputs import MoeModelOutputWithPast
+
+        base = self.base
+        x = base.embed_tokens(input_ids)
+        pos = torch.tensor([[n]], device=x.device)
+        pe = base.rotary_emb(x, pos)
+        st = self.steps[0]
+        if x.dtype != torch.bfloat16 or x.shape != (1, 1, st.hidden) or not st._pos_ok(pe):
+            return None
+        x = x.contiguous().clone()
+        self._cache_table(cache)
+        if self.mla:
+            args = (0, 0, torch.view_as_real(pe).data_ptr())
+        else:
+            args = (pe[0].data_ptr(), pe[1].data_ptr(), 0)
+        self.stack.run(x.data_ptr(), *args, self.table.data_ptr(), n)
+        for c in cache.layers:
+            c.filled(n + 1)
+        return MoeModelOutputWithPast(last_hidden_state=base.norm(x), past_key_values=cache)
+
+
+def _probe_model(module_forward: Any, fast: _ModelStep, seed: int) -> bool:
+    """A random 3-token prompt through the base model's own forward, then two one-token
+    steps through it and through the model step, each on a fresh cache: the same bits?"""
+    from .kv_cache import GrowingCache
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = fast.base.embed_tokens.weight.shape[0]
+    ids = torch.randint(0, vocab, (1, 5), generator=g)
+    outs = []
+    try:
+        with torch.no_grad():
+            for use_fast in (False, True):
+                cache = GrowingCache(config=fast.config)
+                module_forward(input_ids=ids[:, :3], past_key_values=cache, use_cache=True)
+                got = []
+                for t in (3, 4):
+                    one = ids[:, t:t + 1]
+                    if use_fast:  # (takes is not asked: the model may still be in training mode here)
+                        y = fast(one, cache, t)
+                    else:
+                        y = module_forward(input_ids=one, past_key_values=cache, use_cache=True)
+                    if y is None:
+                        return False
+                    got.append(y.last_hidden_state)
+                outs.append(got)
+    except (ValueError, RuntimeError):
+        return False
+    return all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(*outs))
+
+
+def use_model_step(model: nn.Module) -> bool:
+    """Gives `model`'s base model (``model.model``) the one-token path of ``_ModelStep``
+    when every decoder layer has its step (``use_decoder_steps``) and a probe agrees;
+    returns whether it did. Every call the path does not take runs the base model's forward."""
+    base = getattr(model, "model", None)
+    if base is None or type(base).__name__ not in MODEL_STEP_BASES or "tandem_module_forward" in base.__dict__:
+        return False
+    layers = getattr(base, "layers", None)
+    if not layers or any("tandem_decoder_step" not in layer.__dict__ for layer in layers):
+        return False
+    if not all(hasattr(base, a) for a in ("embed_tokens", "rotary_emb", "norm")):
+        return False
+    try:
+        fast = _ModelStep(base, [layer.tandem_decoder_step for layer in layers], None)
+    except (ValueError, RuntimeError):
+        return False
+    module_forward = base.forward
+    if not _probe_model(module_forward, fast, seed=len(layers)):
+        return False
+
+    def forward(input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
+                use_cache=None, **kwargs):
+        n = fast.takes(input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, use_cache, kwargs)
+        if n is not None:
+            out = fast(input_ids, past_key_values, n)
+            if out is not None:
+                return out
+        return module_forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                              **kwargs)
+
+    base.forward = forward
+    base.tandem_module_forward = module_forward
+    base.tandem_model_step = fast
+    return True

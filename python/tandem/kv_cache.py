@@ -42,27 +42,39 @@ class GrowingLayer(DynamicLayer):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        # Still the views handed out? Another method may have replaced them (reorder_cache,
-        # batch_repeat_interleave, crop): then they move into a new buffer.
+        n = self.reserve(key_states.shape[-2], key_states, value_states)
+        need = n + key_states.shape[-2]
+        kb, vb = self._buffers
+        kb[..., n:need, :].copy_(key_states)
+        vb[..., n:need, :].copy_(value_states)
+        self.filled(need)
+        return self.keys, self.values
+
+    def reserve(self, extra: int, like_k: torch.Tensor, like_v: torch.Tensor) -> int:
+        """Buffers (``_buffers``) holding the n positions cached so far with room for `extra`
+        more, shaped like `like_k` / `like_v` but for their positions; returns n. Still the
+        views handed out? Another method may have replaced them (reorder_cache,
+        batch_repeat_interleave, crop): then they move into new buffers."""
         v = self._views
         owned = v is not None and v[0] is self.keys and v[1] is self.values
         n = self.keys.shape[-2] if owned or self.keys.numel() else 0
-        need = n + key_states.shape[-2]
+        need = n + extra
         if not owned or need > self._buffers[0].shape[-2]:
             cap = need + max(need // GROW_FRACTION, GROW_MIN)
             bufs = []
-            for old, new in ((self.keys, key_states), (self.values, value_states)):
+            for old, new in ((self.keys, like_k), (self.values, like_v)):
                 buf = new.new_empty(*new.shape[:-2], cap, new.shape[-1])
                 if n:
                     buf[..., :n, :].copy_(old)
                 bufs.append(buf)
             self._buffers = tuple(bufs)
+        return n
+
+    def filled(self, n: int) -> None:
+        """The first n positions of the buffers are the cache's keys and values."""
         kb, vb = self._buffers
-        kb[..., n:need, :].copy_(key_states)
-        vb[..., n:need, :].copy_(value_states)
-        self.keys, self.values = kb[..., :need, :], vb[..., :need, :]
+        self.keys, self.values = kb[..., :n, :], vb[..., :n, :]
         self._views = (self.keys, self.values)
-        return self.keys, self.values
 
     def reset(self) -> None:
         self._buffers = self._views = None

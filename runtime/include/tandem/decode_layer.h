@@ -39,6 +39,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "tandem/dense.h"
 #include "tandem/kernels.h"
@@ -97,6 +98,17 @@ struct DecoderLayerSpec {
   GatedMlp mlp;
 };
 
+// A layer's cache buffers, with room for the position a step writes. GQA: keys and values
+// [kv_heads x positions x head_dim] (k_h / v_h, k_l / v_l: element strides per head and per
+// position). MLA: k the latents [positions x mla_rank], v the rope keys [positions x rope]
+// (k_l, v_l per position; k_h, v_h unused).
+struct LayerCache {
+  bf16_t* k = nullptr;
+  int64_t k_h = 0, k_l = 0;
+  bf16_t* v = nullptr;
+  int64_t v_h = 0, v_l = 0;
+};
+
 class DecoderLayerStep {
  public:
   // Checks the shapes (errors name the layer); keeps the dense layers alive.
@@ -122,6 +134,12 @@ class DecoderLayerStep {
   void rest_mla(const bf16_t* x, const bf16_t* q, const bf16_t* latent, int64_t latent_l, const bf16_t* k_rope,
                 int64_t k_rope_l, int keys, bf16_t* y);
 
+  // Both calls with the cache in between: the token's key and value (MLA: its latent and
+  // rope key) written into `cache` at position `pos`, attention over positions [0, pos];
+  // x [hidden] becomes the layer's output. GQA takes cos / sin, MLA freqs (as above).
+  void step(bf16_t* x, const bf16_t* cos, const bf16_t* sin, const float* freqs, const LayerCache& cache,
+            int pos);
+
   const DecoderLayerSpec& spec() const { return s_; }
   const std::string& name() const { return name_; }
 
@@ -134,6 +152,19 @@ class DecoderLayerStep {
   DecoderLayerSpec s_;
   std::string name_;
   int experts_ = 0;
+};
+
+// One token through consecutive decoder layers in one call: x [hidden] in place, layer i
+// writing its key and value into caches[i] at `pos` (DecoderLayerStep::step). The layers
+// are kept alive; their shapes must chain (each one's hidden size the same).
+class DecoderStack {
+ public:
+  explicit DecoderStack(std::vector<std::shared_ptr<DecoderLayerStep>> layers);
+  void run(bf16_t* x, const bf16_t* cos, const bf16_t* sin, const float* freqs, const LayerCache* caches, int pos);
+  size_t size() const { return layers_.size(); }
+
+ private:
+  std::vector<std::shared_ptr<DecoderLayerStep>> layers_;
 };
 
 }  // namespace tandem
