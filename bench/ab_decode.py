@@ -18,6 +18,8 @@ alternated figures compare):
   transformers' layer over tandem's modules;
 - ``caller``: the calling thread runs worker 0's part of each pool task on an idle pool
   (``Engine.caller_runs``, tandem/pool.h) / it sleeps until the workers finish;
+- ``model``: every decoder layer's step in one C++ call per token (``tandem.decode_step.use_model_step``)
+  / one call pair per layer from transformers' layer loop;
 - ``mlps``: gated MLPs (shared experts, dense MLPs) in one call (``tandem.dense.use_gated_mlps``) /
   transformers' MLP over tandem's layers (DeepSeek-V2 shapes; with the decoder-layer steps
   off in both arms, since a step needs its MLP's path).
@@ -107,6 +109,12 @@ def caller_slots(model: nn.Module) -> list:
     return [(model.tandem_engine, "caller_runs", True, False)]
 
 
+def model_slots(model: nn.Module) -> list:
+    """(the base model's one-call step, "enabled", True, False)."""
+    fast = getattr(model.model, "tandem_model_step", None)
+    return [(fast, "enabled", True, False)] if fast is not None else []
+
+
 def mlp_slots(model: nn.Module) -> list:
     """(gated MLP path, "enabled", True, False) for every gated MLP with the one-call path;
     the decoder-layer steps are turned off (they need it)."""
@@ -145,28 +153,29 @@ def projection_slots(model: nn.Module, cfg: dict) -> list[tuple[nn.Module, str, 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("what", choices=("norms", "projections", "routers", "cache", "mla", "bf16out", "layers", "mlps",
-                                    "caller"))
+                                    "caller", "model"))
     p.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(bench_hf.SHAPES))
     p.add_argument("--format", default="int4", help="cpu.format (default int4)")
     p.add_argument("--dense", default="int4", help="cpu.dense_format (default int4; not torch)")
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4, help="layers of the random checkpoint (default 4)")
     p.add_argument("--new", type=int, default=24)
     a = p.parse_args()
     if a.dense == "torch":
         p.error("--dense torch leaves these layers to torch: nothing to compare")
-    d = bench_hf.model_dir(a.model, 4, 32768)
+    d = bench_hf.model_dir(a.model, a.layers, 32768)
     cpu = {"format": a.format, "dense_format": a.dense}
     if "int4" in (a.format, a.dense):  # the config refuses a group size no layer uses
         cpu["group_size"] = a.group_size
     cfg = {"version": 1, "cpu": cpu,
            "gpu": {"device": "auto"}}
-    if a.what in ("norms", "routers", "cache", "mla", "bf16out", "layers", "mlps", "caller"):
+    if a.what in ("norms", "routers", "cache", "mla", "bf16out", "layers", "mlps", "caller", "model"):
         model = tandem.load_model(d, cfg, progress=False)
         slots = {"norms": norm_slots, "routers": router_slots, "mla": mla_slots,
                  "bf16out": bf16out_slots, "layers": layer_slots, "mlps": mlp_slots,
-                 "caller": caller_slots}.get(a.what, lambda m: [])(model)
+                 "caller": caller_slots, "model": model_slots}.get(a.what, lambda m: [])(model)
     else:
         model = tandem.load_model(d, dict(cfg, cpu=dict(cfg["cpu"], dense_format="torch")), progress=False)
         slots = projection_slots(model, cfg)

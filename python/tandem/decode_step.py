@@ -18,6 +18,11 @@ feed-forward of routed plus shared experts, or the dense first layer's MLP (each
 ``tandem.dense.use_gated_mlps``' path, which the module path runs too). DeepSeek-V3 layers
 keep their forward (a sigmoid router with a bias, another rotary embedding).
 
+``use_model_step(model)`` then runs every layer's step in one C++ call per token
+(``_C.DecoderStack``, each layer appending its key and value into the ``GrowingCache``'s
+buffers itself) from a patched base-model forward (``_ModelStep``): the per-layer Python
+between the steps (~200 us a layer) goes; its own probe and checks decide as below.
+
 A layer takes the path only after a probe shows it: two one-token steps of random hidden
 states through the layer's own forward and through the C++ step, on fresh caches, must give
 the same bits (a transformers version whose layer computes something else keeps its own
