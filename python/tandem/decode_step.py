@@ -429,7 +429,15 @@ class _ModelStep:
         if any(st.mla != self.mla for st in steps):
             raise ValueError("decoder layers of two attention kinds")
         self.stack = _C.DecoderStack([st.step for st in steps])
-        self.forwards = [layer.__dict__.get("forward") for layer in self.layers]
+        self.forwards = [(layer.__dict__, layer.__dict__.get("forward")) for layer in self.layers]
+        # _Step.layer_ok's checks of every layer as flat lists (one pass per token, not a call
+        # per layer and module): weights, packs, parts, watched modules' hook counts
+        self.weights = [(w, p) for st in steps for w, p in zip(st.weights, st.ptrs)]
+        self.packs = [pk for st in steps for pk in st.packs]
+        self.parts = [t for st in steps for t in st.parts]
+        self.hooked = [(m, h) for st in steps for m, h in ((st.attn, st.attn_hooks), *zip(st.watched, st.hooks))]
+        self.kv_b = [st.kv_b + (st.attn.__dict__,) for st in steps if st.mla]
+        self.shared = [st.shared for st in steps if st.shared is not None]
         self.table = torch.zeros(len(steps), 6, dtype=torch.int64)  # per layer: the cache's pointers and strides
         self.bufs: list = []  # the buffers the table was made from
         self.enabled = True
@@ -468,10 +476,24 @@ class _ModelStep:
         if attention_mask is not None and not (attention_mask.dim() == 2 and attention_mask.shape == (1, n + 1)
                                                and bool(attention_mask.all())):
             return None
-        for layer, fwd, st in zip(self.layers, self.forwards, self.steps):
-            if layer.__dict__.get("forward") is not fwd or not st.layer_ok():  # (the layer is among its watched)
-                return None
-        return n
+        return n if self.layers_ok() else None
+
+    def layers_ok(self) -> bool:
+        """Every layer's ``_Step.layer_ok``, plus its installed forward still in place."""
+        if any(not st.enabled or st.layer.training for st in self.steps):
+            return False
+        if any(d.get("forward") is not f for d, f in self.forwards):
+            return False
+        if any(w.data_ptr() != p for w, p in self.weights) or not all(pk.bf16_on_pool for pk in self.packs):
+            return False
+        if any(w.data_ptr() != p or w._version != v or d.get("tandem_absorbed") is None for w, p, v, d in self.kv_b):
+            return False
+        if not all(sh.enabled for sh in self.shared) or any(d.get(a) is not m for d, a, m in self.parts):
+            return False
+        for m, h in self.hooked:  # (decoder layers among them)
+            if (m._forward_hooks or m._forward_pre_hooks or h != (0, 0)) and _hooks(m) != h:
+                return False
+        return True
 
     def _cache_table(self, cache: Any) -> None:
         """Room for one more position in every layer's buffers, and the table of their

@@ -190,6 +190,34 @@ def test_calls_the_model_step_does_not_take(ckpt):
         assert fast.takes(one, None, None, None, cache, True, {}) is None
         layer.forward = real
         assert fast.takes(one, None, None, None, cache, True, {}) == 5
+        gate = layer.mlp.gate
+        layer.mlp.gate = gate.inner  # a replaced part (the router put back)
+        assert fast.takes(one, None, None, None, cache, True, {}) is None
+        layer.mlp.gate = gate
+        layer.tandem_decoder_step.enabled = False  # one layer's step switched off
+        assert fast.takes(one, None, None, None, cache, True, {}) is None
+        layer.tandem_decoder_step.enabled = True
+        assert fast.takes(one, None, None, None, cache, True, {}) == 5
+
+
+def test_mla_calls_the_model_step_does_not_take(ckpt):
+    """DeepSeek-V2: a hooked shared-experts MLP and an in-place change to kv_b_proj send the
+    call to the base model's forward (whose layers then decide for themselves)."""
+    model = load(ckpt, "deepseek_v2")
+    fast = model.model.tandem_model_step
+    layer = model.model.layers[1]
+    with torch.no_grad():
+        cache = kv_cache.GrowingCache(config=model.config)
+        ids = torch.randint(0, VOCAB, (1, 4), generator=torch.Generator().manual_seed(3))
+        model(ids, past_key_values=cache, use_cache=True)
+        one = ids[:, :1]
+        assert fast.takes(one, None, None, None, cache, True, {}) == 4
+        h = layer.mlp.shared_experts.down_proj.register_forward_hook(lambda *a: None)
+        assert fast.takes(one, None, None, None, cache, True, {}) is None
+        h.remove()
+        assert fast.takes(one, None, None, None, cache, True, {}) == 4
+        layer.self_attn.kv_b_proj.weight.mul_(1.0)
+        assert fast.takes(one, None, None, None, cache, True, {}) is None
 
 
 def test_a_probe_that_disagrees_installs_no_model_step(ckpt, monkeypatch):
