@@ -67,14 +67,17 @@ def _hooks(m: nn.Module) -> tuple[int, int]:
     return n, len(m._forward_pre_hooks)
 
 
+try:
+    from transformers.utils.output_capturing import _active_collector
+except ImportError:  # a transformers without it captures differently; its hooks count as hooks
+    _active_collector = None
+
+
 def _capturing() -> bool:
     """Whether transformers is capturing layer outputs now (a call with output_hidden_states,
     output_attentions, ...): the layers must then run their forward, which the hooks see."""
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # a transformers without it captures differently; its hooks count as hooks
-        return False
-    return bool(_active_collector.get())  # (every forward sets one; empty when nothing is captured)
+    # (every forward sets a collector; it is empty when nothing is captured)
+    return _active_collector is not None and bool(_active_collector.get())
 
 
 def _attention_parts(attn: nn.Module) -> dict | None:
@@ -420,7 +423,7 @@ class _ModelStep:
     value into a ``GrowingCache``'s buffers itself), final norm. The per-layer path's
     arithmetic without its Python between the layers."""
 
-    def __init__(self, base: nn.Module, steps: list[_Step], engine: Any) -> None:
+    def __init__(self, base: nn.Module, steps: list[_Step]) -> None:
         from . import _C
 
         self.base, self.steps, self.config = base, steps, base.config
@@ -430,14 +433,6 @@ class _ModelStep:
             raise ValueError("decoder layers of two attention kinds")
         self.stack = _C.DecoderStack([st.step for st in steps])
         self.forwards = [(layer.__dict__, layer.__dict__.get("forward")) for layer in self.layers]
-        # _Step.layer_ok's checks of every layer as flat lists (one pass per token, not a call
-        # per layer and module): weights, packs, parts, watched modules' hook counts
-        self.weights = [(w, p) for st in steps for w, p in zip(st.weights, st.ptrs)]
-        self.packs = [pk for st in steps for pk in st.packs]
-        self.parts = [t for st in steps for t in st.parts]
-        self.hooked = [(m, h) for st in steps for m, h in ((st.attn, st.attn_hooks), *zip(st.watched, st.hooks))]
-        self.kv_b = [st.kv_b + (st.attn.__dict__,) for st in steps if st.mla]
-        self.shared = [st.shared for st in steps if st.shared is not None]
         self.table = torch.zeros(len(steps), 6, dtype=torch.int64)  # per layer: the cache's pointers and strides
         self.bufs: list = []  # the buffers the table was made from
         self.enabled = True
@@ -479,21 +474,10 @@ class _ModelStep:
         return n if self.layers_ok() else None
 
     def layers_ok(self) -> bool:
-        """Every layer's ``_Step.layer_ok``, plus its installed forward still in place."""
-        if any(not st.enabled or st.layer.training for st in self.steps):
-            return False
-        if any(d.get("forward") is not f for d, f in self.forwards):
-            return False
-        if any(w.data_ptr() != p for w, p in self.weights) or not all(pk.bf16_on_pool for pk in self.packs):
-            return False
-        if any(w.data_ptr() != p or w._version != v or d.get("tandem_absorbed") is None for w, p, v, d in self.kv_b):
-            return False
-        if not all(sh.enabled for sh in self.shared) or any(d.get(a) is not m for d, a, m in self.parts):
-            return False
-        for m, h in self.hooked:  # (decoder layers among them)
-            if (m._forward_hooks or m._forward_pre_hooks or h != (0, 0)) and _hooks(m) != h:
-                return False
-        return True
+        """Every layer's ``_Step.layer_ok`` (the decoder layer among its watched modules),
+        plus its installed forward still in place."""
+        return (all(d.get("forward") is f for d, f in self.forwards)
+                and all(st.layer_ok() for st in self.steps))
 
     def _cache_table(self, cache: Any) -> None:
         """Room for one more position in every layer's buffers, and the table of their
@@ -577,7 +561,7 @@ def use_model_step(model: nn.Module) -> bool:
     if not all(hasattr(base, a) for a in ("embed_tokens", "rotary_emb", "norm")):
         return False
     try:
-        fast = _ModelStep(base, [layer.tandem_decoder_step for layer in layers], None)
+        fast = _ModelStep(base, [layer.tandem_decoder_step for layer in layers])
     except (ValueError, RuntimeError):
         return False
     module_forward = base.forward

@@ -263,3 +263,19 @@ def max_rel(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = None) 
         d = d[mask]
     return (d.max() / b.double().abs().max()).item()
 
+
+def greedy_logits(model: nn.Module, cache_cls, n: int = 12, seed: int = 0, prompt: int = 9,
+                  **kw) -> list[torch.Tensor]:
+    """Logits of a random `prompt`-token prompt (seeded) on a fresh `cache_cls` cache, then of
+    n greedy one-token steps (kw: extra arguments of those steps' forward)."""
+    ids = torch.randint(0, VOCAB, (1, prompt), generator=torch.Generator().manual_seed(seed))
+    cache = cache_cls(config=model.config)
+    logits = []
+    with torch.no_grad():
+        out = model(ids, past_key_values=cache, use_cache=True)
+        logits.append(out.logits)
+        for _ in range(n):
+            tok = out.logits[:, -1:].argmax(-1)
+            out = model(tok, past_key_values=cache, use_cache=True, **kw)
+            logits.append(out.logits)
+    return logits

@@ -14,6 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_models import VOCAB, checkpoint_cache
+from hf_models import greedy_logits as decode  # logits of a 9-token prompt and n greedy steps
 
 import tandem
 from tandem import decode_step
@@ -28,21 +29,6 @@ def ckpt(tmp_path_factory):
 
 def steps_of(model):
     return [m.tandem_decoder_step for m in model.modules() if "tandem_decoder_step" in m.__dict__]
-
-
-def decode(model, cache_cls, n=12, seed=0):
-    """Logits of a 9-token prompt and n greedy one-token steps."""
-    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(seed))
-    cache = cache_cls(config=model.config)
-    out_logits = []
-    with torch.no_grad():
-        out = model(ids, past_key_values=cache, use_cache=True)
-        out_logits.append(out.logits)
-        for _ in range(n):
-            tok = out.logits[:, -1:].argmax(-1)
-            out = model(tok, past_key_values=cache, use_cache=True)
-            out_logits.append(out.logits)
-    return out_logits
 
 
 def set_enabled(model, on):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_models import VOCAB, checkpoint_cache
+from hf_models import VOCAB, checkpoint_cache, greedy_logits
 
 import tandem
 from tandem import _C, decode_step, kv_cache
@@ -53,19 +53,10 @@ def counted(model) -> CountingStack:
     return fast.stack
 
 
-def decode(model, cache_cls=kv_cache.GrowingCache, n=12, seed=0, prompt=9, **kw):
-    """Logits of a prompt and n greedy one-token steps (kw: extra forward arguments)."""
-    ids = torch.randint(0, VOCAB, (1, prompt), generator=torch.Generator().manual_seed(seed))
-    cache = cache_cls(config=model.config)
-    logits = []
-    with torch.no_grad():
-        out = model(ids, past_key_values=cache, use_cache=True)
-        logits.append(out.logits)
-        for _ in range(n):
-            tok = out.logits[:, -1:].argmax(-1)
-            out = model(tok, past_key_values=cache, use_cache=True, **kw)
-            logits.append(out.logits)
-    return logits
+def decode(model, cache_cls=kv_cache.GrowingCache, **kw):
+    """Logits of a prompt and greedy one-token steps on a GrowingCache by default
+    (hf_models.greedy_logits)."""
+    return greedy_logits(model, cache_cls, **kw)
 
 
 def paths(model, on_model, on_layers):
