@@ -63,7 +63,9 @@ int main(int argc, char** argv) {
   ReadBandwidth bw(static_cast<size_t>(gib * (1ull << 30)), threads);
   DnnlMatmul peer(1024);
   peer.run();  // warm-up: primitive creation, page faults
-  std::vector<double> r_bw, r_fma, r_fma_ymm, r_bf16, r_vnni, r_madd, r_madd_ymm, r_amx_bf16, r_amx_data, r_amx_l1, r_amx_l2, r_amx_int8, r_dnnl;
+  std::vector<double> r_bw, r_fma, r_fma_ymm, r_bf16, r_vnni, r_madd, r_madd_ymm, r_amx_bf16, r_amx_data, r_amx_l1, r_amx_l2, r_amx_stream, r_amx_stream_bw, r_amx_stream1, r_amx_stream1_bw, r_amx_int8, r_dnnl;
+  const std::vector<int> cpus = allowed_cpus(threads);
+  std::vector<std::vector<double>> r_amx_core(cpus.size());
   for (int r = 0; r < reps; ++r) {  // interleaved, so drift hits every figure alike
     r_bw.push_back(bw.measure(2));
     r_fma.push_back(peak_fma_f32(threads));
@@ -76,6 +78,12 @@ int main(int argc, char** argv) {
     r_amx_data.push_back(peak_tdpbf16ps_data(threads));
     r_amx_l1.push_back(peak_tdpbf16ps_loaded(threads, 16 << 10));
     r_amx_l2.push_back(peak_tdpbf16ps_loaded(threads, 256 << 10));
+    double stream_gbps = 0;
+    r_amx_stream1.push_back(peak_tdpbf16ps_streaming(threads, 16 << 10, bw, 8, &stream_gbps));
+    r_amx_stream1_bw.push_back(stream_gbps);
+    r_amx_stream.push_back(peak_tdpbf16ps_streaming(threads, 256 << 10, bw, 8, &stream_gbps));
+    r_amx_stream_bw.push_back(stream_gbps);
+    for (size_t c = 0; c < cpus.size(); ++c) r_amx_core[c].push_back(peak_tdpbf16ps_loaded_on(cpus[c], 16 << 10));
     r_amx_int8.push_back(peak_tdpbsud(threads));
     r_dnnl.push_back(peer.run());
   }
@@ -95,6 +103,16 @@ int main(int argc, char** argv) {
   row("AMX tdpbf16ps, random operands", "GFLOP/s", r_amx_data);
   row("AMX tdpbf16ps, tiles from 16 KB (L1)", "GFLOP/s", r_amx_l1);
   row("AMX tdpbf16ps, tiles from 256 KB (L2)", "GFLOP/s", r_amx_l2);
+  // A prefill kernel's ceilings: every weight byte read from memory once (8 lines per
+  // step: bf16 weights at 128 token rows per expert) while the tiles work from L1 / L2.
+  row("AMX tdpbf16ps, L1 + 8 lines/step of DRAM", "GFLOP/s", r_amx_stream1);
+  row("  ... its weight stream", "GB/s", r_amx_stream1_bw);
+  row("AMX tdpbf16ps, L2 + 8 lines/step of DRAM", "GFLOP/s", r_amx_stream);
+  row("  ... its weight stream", "GB/s", r_amx_stream_bw);
+  for (size_t c = 0; c < cpus.size(); ++c) {
+    const std::string name = "AMX tiles from L1, 1 thread on cpu " + std::to_string(cpus[c]);
+    row(name.c_str(), "GFLOP/s", r_amx_core[c]);
+  }
   row("peak AMX tdpbsud (int8)", "GOP/s", r_amx_int8);
   row("peer: oneDNN bf16 matmul 1024^3", "GFLOP/s", r_dnnl);
   // oneDNN picks AMX where the CPU has it: compare it with the best bf16 instruction.

@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include <omp.h>
+#include <sched.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -146,6 +147,42 @@ void tdpbf16ps_loaded_loop(long iters, size_t bytes);
 double peak_tdpbf16ps_loaded(int threads, size_t bytes) {
   if (!cpu_features().amx_bf16) return 0;
   return peak(threads, 4.0 * 16 * 16 * 32 * 2, [bytes](long n) { tdpbf16ps_loaded_loop(n, bytes); });
+}
+
+void tdpbf16ps_stream_loop(long iters, size_t bytes, const char* stream, size_t stream_bytes, int lines);
+
+double peak_tdpbf16ps_streaming(int threads, size_t bytes, const ReadBandwidth& stream, int lines, double* gbps) {
+  *gbps = 0;
+  if (!cpu_features().amx_bf16) return 0;
+  const size_t slice = (stream.bytes() / threads) & ~size_t(4095);
+  const double flop_per_step = 4.0 * 16 * 16 * 32 * 2;
+  const double gflops = peak(threads, flop_per_step, [&](long n) {
+    tdpbf16ps_stream_loop(n, bytes, stream.data() + omp_get_thread_num() * slice, slice, lines);
+  });
+  *gbps = gflops / flop_per_step * lines * 64;
+  return gflops;
+}
+
+std::vector<int> allowed_cpus(int limit) {
+  std::vector<int> cpus;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) != 0) return cpus;
+  for (int c = 0; c < CPU_SETSIZE && static_cast<int>(cpus.size()) < limit; ++c)
+    if (CPU_ISSET(c, &set)) cpus.push_back(c);
+  return cpus;
+}
+
+double peak_tdpbf16ps_loaded_on(int cpu, size_t bytes) {
+  if (!cpu_features().amx_bf16) return 0;
+  cpu_set_t old, one;
+  if (sched_getaffinity(0, sizeof(old), &old) != 0) return 0;
+  CPU_ZERO(&one);
+  CPU_SET(cpu, &one);
+  if (sched_setaffinity(0, sizeof(one), &one) != 0) return 0;
+  const double r = peak(1, 4.0 * 16 * 16 * 32 * 2, [bytes](long n) { tdpbf16ps_loaded_loop(n, bytes); });
+  sched_setaffinity(0, sizeof(old), &old);
+  return r;
 }
 
 double peak_tdpbsud(int threads) {

@@ -23,6 +23,7 @@ class ReadBandwidth {
   ~ReadBandwidth();
   double measure(int passes = 3);
   size_t bytes() const { return bytes_; }
+  const char* data() const { return static_cast<const char*>(buf_); }
 
  private:
   size_t bytes_;
@@ -45,6 +46,20 @@ double peak_tdpbf16ps_data(int threads);  // the same, random bf16 operands inst
 double peak_tdpbf16ps_loaded(int threads, size_t bytes);  // the same 2 x 2 step, its 4 tiles loaded
                                                           // from a footprint of `bytes` per thread
 double peak_tdpbsud(int threads);     // AMX tdpbsud, 16x16x64: 32768 OP/instruction
+// The 2 x 2 step with its tiles from `bytes` per thread (16 KB: L1, 256 KB: L2, at most
+// 256 KB) while each thread also prefetches `lines`
+// cache lines per step of its slice of `stream` into L2: a prefill kernel's ceiling when
+// its weights come from memory once (8 lines per step is what bf16 weights need at 128
+// token rows per expert, and int8 ones at 256). Returns GFLOP/s; *gbps gets the stream's
+// GB/s at that rate.
+double peak_tdpbf16ps_streaming(int threads, size_t bytes, const ReadBandwidth& stream, int lines, double* gbps);
+// peak_tdpbf16ps_loaded on one thread pinned to `cpu`: a per-core figure, for hosts whose
+// cores differ (a virtual machine's cores may share their tile unit or caches with other
+// guests, and then run their tile loads several times slower than their neighbour).
+// Returns 0 when the thread cannot be pinned there.
+double peak_tdpbf16ps_loaded_on(int cpu, size_t bytes);
+// The CPUs this process may run on, in order (at most `limit`).
+std::vector<int> allowed_cpus(int limit);
 // The peak of `insn` (bench/peak.h: the one a kernel variant runs); 0 for
 // PeakInsn::none or an instruction this CPU lacks.
 double measure_peak(PeakInsn insn, int threads);

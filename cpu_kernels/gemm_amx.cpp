@@ -18,7 +18,8 @@
 //   else 512 to 1024 k; INT4 256 k: block_steps_for):
 //   the chunk's A rows of the block are packed tile by tile
 //   (pack_a: 1 KB tiles, no cache-set conflicts from power-of-two row strides, rows past
-//   m zero), then for each panel of the group, each half of the panel (its B tiles of
+//   m zero), unless the caller passed its rows in that order already (a_tiles, from
+//   pack_row_tiles: the engine packs each expert's rows once for all its calls), then for each panel of the group, each half of the panel (its B tiles of
 //   the block stay in L1, or in L2 for the longer blocks), each row pair: the
 //   accumulators are loaded, the block's steps run, the accumulators are stored (INT4:
 //   per group, zeroed, stored, then scaled as above);
@@ -159,6 +160,7 @@ struct Rows {
   const char* a = nullptr;
   size_t ld = 0;
   int m = 0;
+  const char* tiles = nullptr;  // the same rows in the order of pack_row_tiles, or null
   int blocks() const { return (m + kTileRows - 1) / kTileRows; }
 };
 
@@ -185,18 +187,18 @@ void pack_a(const Rows& in, int b0, int b1, size_t off, int steps, int a_bytes, 
     }
 }
 
-// Every pair and both halves of a chunk's `nb` packed row blocks (each `steps` steps
-// long) against B at b.
+// Every pair and both halves of a chunk's `nb` packed row blocks (`rbs` bytes apart, the
+// block's `steps` steps from a) against B at b.
 template <class Dot>
-void run_rows(const char* a, int nb, int steps, int a_bytes, const char* b, size_t b_step, char* c, bool first,
-              Prefetch& pf) {
+void run_rows(const char* a, size_t rbs, int nb, int steps, int a_bytes, const char* b, size_t b_step, char* c,
+              bool first, Prefetch& pf) {
   const size_t tile = static_cast<size_t>(kTileRows) * a_bytes;
   // Halves outside, pairs inside: a half's B tiles of the block stay in L1 (in L2 for the
   // longer blocks) while every pair's A tiles stream from L2.
   for (int h = 0; h < 2; ++h)
     for (int bi = 0; bi < nb; bi += 2) {
-      const char* a0 = a + static_cast<size_t>(bi) * steps * tile;
-      const char* a1 = bi + 1 < nb ? a0 + static_cast<size_t>(steps) * tile : nullptr;
+      const char* a0 = a + static_cast<size_t>(bi) * rbs;
+      const char* a1 = bi + 1 < nb ? a0 + rbs : nullptr;
       char* cb = c + static_cast<size_t>(bi) * kTileRows * kAccLd * 4 + 128 * h;
       pair_half<Dot>(a0, a1, a_bytes, tile, b + 128 * h, b_step, steps, cb, first, pf);
     }
@@ -208,8 +210,10 @@ void run_rows(const char* a, int nb, int steps, int a_bytes, const char* b, size
 //   a_steps(kb), a_off(kb)   the block's steps, and where its k starts in an A row (bytes)
 //   block_data(panel, kb), block_bytes(kb)   the panel bytes the block reads (prefetch)
 //   begin(acc, rows)         before a panel's first block
-//   run_block(a, nb, r0, rows, panel, kb, acc, pf)   the block's products for nb packed
-//                            row blocks, the chunk's rows [r0, r0 + rows) of them real
+//   run_block(a, rbs, nb, r0, rows, panel, kb, acc, pf)   the block's products for nb
+//                            row blocks of A in tile order (the block's first step at a,
+//                            row blocks rbs bytes apart), the chunk's rows [r0, r0 + rows)
+//                            of them real
 //   finish(panel, acc, r0, rows)             after its last: acc becomes fp32 results
 // acc: one panel's accumulators for the chunk's rows, row stride kAccLd.
 
@@ -232,9 +236,9 @@ struct DirectFmt {
   }
   size_t block_bytes(int kb) const { return a_steps(kb) * step_bytes + (kb + 1 == blocks() ? tail_bytes : 0); }
   void begin(float*, int) {}
-  void run_block(const char* a, int nb, int, int, const std::byte* panel, int kb, float* acc, Prefetch& pf) {
-    run_rows<Dot>(a, nb, a_steps(kb), a_bytes, block_data(panel, kb), step_bytes, reinterpret_cast<char*>(acc), kb == 0,
-                  pf);
+  void run_block(const char* a, size_t rbs, int nb, int, int, const std::byte* panel, int kb, float* acc, Prefetch& pf) {
+    run_rows<Dot>(a, rbs, nb, a_steps(kb), a_bytes, block_data(panel, kb), step_bytes, reinterpret_cast<char*>(acc),
+                  kb == 0, pf);
   }
 };
 
@@ -336,8 +340,9 @@ struct Int4Fmt {
   // and half: up to kPassGroups groups' tile products into their own sums, then one pass
   // adds them into the fp32 results (each result loaded and stored once per pass, not per
   // group), while they are in L1.
-  void run_block(const char* a, int nb, int, int rows, const std::byte* panel, int kb, float* acc, Prefetch& pf) {
-    const int g0 = kb * groups_per_block, ng = groups(kb), steps = w->group / a_bytes, a_steps_kb = a_steps(kb);
+  void run_block(const char* a, size_t rbs, int nb, int, int rows, const std::byte* panel, int kb, float* acc,
+                 Prefetch& pf) {
+    const int g0 = kb * groups_per_block, ng = groups(kb), steps = w->group / a_bytes;
     const size_t group_unpacked = static_cast<size_t>(w->group) * kPanel;
     const size_t tile = static_cast<size_t>(kTileRows) * a_bytes;
     const size_t b_step = static_cast<size_t>(a_bytes / 4) * kRowBytes;
@@ -346,8 +351,8 @@ struct Int4Fmt {
     for (int i = 0; i < ng; ++i) unpack(int4_group(*w, panel, g0 + i), unpacked + i * group_unpacked, scales + 4 * i);
     for (int h = 0; h < 2; ++h)
       for (int bi = 0; bi < nb; bi += 2) {
-        const char* a0 = a + static_cast<size_t>(bi) * a_steps_kb * tile;
-        const char* a1 = bi + 1 < nb ? a0 + static_cast<size_t>(a_steps_kb) * tile : nullptr;
+        const char* a0 = a + static_cast<size_t>(bi) * rbs;
+        const char* a1 = bi + 1 < nb ? a0 + rbs : nullptr;
         const int r_end = std::min(rows, (bi + 2) * kTileRows);  // rows past m: padding, dropped
         for (int p0 = 0; p0 < ng; p0 += kPassGroups) {
           const int pn = std::min(kPassGroups, ng - p0);
@@ -386,9 +391,10 @@ void amx_run(Fmt& f, const Rows& in, int slots, PanelAt panel, Out out) {
   const int group = std::min(slots, std::max(2, static_cast<int>(kAccBytes / (stride * sizeof(float))) & ~1));
   thread_local AlignedBuffer acc_buf, a_buf;
   float* acc = grow<float>(acc_buf, stride * group);
-  int max_steps = 0;
-  for (int kb = 0; kb < kblocks; ++kb) max_steps = std::max(max_steps, f.a_steps(kb));
-  char* a = grow<char>(a_buf, static_cast<size_t>(chunk_blocks) * max_steps * kTileRows * f.a_bytes);
+  const size_t tile = static_cast<size_t>(kTileRows) * f.a_bytes;
+  int max_steps = 0, all_steps = 0;
+  for (int kb = 0; kb < kblocks; ++kb) max_steps = std::max(max_steps, f.a_steps(kb)), all_steps += f.a_steps(kb);
+  char* a = in.tiles ? nullptr : grow<char>(a_buf, static_cast<size_t>(chunk_blocks) * max_steps * tile);
   amx::configure_2x2(f.a_bytes);
   for (int s0 = 0; s0 < slots; s0 += group) {
     const int ns = std::min(group, slots - s0);
@@ -397,14 +403,23 @@ void amx_run(Fmt& f, const Rows& in, int slots, PanelAt panel, Out out) {
       const int r0 = c0 * kTileRows, rows = std::min(in.m, c1 * kTileRows) - r0;
       for (int i = 0; i < ns; ++i) f.begin(acc + i * stride, nb * kTileRows);
       for (int kb = 0; kb < kblocks; ++kb) {
-        pack_a(in, c0, c1, f.a_off(kb), f.a_steps(kb), f.a_bytes, a);
+        // The block's A: from the caller's tiles (every step of a row block in a row), or
+        // packed here for this chunk and block.
+        const char* ab = a;
+        size_t rbs = static_cast<size_t>(f.a_steps(kb)) * tile;
+        if (in.tiles) {
+          rbs = static_cast<size_t>(all_steps) * tile;
+          ab = in.tiles + c0 * rbs + f.a_off(kb) / f.a_bytes * tile;
+        } else {
+          pack_a(in, c0, c1, f.a_off(kb), f.a_steps(kb), f.a_bytes, a);
+        }
         for (int i = 0; i < ns; ++i) {
           Prefetch pf;  // the next block in this order, spread over this one's products
           const int work = 2 * ((nb + 1) / 2) * f.a_steps(kb);
           if (i + 1 < ns) pf.set(f.block_data(panel(s0 + i + 1), kb), f.block_bytes(kb), work);
           else if (kb + 1 < kblocks) pf.set(f.block_data(panel(s0), kb + 1), f.block_bytes(kb + 1), work);
           else if (s0 + ns < slots && c1 == nblocks) pf.set(f.block_data(panel(s0 + ns), 0), f.block_bytes(0), work);
-          f.run_block(a, nb, r0, rows, panel(s0 + i), kb, acc + i * stride, pf);
+          f.run_block(ab, rbs, nb, r0, rows, panel(s0 + i), kb, acc + i * stride, pf);
         }
       }
       for (int i = 0; i < ns; ++i) {
@@ -435,19 +450,25 @@ void amx_call(Fmt& f, const Rows& in, const PackedWeight& w, const Args& g, cons
   }
 }
 
+// The caller's input in tile order (pack_row_tiles), when it gave one.
+template <class Args>
+const char* tiles_of(const Args& g) {
+  return reinterpret_cast<const char*>(g.a_tiles);
+}
+
 template <class Args>
 void bf16_call(const PackedWeight& w, const Args& g) {
   int lda;
   const bf16_t* a = bf16_input(g, w.k, lda);  // a_f32 rounded to bf16 first
   Bf16Fmt f(w.k, g.m);
-  amx_call(f, {reinterpret_cast<const char*>(a), static_cast<size_t>(lda) * 2, g.m}, w, g, nullptr);
+  amx_call(f, {reinterpret_cast<const char*>(a), static_cast<size_t>(lda) * 2, g.m, tiles_of(g)}, w, g, nullptr);
 }
 
 template <class Args>
 void int8_call(const PackedWeight& w, const Args& g) {
   const QuantInput in = quantize_input(w, g);
   Int8Fmt f(w, in, g.m);
-  amx_call(f, {reinterpret_cast<const char*>(in.q), static_cast<size_t>(in.ldq), g.m}, w, g, in.scale);
+  amx_call(f, {reinterpret_cast<const char*>(in.q), static_cast<size_t>(in.ldq), g.m, tiles_of(g)}, w, g, in.scale);
 }
 
 template <class Args>
@@ -460,7 +481,8 @@ void int4_call(const PackedWeight& w, const Args& g) {
   f.groups_per_block = std::max(1, 256 / w.group);  // 256 k per block: 8 KB of the panel
   f.acc32 = grow<int32_t>(acc32, static_cast<size_t>(Int4Fmt::kPassGroups) * 32 * 32);
   f.unpacked = grow<int8_t>(unpacked, static_cast<size_t>(f.groups_per_block) * w.group * kPanel);
-  amx_call(f, {reinterpret_cast<const char*>(in.q), static_cast<size_t>(in.ldq), g.m}, w, g, in.scale);
+  amx_call(f, {reinterpret_cast<const char*>(in.q), static_cast<size_t>(in.ldq), g.m, f.a_bytes == 64 ? tiles_of(g) : nullptr},
+           w, g, in.scale);
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 // points. No ISA flags here: the wide code lives in the per-ISA files and is only
 // reached through a line whose features the hardware was checked for.
 #include <cmath>
+#include <cstring>
 #include "tandem/kernels.h"
 
 #include <span>
@@ -44,7 +45,8 @@ using enum Feature;
 #undef TANDEM_ISA
 }  // namespace isa_features
 
-#define TANDEM_ENTRY_GEMM(fmt, isa, name) KernelVariant{name, gemm_##fmt##_##isa, gate_up_##fmt##_##isa}, nullptr, nullptr, nullptr
+#define TANDEM_ENTRY_GEMM(fmt, isa, name) \
+  KernelVariant{name, gemm_##fmt##_##isa, gate_up_##fmt##_##isa, std::string_view(#isa) == "amx"}, nullptr, nullptr, nullptr
 #define TANDEM_ENTRY_bf16(isa, name) TANDEM_ENTRY_GEMM(bf16, isa, name)
 #define TANDEM_ENTRY_int8(isa, name) TANDEM_ENTRY_GEMM(int8, isa, name)
 #define TANDEM_ENTRY_int4(isa, name) TANDEM_ENTRY_GEMM(int4, isa, name)
@@ -187,6 +189,35 @@ void check_input(const char* op, const PackedWeight& w, const Args& g) {
 }
 
 }  // namespace
+
+size_t row_tile_row_bytes(const PackedWeight& w) {
+  return w.format == WeightFormat::bf16 ? 2 * static_cast<size_t>(w.k) : static_cast<size_t>(w.k_pad);
+}
+
+size_t row_tiles_bytes(int m, size_t row_bytes) { return static_cast<size_t>((m + 15) / 16) * 16 * row_bytes; }
+
+void pack_row_tiles(const void* a, size_t lda_bytes, int m, size_t row_bytes, std::byte* out) {
+  TANDEM_CHECK(row_bytes % 64 == 0, Errc::invalid_argument, "pack_row_tiles: a row of ", row_bytes,
+               " bytes is not a whole number of 64-byte steps");
+  const size_t steps = row_bytes / 64, tile = 16 * 64;
+  const auto* src = static_cast<const std::byte*>(a);
+  for (int r = 0; r < (m + 15) / 16 * 16; ++r) {
+    std::byte* dst = out + static_cast<size_t>(r / 16) * steps * tile + static_cast<size_t>(r % 16) * 64;
+    if (r >= m) {
+      for (size_t s = 0; s < steps; ++s) std::memset(dst + s * tile, 0, 64);
+      continue;
+    }
+    const std::byte* row = src + static_cast<size_t>(r) * lda_bytes;
+    for (size_t s = 0; s < steps; ++s) std::memcpy(dst + s * tile, row + s * 64, 64);
+  }
+}
+
+bool takes_row_tiles(const KernelVariant& v, const PackedWeight& w) {
+  if (!v.row_tiles) return false;
+  if (w.format == WeightFormat::bf16) return w.k % 32 == 0;
+  if (w.format == WeightFormat::int4) return w.group >= 64;
+  return true;
+}
 
 void QuantizedActs::prepare(const PackedWeight& w, int rows) {
   TANDEM_CHECK(w.format != WeightFormat::bf16, Errc::invalid_argument,

@@ -293,8 +293,9 @@ Args product_args(const PackedWeight& w, int m, int begin, int end, const bf16_t
 }  // namespace
 
 void run_gemm(const KernelTable& kt, const PackedWeight& w, int m, int begin, int end, const bf16_t* a,
-              const QuantizedActs* qa, int lda, float* c, int ldc) {
+              const QuantizedActs* qa, int lda, float* c, int ldc, const std::byte* a_tiles) {
   GemmArgs g = product_args<GemmArgs>(w, m, begin, end, a, qa, lda);
+  g.a_tiles = a_tiles;
   g.c = c;
   g.ldc = ldc;
   kt.of(w.format).pick(m).gemm(w, g);
@@ -302,8 +303,9 @@ void run_gemm(const KernelTable& kt, const PackedWeight& w, int m, int begin, in
 
 void run_gate_up(const KernelTable& kt, const PackedWeight& w, int m, int begin, int end, const bf16_t* a,
                  const QuantizedActs* qa, int lda, bf16_t* h, int ldh, const GateAct& act, const float* gate_bias,
-                 const float* up_bias) {
+                 const float* up_bias, const std::byte* a_tiles) {
   GateUpArgs g = product_args<GateUpArgs>(w, m, begin, end, a, qa, lda);
+  g.a_tiles = a_tiles;
   g.h_bf16 = h;
   g.ldh = ldh;
   g.act = act;
@@ -395,7 +397,7 @@ int ExpertForward::items(int phase, int s) {
       gu_runs_[s] = WorkRuns::plan(n, 1, (len + kPanel - 1) / kPanel, 2 * P.gate_up(s, active[0]).panel_stride, threads_[s],
                                    WorkRuns::input_bytes(P.gate_up(s, active[0]), total_rows, n));
       return gu_runs_[s].items(n);
-    case kAct: return quant && len ? n : 0;
+    case kAct: return (quant || sc.tiles_mid[s].any()) && len ? n : 0;
     case kDown:
       if (!len || !n) return 0;
       dn_runs_[s] = WorkRuns::plan(n, 1, (P.shape().hidden + kPanel - 1) / kPanel, P.down(s, active[0]).panel_stride,
@@ -429,11 +431,19 @@ void ExpertForward::prepare() {
     row_expert_.resize(total_rows);
     for (int i = 0; i < n; ++i) std::fill_n(row_expert_.begin() + offset[i], count[i], active[i]);
   }
+  // Inputs in the AMX kernels' tile order, for the experts whose kernel takes them.
+  const FormatKernels& fk = kt.of(P.format().format);
+  sc.tiles_in.at.clear();
+  if (n > 0)
+    sc.tiles_in.plan(n, count, row_tile_row_bytes(P.gate_up_layout(active[0])),
+                     [&](int i) { return takes_row_tiles(fk.pick(count[i]), P.gate_up_layout(active[i])); });
   sc.h.resize(S);
   sc.y.resize(S);
   sc.qmid.resize(S);
+  sc.tiles_mid.resize(S);
   ys_.assign(S, nullptr);
   for (int s = 0; s < S; ++s) {
+    sc.tiles_mid[s].at.clear();
     if (!P.len(s)) continue;
     sc.h[s].get(static_cast<size_t>(total_rows) * P.len(s));
     ys_[s] = sc.y[s].get(static_cast<size_t>(total_rows) * P.shape().hidden);
@@ -441,6 +451,9 @@ void ExpertForward::prepare() {
       sc.qmid[s].resize(n);
       for (int i = 0; i < n; ++i) sc.qmid[s][i].prepare(P.down(s, active[i]), count[i]);
     }
+    if (n > 0)
+      sc.tiles_mid[s].plan(n, count, row_tile_row_bytes(P.down(s, active[0])),
+                           [&](int i) { return takes_row_tiles(fk.pick(count[i]), P.down(s, active[i])); });
   }
 }
 
@@ -457,8 +470,12 @@ void ExpertForward::run(int phase, int s, int item, int) {
     }
     case kGather: {
       const int i = s + item * P.subpools();
-      gather_rows(in_, *this, i, 0, count[i], H, quant ? nullptr : sc.xg.data() + size_t(offset[i]) * H,
-                  quant ? &sc.qin[i] : nullptr, kt, quantize_tokens() ? &sc.qtok : nullptr);
+      bf16_t* xg = quant ? nullptr : sc.xg.data() + size_t(offset[i]) * H;
+      gather_rows(in_, *this, i, 0, count[i], H, xg, quant ? &sc.qin[i] : nullptr, kt, quantize_tokens() ? &sc.qtok : nullptr);
+      if (quant)
+        sc.tiles_in.pack(i, sc.qin[i].q.data(), sc.qin[i].k_pad, count[i]);
+      else
+        sc.tiles_in.pack(i, xg, sizeof(bf16_t) * H, count[i]);
       break;
     }
     case kGateUp: {
@@ -466,16 +483,25 @@ void ExpertForward::run(int phase, int s, int item, int) {
       run_gate_up(kt, P.gate_up(s, active[it.i]), count[it.i], it.begin, it.end,
                   quant ? nullptr : sc.xg.data() + size_t(offset[it.i]) * H,
                   quant ? &sc.qin[it.i] : nullptr, H, sc.h[s].data() + size_t(offset[it.i]) * len, len, P.shape().act,
-                  P.gate_bias(s, active[it.i]), P.up_bias(s, active[it.i]));
+                  P.gate_bias(s, active[it.i]), P.up_bias(s, active[it.i]), sc.tiles_in.of(it.i));
       break;
     }
-    case kAct:
-      quantize_activations(sc.qmid[s][item], sc.h[s].data() + size_t(offset[item]) * len, len, 0, count[item], &kt);
+    case kAct: {
+      const bf16_t* h = sc.h[s].data() + size_t(offset[item]) * len;
+      if (quant) {
+        QuantizedActs& q = sc.qmid[s][item];
+        quantize_activations(q, h, len, 0, count[item], &kt);
+        sc.tiles_mid[s].pack(item, q.q.data(), q.k_pad, count[item]);
+      } else {
+        sc.tiles_mid[s].pack(item, h, sizeof(bf16_t) * len, count[item]);
+      }
       break;
+    }
     case kDown: {
       const auto it = dn_runs_[s].item(item);
       run_gemm(kt, P.down(s, active[it.i]), count[it.i], it.begin, it.end, sc.h[s].data() + size_t(offset[it.i]) * len,
-               quant ? &sc.qmid[s][it.i] : nullptr, len, sc.y[s].data() + size_t(offset[it.i]) * H, H);
+               quant ? &sc.qmid[s][it.i] : nullptr, len, sc.y[s].data() + size_t(offset[it.i]) * H, H,
+               sc.tiles_mid[s].of(it.i));
       break;
     }
     case kMerge: {

@@ -127,9 +127,10 @@ bool finite_bf16(const PackedWeight& p);
 struct WorkRuns {
   static constexpr size_t kItemBytes = 512 << 10;
   // An item holds at least kInputReuse times what a call reads of its expert's input rows
-  // (input_bytes, their mean over the active experts): the AMX kernels pack those rows
-  // into tiles on every call, so at prefill sizes (128 rows of 4096 bf16: 1 MB) items of
-  // kItemBytes would spend as much on the rows as on the weights.
+  // (input_bytes, their mean over the active experts): an AMX call streams all of those
+  // rows through its tiles (and packs them into tile order first, where the caller has not:
+  // the forward's RowTiles do it once per expert), so at prefill sizes (128 rows of 4096
+  // bf16: 1 MB) items of kItemBytes would spend as much on the rows as on the weights.
   static constexpr size_t kInputReuse = 4;
   int panels = 0, chunk = 1, per = 1, weights = 1;  // per = ceil(panels / chunk)
   // n active experts, `weights` weights of `panels` panels of panel_bytes each per expert.
@@ -163,13 +164,14 @@ void quantize_token_rows(const MoeInput& in, int t0, int t1, int hidden, Quantiz
 
 // c (ldc) = the rows of active expert i (a, lda: their bf16 rows, or qa) . w^T over
 // panels [begin, end).
+// a_tiles (optional): the same rows in tile order (kernels.h, GemmArgs::a_tiles).
 void run_gemm(const KernelTable& kt, const PackedWeight& w, int m, int begin, int end, const bf16_t* a,
-              const QuantizedActs* qa, int lda, float* c, int ldc);
+              const QuantizedActs* qa, int lda, float* c, int ldc, const std::byte* a_tiles = nullptr);
 // h (ldh, bf16) = silu(a . Wg^T) * (a . Wu^T) over gate panels [begin, end) of a fused pack
 // (or act's activation, biases added first when given: kernels.h, GateUpArgs).
 void run_gate_up(const KernelTable& kt, const PackedWeight& w, int m, int begin, int end, const bf16_t* a,
                  const QuantizedActs* qa, int lda, bf16_t* h, int ldh, const GateAct& act = {},
-                 const float* gate_bias = nullptr, const float* up_bias = nullptr);
+                 const float* gate_bias = nullptr, const float* up_bias = nullptr, const std::byte* a_tiles = nullptr);
 
 // out[t, j0:j1] (+)= sum_k w[t, k] * (sum_s y_s[r, j0:j1] + bias[row_expert[r], j0:j1]),
 // r = slot_row[t, k] (w null: 1; bias null: none; bias is [experts x hidden]), the slots
@@ -182,6 +184,39 @@ void merge_block(float* out, bool accumulate, int t, int top_k, const int* slot_
                  const int* row_expert = nullptr);
 
 // Scratch of the inference forward, kept by its owner between calls.
+// One phase's inputs in the AMX kernels' tile order (kernels.h: pack_row_tiles), packed
+// once per active expert for all the work items of that expert, for the experts whose
+// kernel at their row count takes them (takes_row_tiles).
+struct RowTiles {
+  static constexpr size_t kNone = ~size_t(0);
+  AlignedBuffer buf;
+  std::vector<size_t> at;  // per active expert: its offset in buf, or kNone
+  size_t row_bytes = 0;
+  // Expert i (of n, rows[i] rows of row_bytes) gets a place when wants(i).
+  template <class Wants>
+  void plan(int n, const std::vector<int>& rows, size_t bytes_per_row, Wants wants) {
+    row_bytes = bytes_per_row;
+    at.assign(n, kNone);
+    size_t total = 0;
+    for (int i = 0; i < n; ++i)
+      if (wants(i)) {
+        at[i] = total;
+        total += (row_tiles_bytes(rows[i], row_bytes) + 63) / 64 * 64;
+      }
+    if (total > buf.size) buf = AlignedBuffer::allocate(total);
+  }
+  bool any() const {
+    for (size_t a : at)
+      if (a != kNone) return true;
+    return false;
+  }
+  std::byte* of(int i) const { return i < static_cast<int>(at.size()) && at[i] != kNone ? buf.data() + at[i] : nullptr; }
+  // Packs expert i's m rows (lda_bytes apart) when it has a place.
+  void pack(int i, const void* rows, size_t lda_bytes, int m) const {
+    if (std::byte* out = of(i)) pack_row_tiles(rows, lda_bytes, m, row_bytes, out);
+  }
+};
+
 struct ForwardScratch {
   Scratch<bf16_t> xg;                          // gathered input rows (bf16 weights)
   QuantizedActs qtok;                          // per token, quantized once (integer weights)
@@ -189,6 +224,8 @@ struct ForwardScratch {
   std::vector<Scratch<bf16_t>> h;              // per subpool: [rows x slice]
   std::vector<std::vector<QuantizedActs>> qmid;  // per subpool, per active expert
   std::vector<Scratch<float>> y;               // per subpool: [rows x hidden]
+  RowTiles tiles_in;                           // the gate_up input (xg or qin) in tile order
+  std::vector<RowTiles> tiles_mid;             // per subpool: the down input (h or qmid) in tile order
 };
 
 // The inference forward of one layer's experts (fused gate/up packs) as a pool task:

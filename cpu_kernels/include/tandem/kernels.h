@@ -351,6 +351,9 @@ struct GemmArgs {
   bool accumulate = false;    // C += instead of C =
   const float* row_scale = nullptr;  // optional [m]: C (+)= row_scale[r] * (A.W^T)[r]
   int panel_begin = 0, panel_end = -1;  // -1: all panels
+  // Optional: the same input (a, or qa's q) in the tile order of pack_row_tiles, for the
+  // variants with KernelVariant::row_tiles (others ignore it; a / qa stay required).
+  const std::byte* a_tiles = nullptr;
 };
 
 // The gate_up epilogue's activation of g = A . Wg^T (+ gate_bias) and u = A . Wu^T (+ up_bias):
@@ -382,6 +385,7 @@ struct GateUpArgs {
   // pack: gate_bias[j]); both or neither.
   const float* gate_bias = nullptr;
   const float* up_bias = nullptr;
+  const std::byte* a_tiles = nullptr;  // optional, as in GemmArgs
 };
 
 using GemmFn = void (*)(const PackedWeight& w, const GemmArgs& args);
@@ -405,7 +409,28 @@ struct KernelVariant {
   const char* name = nullptr;  // "avx512_bf16", "avx512_vnni", "amx_bf16", ...
   GemmFn gemm = nullptr;
   GateUpFn gate_up = nullptr;
+  bool row_tiles = false;  // reads GemmArgs::a_tiles when given (the AMX kernels)
 };
+
+// ---- inputs in the AMX kernels' tile order ------------------------------------------
+// The AMX kernels load their input A as tiles of 16 rows x 64 bytes. From plain rows
+// they copy each call's rows into that order first, per call (rows a power of two apart
+// would evict each other from L1 as tile rows). A caller that makes several calls on the
+// same rows (the MoE engine: every work item of one expert) packs them once instead and
+// passes the result as a_tiles: at 64-128 rows per expert that copy was 8-16% of the
+// AMX BF16 kernel's time (bench/RESULTS.md).
+// Layout: [block of 16 rows][64-byte step along the row][16 rows][64 bytes]; rows from m
+// up to the next multiple of 16 are zero.
+// The bytes of one input row as the kernels for w read it (bf16: 2k; int8 / int4: the
+// quantized row, k_pad).
+size_t row_tile_row_bytes(const PackedWeight& w);
+size_t row_tiles_bytes(int m, size_t row_bytes);
+// Packs m rows of row_bytes (a multiple of 64) each, lda_bytes apart, into out
+// (row_tiles_bytes(m, row_bytes) bytes, 64-byte aligned).
+void pack_row_tiles(const void* a, size_t lda_bytes, int m, size_t row_bytes, std::byte* out);
+// Whether v uses a_tiles for w (the AMX kernels, except BF16 with k % 32 != 0 and INT4 with
+// groups of 32, whose steps are not 64 bytes of a row).
+bool takes_row_tiles(const KernelVariant& v, const PackedWeight& w);
 
 // The kernels for one format at one ISA level: `small` below large_from_m token rows
 // (decode, bandwidth-bound), `large` from there on (prefill, compute-bound).
