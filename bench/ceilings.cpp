@@ -149,15 +149,15 @@ double peak_tdpbf16ps_loaded(int threads, size_t bytes) {
   return peak(threads, 4.0 * 16 * 16 * 32 * 2, [bytes](long n) { tdpbf16ps_loaded_loop(n, bytes); });
 }
 
-void tdpbf16ps_stream_loop(long iters, size_t bytes, const char* stream, size_t stream_bytes, int lines);
+void tdpbf16ps_stream_loop(long iters, bool b_from_l2, const char* stream, size_t stream_bytes, int lines);
 
-double peak_tdpbf16ps_streaming(int threads, size_t bytes, const ReadBandwidth& stream, int lines, double* gbps) {
+double peak_tdpbf16ps_streaming(int threads, bool b_from_l2, const ReadBandwidth& stream, int lines, double* gbps) {
   *gbps = 0;
   if (!cpu_features().amx_bf16) return 0;
   const size_t slice = (stream.bytes() / threads) & ~size_t(4095);
   const double flop_per_step = 4.0 * 16 * 16 * 32 * 2;
   const double gflops = peak(threads, flop_per_step, [&](long n) {
-    tdpbf16ps_stream_loop(n, bytes, stream.data() + omp_get_thread_num() * slice, slice, lines);
+    tdpbf16ps_stream_loop(n, b_from_l2, stream.data() + omp_get_thread_num() * slice, slice, lines);
   });
   *gbps = gflops / flop_per_step * lines * 64;
   return gflops;

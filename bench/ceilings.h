@@ -46,13 +46,13 @@ double peak_tdpbf16ps_data(int threads);  // the same, random bf16 operands inst
 double peak_tdpbf16ps_loaded(int threads, size_t bytes);  // the same 2 x 2 step, its 4 tiles loaded
                                                           // from a footprint of `bytes` per thread
 double peak_tdpbsud(int threads);     // AMX tdpbsud, 16x16x64: 32768 OP/instruction
-// The 2 x 2 step with its tiles from `bytes` per thread (16 KB: L1, 256 KB: L2, at most
-// 256 KB) while each thread also prefetches `lines`
-// cache lines per step of its slice of `stream` into L2: a prefill kernel's ceiling when
-// its weights come from memory once (8 lines per step is what bf16 weights need at 128
-// token rows per expert, and int8 ones at 256). Returns GFLOP/s; *gbps gets the stream's
-// GB/s at that rate.
-double peak_tdpbf16ps_streaming(int threads, size_t bytes, const ReadBandwidth& stream, int lines, double* gbps);
+// The 2 x 2 step while each thread also prefetches `lines` cache lines per step of its
+// slice of `stream` into L2: a prefill kernel's ceiling when its weights come from memory
+// once (8 lines per step is what bf16 weights need at 128 token rows per expert, and int8
+// ones at 256). b_from_l2 false: all tiles from L1 (an idealization); true: A from L1, B
+// from L2 at the packed weights' row stride (the AMX kernels' case). Returns GFLOP/s;
+// *gbps gets the stream's GB/s at that rate.
+double peak_tdpbf16ps_streaming(int threads, bool b_from_l2, const ReadBandwidth& stream, int lines, double* gbps);
 // peak_tdpbf16ps_loaded on one thread pinned to `cpu`: a per-core figure, for hosts whose
 // cores differ (a virtual machine's cores may share their tile unit or caches with other
 // guests, and then run their tile loads several times slower than their neighbour).

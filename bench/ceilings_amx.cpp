@@ -2,7 +2,6 @@
 // own 2 x 2 blocking (cpu_kernels/amx_tiles.h), four independent products per iteration.
 // Compiled with -mamx-tile -mamx-bf16 -mamx-int8; callers check cpu_features() (which also
 // requested the tile permission) first.
-#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -92,47 +91,59 @@ void tile_load_loop(long iters, size_t bytes) {
   }
   _tile_release();
 }
-// The step above (tiles from `bytes`: 16 KB, L1, or 256 KB, L2) while the thread also streams `lines` cache lines per step from its own
-// slice [stream, stream + bytes) of a DRAM-sized buffer into L2 (prefetcht1, as the kernels
-// stream the next block of weights): what a prefill kernel can reach when every weight
-// byte comes from memory once while the tile unit works on operands from L2.
-void tile_stream_loop(long iters, size_t bytes, const char* stream, size_t stream_bytes, int lines) {
+// The step above while the thread also streams `lines` cache lines per step from its own
+// slice [stream, stream + stream_bytes) of a DRAM-sized buffer into L2 (prefetcht1, as the
+// kernels stream the next block of weights): what a prefill kernel can reach when every
+// weight byte comes from memory once. `b_from_l2` false: all four tiles from 16 KB (L1), an
+// idealization no kernel with 8 tile registers reaches at prefill sizes; true: A from L1
+// and B from 256 KB (L2) at the packed weights' 256-byte row stride, the AMX kernels' own
+// case (a block of weights in L2, reused by every row pair).
+void tile_stream_loop(long iters, bool b_from_l2, const char* stream, size_t stream_bytes, int lines) {
   thread_local char* buf = nullptr;
-  constexpr size_t kMax = 256 << 10;
+  constexpr size_t kL1 = 16 << 10, kL2 = 256 << 10;
   if (!buf) {
-    buf = static_cast<char*>(std::aligned_alloc(4096, kMax));
-    std::memset(buf, 0, kMax);
+    buf = static_cast<char*>(std::aligned_alloc(4096, kL1 + kL2));
+    std::memset(buf, 0, kL1 + kL2);
   }
-  const size_t kBytes = std::min(bytes, kMax);
+  const char* b_l2 = buf + kL1;
   amx::configure_2x2(64);
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  const size_t steps = kBytes / 4096;
-  size_t s = 0;
+  size_t s = 0, sb = 0;
   const char* q = stream;
   const char* end = stream + stream_bytes - static_cast<size_t>(lines) * 64;
   for (long i = 0; i < iters; ++i) {
-    const char* p = buf + s * 4096;
-    _tile_loadd(4, p, 64);
-    _tile_loadd(5, p + 1024, 64);
-    _tile_loadd(6, p + 2048, 64);
-    _tile_loadd(7, p + 3072, 64);
+    if (b_from_l2) {
+      const char* a = buf + (s & 3) * 2048;
+      const char* b = b_l2 + sb * 4096;
+      _tile_loadd(4, a, 64);
+      _tile_loadd(5, a + 1024, 64);
+      _tile_loadd(6, b, 256);
+      _tile_loadd(7, b + 64, 256);
+      if (++sb == kL2 / 4096) sb = 0;
+    } else {
+      const char* p = buf + (s & 3) * 4096;
+      _tile_loadd(4, p, 64);
+      _tile_loadd(5, p + 1024, 64);
+      _tile_loadd(6, p + 2048, 64);
+      _tile_loadd(7, p + 3072, 64);
+    }
+    ++s;
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
     for (int j = 0; j < lines; ++j, q += 64) _mm_prefetch(q, _MM_HINT_T1);
     if (q > end) q = stream;
-    if (++s == steps) s = 0;
   }
   _tile_release();
 }
 }  // namespace
 
-void tdpbf16ps_stream_loop(long iters, size_t bytes, const char* stream, size_t stream_bytes, int lines) {
-  tile_stream_loop(iters, bytes, stream, stream_bytes, lines);
+void tdpbf16ps_stream_loop(long iters, bool b_from_l2, const char* stream, size_t stream_bytes, int lines) {
+  tile_stream_loop(iters, b_from_l2, stream, stream_bytes, lines);
 }
 
 // The 2 x 2 bf16 step with its tiles loaded from a footprint of `bytes` (a multiple of 4 KB).
