@@ -142,14 +142,10 @@ double peak_tdpbf16ps_data(int threads) {
   return peak(threads, 4.0 * 16 * 16 * 32 * 2, [](long n) { tdpbf16ps_data_loop(n); });
 }
 
-void tdpbf16ps_loaded_loop(long iters, size_t bytes);
-
 double peak_tdpbf16ps_loaded(int threads, size_t bytes) {
   if (!cpu_features().amx_bf16) return 0;
   return peak(threads, 4.0 * 16 * 16 * 32 * 2, [bytes](long n) { tdpbf16ps_loaded_loop(n, bytes); });
 }
-
-void tdpbf16ps_stream_loop(long iters, bool b_from_l2, const char* stream, size_t stream_bytes, int lines);
 
 double peak_tdpbf16ps_streaming(int threads, bool b_from_l2, const ReadBandwidth& stream, int lines, double* gbps) {
   *gbps = 0;

@@ -60,6 +60,13 @@ double peak_tdpbf16ps_streaming(int threads, bool b_from_l2, const ReadBandwidth
 double peak_tdpbf16ps_loaded_on(int cpu, size_t bytes);
 // The CPUs this process may run on, in order (at most `limit`).
 std::vector<int> allowed_cpus(int limit);
+
+// The AMX loops behind the figures above, on the calling thread, for benchmarks that time
+// short bursts themselves (bench_amx_gated): `iters` 2 x 2 steps (65536 FLOP each) with the
+// tiles from a footprint of `bytes`; and the same while streaming `lines` lines per step
+// of [stream, stream + stream_bytes) (b_from_l2 as in peak_tdpbf16ps_streaming).
+void tdpbf16ps_loaded_loop(long iters, size_t bytes);
+void tdpbf16ps_stream_loop(long iters, bool b_from_l2, const char* stream, size_t stream_bytes, int lines);
 // The peak of `insn` (bench/peak.h: the one a kernel variant runs); 0 for
 // PeakInsn::none or an instruction this CPU lacks.
 double measure_peak(PeakInsn insn, int threads);
