@@ -19,7 +19,8 @@
 //   the chunk's A rows of the block are packed tile by tile
 //   (pack_a: 1 KB tiles, no cache-set conflicts from power-of-two row strides, rows past
 //   m zero), unless the caller passed its rows in that order already (a_tiles, from
-//   pack_row_tiles: the engine packs each expert's rows once for all its calls), then for each panel of the group, each half of the panel (its B tiles of
+//   pack_row_tiles: the engine packs each expert's rows once for all its calls), then
+//   for each panel of the group, each half of the panel (its B tiles of
 //   the block stay in L1, or in L2 for the longer blocks), each row pair: the
 //   accumulators are loaded, the block's steps run, the accumulators are stored (INT4:
 //   per group, zeroed, stored, then scaled as above);
