@@ -460,6 +460,84 @@ TEST(MoeEngineApi, LayersQueueInOrder) {
   for (int j = 0; j < 64; ++j) EXPECT_FLOAT_EQ(out[j], 2 * once[j]);
 }
 
+TEST(MoeEngineApi, LayersOfOnePoolShareTheirScratchAndStayExact) {
+  // The layers of a pool share one forward scratch (moe.cpp): tasks queued back to back,
+  // of different shapes, formats and batch sizes, must each give the bits the same layer
+  // gives on a pool of its own.
+  const uint64_t seed = test::test_seed();
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  struct Spec {
+    MoeShape shape;
+    PackOptions fmt;
+  };
+  const Spec specs[2] = {{{8, 128, 96}, {WeightFormat::bf16}}, {{4, 64, 128}, {WeightFormat::int8}}};
+  std::vector<std::vector<float>> weights[2];
+  for (int l = 0; l < 2; ++l) {
+    const MoeShape& sh = specs[l].shape;
+    for (int e = 0; e < sh.experts; ++e)
+      for (int t = 0; t < 3; ++t) {
+        std::vector<float> w(static_cast<size_t>(sh.hidden) * sh.inter);
+        for (auto& v : w) v = 0.1f * nd(rng);
+        weights[l].push_back(std::move(w));
+      }
+  }
+  auto make = [&](Pool& pool, int l) {
+    const MoeShape& sh = specs[l].shape;
+    auto layer = std::make_unique<MoeLayer>(pool, sh, specs[l].fmt, l);
+    layer->load([&, l](int e) {
+      return test::f32_expert(weights[l][3 * e].data(), weights[l][3 * e + 1].data(), weights[l][3 * e + 2].data(), sh.hidden,
+                              sh.inter);
+    });
+    return layer;
+  };
+  struct Call {
+    int layer, tokens;
+    std::vector<bf16_t> x;
+    std::vector<int32_t> ids;
+    std::vector<float> w, out;
+  };
+  std::vector<Call> calls;
+  for (auto [l, tokens] : {std::pair{0, 150}, {1, 3}, {0, 5}, {1, 120}}) {
+    const MoeShape& sh = specs[l].shape;
+    Call c{l, tokens, {}, {}, {}, {}};
+    for (int i = 0; i < tokens * sh.hidden; ++i) c.x.push_back(fp32_to_bf16(nd(rng)));
+    for (int i = 0; i < tokens * 2; ++i) {
+      c.ids.push_back(static_cast<int32_t>(rng() % sh.experts));
+      c.w.push_back(0.5f);
+    }
+    c.out.assign(static_cast<size_t>(tokens) * sh.hidden, 0.f);
+    calls.push_back(std::move(c));
+  }
+  auto input = [](Call& c, float* out) {
+    MoeInput in;
+    in.x = c.x.data();
+    in.tokens = c.tokens;
+    in.ids = c.ids.data();
+    in.top_k = 2;
+    in.weights = c.w.data();
+    in.out = out;
+    return in;
+  };
+  // Alone: each call on a pool of its own layer.
+  std::vector<std::vector<float>> alone;
+  for (Call& c : calls) {
+    auto pool = make_pool(1);
+    auto layer = make(*pool, c.layer);
+    std::vector<float> out(c.out.size());
+    layer->forward(input(c, out.data()));
+    alone.push_back(std::move(out));
+  }
+  // Shared: both layers on one pool, all four calls queued before any finishes.
+  auto pool = make_pool(1);
+  std::unique_ptr<MoeLayer> layers[2] = {make(*pool, 0), make(*pool, 1)};
+  for (Call& c : calls) layers[c.layer]->submit(input(c, c.out.data()));
+  pool->sync();
+  for (size_t i = 0; i < calls.size(); ++i)
+    EXPECT_EQ(calls[i].out, alone[i]) << "call " << i << " (layer " << calls[i].layer << ", " << calls[i].tokens
+                                      << " tokens), seed=" << seed;
+}
+
 }  // namespace
 }  // namespace tandem
 

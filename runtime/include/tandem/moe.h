@@ -129,7 +129,8 @@ class MoeLayer {
   const KernelTable* kt_;
   std::unique_ptr<core::ExpertPacks> packs_;
   std::shared_ptr<Task> task_for(const MoeInput& in);  // validated; null when there are no tokens
-  std::unique_ptr<core::ForwardScratch> scratch_;  // reused by this layer's tasks (they run one at a time)
+  // Reused by the tasks of every layer on this pool (they run one at a time): shared by them.
+  std::shared_ptr<core::ForwardScratch> scratch_;
 };
 
 }  // namespace tandem
