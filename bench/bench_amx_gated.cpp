@@ -130,7 +130,7 @@ int main(int argc, char** argv) {
   (void)kernels();  // requests the tile permission
   // The core: the given one, else the first allowed core whose probe is at full rate
   // (within 60% of the best any core shows), waiting up to a minute for one.
-  const std::vector<int> cpus = allowed_cpus(1 << 10);
+  const std::vector<int> cpus = core_cpus(1 << 10);
   if (cpu < 0) {
     double best = 0;
     for (int attempt = 0; attempt < 30 && cpu < 0; ++attempt) {
@@ -237,31 +237,29 @@ int main(int argc, char** argv) {
             if (quant) pack_row_tiles(qa.q.data(), qa.k_pad, m, row_bytes, tiles.data());
             else pack_row_tiles(a.data(), sizeof(bf16_t) * k, m, row_bytes, tiles.data());
           }
+          // The fields gemm and gate_up share, then each call's own.
+          auto input = [&](auto& g, int p, int pe) {
+            g.a = quant ? nullptr : a.data();
+            g.qa = quant ? &qa : nullptr;
+            g.m = m;
+            g.lda = k;
+            g.panel_begin = p;
+            g.panel_end = pe;
+            g.a_tiles = with_tiles ? tiles.data() : nullptr;
+          };
           for (int p = 0; p < pw.panels; p += panels) {
             const int pe = std::min(pw.panels, p + panels);
             if (gu) {
               GateUpArgs g;
-              g.a = quant ? nullptr : a.data();
-              g.qa = quant ? &qa : nullptr;
-              g.m = m;
-              g.lda = k;
+              input(g, p, pe);
               g.h = out.data();
               g.ldh = n;
-              g.panel_begin = p;
-              g.panel_end = pe;
-              g.a_tiles = with_tiles ? tiles.data() : nullptr;
               line->kernel.gate_up(pw, g);
             } else {
               GemmArgs g;
-              g.a = quant ? nullptr : a.data();
-              g.qa = quant ? &qa : nullptr;
-              g.m = m;
-              g.lda = k;
+              input(g, p, pe);
               g.c = out.data();
               g.ldc = n;
-              g.panel_begin = p;
-              g.panel_end = pe;
-              g.a_tiles = with_tiles ? tiles.data() : nullptr;
               line->kernel.gemm(pw, g);
             }
           }

@@ -64,7 +64,7 @@ int main(int argc, char** argv) {
   DnnlMatmul peer(1024);
   peer.run();  // warm-up: primitive creation, page faults
   std::vector<double> r_bw, r_fma, r_fma_ymm, r_bf16, r_vnni, r_madd, r_madd_ymm, r_amx_bf16, r_amx_data, r_amx_l1, r_amx_l2, r_amx_stream, r_amx_stream_bw, r_amx_stream1, r_amx_stream1_bw, r_amx_int8, r_dnnl;
-  const std::vector<int> cpus = allowed_cpus(threads);
+  const std::vector<int> cpus = core_cpus(threads);
   std::vector<std::vector<double>> r_amx_core(cpus.size());
   for (int r = 0; r < reps; ++r) {  // interleaved, so drift hits every figure alike
     r_bw.push_back(bw.measure(2));

@@ -159,13 +159,11 @@ double peak_tdpbf16ps_streaming(int threads, bool b_from_l2, const ReadBandwidth
   return gflops;
 }
 
-std::vector<int> allowed_cpus(int limit) {
+std::vector<int> core_cpus(int limit) {
   std::vector<int> cpus;
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof(set), &set) != 0) return cpus;
-  for (int c = 0; c < CPU_SETSIZE && static_cast<int>(cpus.size()) < limit; ++c)
-    if (CPU_ISSET(c, &set)) cpus.push_back(c);
+  for (const NumaNodeInfo& node : topology().nodes)
+    for (const CoreInfo& core : node.cores)
+      if (static_cast<int>(cpus.size()) < limit && !core.pus.empty()) cpus.push_back(core.pus.front());
   return cpus;
 }
 

@@ -58,8 +58,9 @@ double peak_tdpbf16ps_streaming(int threads, bool b_from_l2, const ReadBandwidth
 // guests, and then run their tile loads several times slower than their neighbour).
 // Returns 0 when the thread cannot be pinned there.
 double peak_tdpbf16ps_loaded_on(int cpu, size_t bytes);
-// The CPUs this process may run on, in order (at most `limit`).
-std::vector<int> allowed_cpus(int limit);
+// One logical CPU per physical core this process may run on (topology(): hardware
+// threads of one core share its tile unit), at most `limit`.
+std::vector<int> core_cpus(int limit);
 
 // The AMX loops behind the figures above, on the calling thread, for benchmarks that time
 // short bursts themselves (bench_amx_gated): `iters` 2 x 2 steps (65536 FLOP each) with the

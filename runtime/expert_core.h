@@ -183,7 +183,6 @@ void merge_block(float* out, bool accumulate, int t, int top_k, const int* slot_
                  const float* const* y, int subpools, int hidden, int j0, int j1, const float* bias = nullptr,
                  const int* row_expert = nullptr);
 
-// Scratch of the inference forward, kept by its owner between calls.
 // One phase's inputs in the AMX kernels' tile order (kernels.h: pack_row_tiles), packed
 // once per active expert for all the work items of that expert, for the experts whose
 // kernel at their row count takes them (takes_row_tiles).
@@ -217,6 +216,7 @@ struct RowTiles {
   }
 };
 
+// Scratch of the inference forward, kept by its owner between calls.
 struct ForwardScratch {
   Scratch<bf16_t> xg;                          // gathered input rows (bf16 weights)
   QuantizedActs qtok;                          // per token, quantized once (integer weights)
