@@ -22,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include "tandem/error.h"
 #include "tandem/expert_store.h"
 #include "tandem/experts.h"
 #include "tandem/kernels.h"
@@ -213,6 +214,15 @@ struct RowTiles {
   // Packs expert i's m rows (lda_bytes apart) when it has a place.
   void pack(int i, const void* rows, size_t lda_bytes, int m) const {
     if (std::byte* out = of(i)) pack_row_tiles(rows, lda_bytes, m, row_bytes, out);
+  }
+  // Packs rows [r0, r1) of expert i (its first row at rows, lda_bytes apart) when it has a
+  // place: one block of its rows, packed by whichever thread made them. r0 is a multiple
+  // of 16, and so is r1 - r0 unless r1 is the expert's last row (the padding goes there).
+  void pack_rows(int i, const void* rows, size_t lda_bytes, int r0, int r1) const {
+    TANDEM_CHECK(r0 % 16 == 0, Errc::internal, "RowTiles::pack_rows: first row ", r0, " is not a tile's first");
+    if (std::byte* out = of(i))
+      pack_row_tiles(static_cast<const std::byte*>(rows) + static_cast<size_t>(r0) * lda_bytes, lda_bytes, r1 - r0, row_bytes,
+                     out + static_cast<size_t>(r0) * row_bytes);
   }
 };
 

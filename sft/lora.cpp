@@ -6,6 +6,8 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <map>
+#include <mutex>
 
 #include "bf16_round.h"
 #include "expert_core.h"
@@ -133,10 +135,13 @@ size_t LoraContext::bytes() const { return s_ ? s_->bytes : 0; }
 
 // ---- layer ---------------------------------------------------------------------------
 
+// What a task needs only while it runs (what the backward reads of the forward is in the
+// context), so the layers of one pool share one (pool_scratch).
 struct LoraMoe::Scratch {
-  uint64_t id = 0;
   // forward
   std::vector<QuantizedActs> qin;                 // per active expert (integer base)
+  core::RowTiles tiles_in;                        // the base gate / up input (xg or qin) in tile order
+  std::vector<core::RowTiles> tiles_mid;          // per subpool: the base down input (h or qmid) in tile order
   std::vector<Grow<bf16_t>> h;                    // per subpool [R x len] bf16 h
   std::vector<std::vector<QuantizedActs>> qmid;   // per subpool, per active expert
   std::vector<Grow<float>> y, pdp;                // per subpool [R x H] (y, then backward's dx), [R x r]
@@ -149,11 +154,29 @@ struct LoraMoe::Scratch {
   std::vector<std::vector<QuantizedActs>> qbmid;  // per subpool, per active expert
   std::vector<Grow<float>> dh, dguf, qgup, dwp;  // per subpool (dh then holds h: act overwrites it in place)
   std::vector<Grow<bf16_t>> dgub;                 // per subpool [R x 2 len]
+  core::RowTiles tiles_bin;                       // dog (or qbin) in tile order, for down_t
+  std::vector<core::RowTiles> tiles_bmid;         // per subpool: dgub (or qbmid) in tile order, for gu_t
 };
+
+// Tasks of a pool run one at a time and each sizes what it uses when it starts, so the
+// LoRA layers of a pool share one scratch: a long batch grows one set of rows and partial
+// outputs instead of one per layer (Qwen3-235B at 2048 tokens: ~1 GB, 94 layers). Made by
+// the first layer of a pool, freed with the last.
+std::shared_ptr<LoraMoe::Scratch> LoraMoe::pool_scratch(const Pool& pool) {
+  static std::mutex mu;
+  static std::map<const Pool*, std::weak_ptr<Scratch>> by_pool;
+  std::lock_guard<std::mutex> lock(mu);
+  for (auto it = by_pool.begin(); it != by_pool.end();) it = it->second.expired() ? by_pool.erase(it) : std::next(it);
+  std::weak_ptr<Scratch>& w = by_pool[&pool];
+  if (auto s = w.lock()) return s;
+  auto s = std::make_shared<Scratch>();
+  w = s;
+  return s;
+}
 
 LoraMoe::LoraMoe(Pool& pool, MoeShape shape, SftOptions options, int layer_index)
     : pool_(pool), shape_(shape), options_(options), layer_(layer_index), kt_(&kernel_table(effective_isa())),
-      scratch_(std::make_unique<Scratch>()) {
+      scratch_(pool_scratch(pool)) {
   TANDEM_CHECK(shape.experts >= 1 && shape.hidden >= 1 && shape.inter >= 1, Errc::invalid_argument, "lora: shape (experts ",
                shape.experts, ", hidden ", shape.hidden, ", intermediate ", shape.inter, ") must be positive");
   check_gate_act(str_cat("lora: layer ", layer_index), shape.act);
@@ -164,7 +187,7 @@ LoraMoe::LoraMoe(Pool& pool, MoeShape shape, SftOptions options, int layer_index
     TANDEM_CHECK(shape.hidden % options.format.group == 0 && shape.inter % options.format.group == 0,
                  Errc::invalid_argument, "lora: int4 group ", options.format.group, " must divide hidden (", shape.hidden,
                  ") and intermediate (", shape.inter, ")");
-  scratch_->id = next_layer_id.fetch_add(1);
+  id_ = next_layer_id.fetch_add(1);
   packs_ = std::make_unique<core::ExpertPacks>(shape, options.format, pool.subpools(), core::ExpertPacks::Layout::separate, layer_index);
   back_.resize(pool.subpools());
   for (auto& b : back_)
@@ -309,10 +332,21 @@ class SftTask : public Task {
   int merge_blocks() const { return (H + kMergeCols - 1) / kMergeCols; }
   // One run of panels of a base product: C[rows of active expert i] (ldc) = A . w^T, A the
   // expert's bf16 rows (lda) or, for an integer pack, their quantized form qa.
+  // tiles: the same rows in tile order (RowTiles), or null.
   void base_gemm(const PackedWeight& w, Runs::Item it, const bf16_t* a, const QuantizedActs* qa, int lda, float* c,
-                 int ldc) const {
+                 int ldc, const core::RowTiles& tiles) const {
     const size_t off = g.offset[it.i];
-    core::run_gemm(*L.kt_, w, g.count[it.i], it.begin, it.end, a + off * lda, qa, lda, c + off * ldc, ldc);
+    core::run_gemm(*L.kt_, w, g.count[it.i], it.begin, it.end, a + off * lda, qa, lda, c + off * ldc, ldc, tiles.of(it.i));
+  }
+  // Plans t for a base product on packs like w(i) (active expert i's): a place for each
+  // expert whose kernel at its row count takes its input in tile order.
+  template <class PackOf>
+  void plan_tiles(core::RowTiles& t, PackOf w) const {
+    const int n = static_cast<int>(g.active.size());
+    t.at.clear();
+    if (!n) return;
+    const FormatKernels& fk = L.kt_->of(w(0).format);
+    t.plan(n, g.count, row_tile_row_bytes(w(0)), [&](int i) { return takes_row_tiles(fk.pick(g.count[i]), w(i)); });
   }
 
   LoraMoe& L;
@@ -336,14 +370,15 @@ class SftForwardTask : public SftTask {
   SftForwardTask(LoraMoe& l, const MoeInput& in, const LoraWeights& w, LoraContext::State& st)
       : SftTask(l, st, w), in_(in), gu_runs(S), dn_runs(S) {
     quant = l.options_.format.format != WeightFormat::bf16;
-    allocate();
   }
   int phases() const override { return kPhases; }
 
   int items(int phase, int s) override {
     const int n = static_cast<int>(g.active.size());
     switch (phase) {
-      case kGather: return spread(int(rows.size()), s);
+      case kGather:
+        if (s == 0) allocate();  // here, not when built: the pool's scratch is this task's once it runs
+        return spread(int(rows.size()), s);
       case kBaseGU:
         if (!len(s)) return 0;
         gu_runs[s] = Runs::plan(n, 2, (len(s) + kPanel - 1) / kPanel, L.packs_->gate(s, g.active[0]).panel_stride, L.pool_.threads(s),
@@ -395,8 +430,12 @@ class SftForwardTask : public SftTask {
       sc.row_expert.resize(R);
       for (int i = 0; i < n; ++i) std::fill_n(sc.row_expert.begin() + g.offset[i], g.count[i], g.active[i]);
     }
+    plan_tiles(sc.tiles_in, [&](int i) -> const PackedWeight& { return L.packs_->gate(s0, g.active[i]); });
+    sc.tiles_mid.resize(S);
     for (int s = 0; s < S; ++s) {
+      sc.tiles_mid[s].at.clear();
       if (!len(s)) continue;
+      plan_tiles(sc.tiles_mid[s], [&](int i) -> const PackedWeight& { return L.packs_->down(s, g.active[i]); });
       st_.gu[s] = raw<float>(R * 2 * len(s));
       sc.h[s].get(R * len(s));
       ys[s] = sc.y[s].get(R * H);
@@ -414,6 +453,10 @@ class SftForwardTask : public SftTask {
     const int i = b.i, off = g.offset[i], m = b.end - b.begin;
     bf16_t* xg = st_.xg.get() + size_t(off) * H;
     core::gather_rows(in_, g, i, b.begin, b.end, H, xg, quant ? &sc.qin[i] : nullptr, *L.kt_);
+    if (quant)
+      sc.tiles_in.pack_rows(i, sc.qin[i].q.data(), sc.qin[i].k_pad, b.begin, b.end);
+    else
+      sc.tiles_in.pack_rows(i, xg, sizeof(bf16_t) * H, b.begin, b.end);
     if (!st_.lora) return;
     thread_local std::vector<float> xf;
     xf.resize(size_t(m) * H);
@@ -427,7 +470,7 @@ class SftForwardTask : public SftTask {
   void base_gu(int s, Runs::Item it) {
     const int e = g.active[it.i], l = len(s);
     const PackedWeight& w = it.w == 0 ? L.packs_->gate(s, e) : L.packs_->up(s, e);
-    base_gemm(w, it, st_.xg.get(), quant ? &sc.qin[it.i] : nullptr, H, st_.gu[s].get() + it.w * l, 2 * l);
+    base_gemm(w, it, st_.xg.get(), quant ? &sc.qin[it.i] : nullptr, H, st_.gu[s].get() + it.w * l, 2 * l, sc.tiles_in);
   }
 
   void lora_gu(int s, const Block& b) {
@@ -464,14 +507,19 @@ class SftForwardTask : public SftTask {
         L.kt_->clamped_swiglu(gq, gq + l, h.data() + size_t(q) * l, l, act.alpha, act.limit, act.up_offset);
     }
     fp32_to_bf16(h.data(), hb, h.size());
-    if (quant) quantize_activations(sc.qmid[s][i], sc.h[s].data() + size_t(g.offset[i]) * l, l, b.begin, b.end, L.kt_);
+    if (quant) {
+      quantize_activations(sc.qmid[s][i], sc.h[s].data() + size_t(g.offset[i]) * l, l, b.begin, b.end, L.kt_);
+      sc.tiles_mid[s].pack_rows(i, sc.qmid[s][i].q.data(), sc.qmid[s][i].k_pad, b.begin, b.end);
+    } else {
+      sc.tiles_mid[s].pack_rows(i, sc.h[s].data() + size_t(g.offset[i]) * l, sizeof(bf16_t) * l, b.begin, b.end);
+    }
     if (st_.lora) mm(m, r, l, 1.0f, {h.data(), l}, wt[AD].of(e).at(0, i0).T(), 0.0f, sc.pdp[s].data() + row0 * r, r);
   }
 
   void base_down(int s, Runs::Item it) {
     const int l = len(s);
     base_gemm(L.packs_->down(s, g.active[it.i]), it, sc.h[s].data(), quant ? &sc.qmid[s][it.i] : nullptr, l,
-              sc.y[s].data(), H);
+              sc.y[s].data(), H, sc.tiles_mid[s]);
   }
 
   void lora_down(const Block& b) {
@@ -505,7 +553,7 @@ LoraContext LoraMoe::forward(const MoeInput& in, const LoraWeights& lora, bool t
   check_lora(lora, "forward weights", false);
   auto st = std::make_unique<LoraContext::State>();
   st->g = group_tokens(in, shape_.experts, layer_);
-  st->layer_id = scratch_->id;
+  st->layer_id = id_;
   st->layer_index = layer_;
   st->tokens = in.tokens;
   st->top_k = in.top_k;
@@ -548,7 +596,6 @@ class SftBackwardTask : public SftTask {
         for (int c = 0; c < len(s); c += kColChunk) scols[s].push_back({i, c, std::min(len(s), c + kColChunk)});
     }
     quant = l.options_.backward_format != WeightFormat::bf16;
-    allocate();
   }
   int phases() const override { return kPhases; }
 
@@ -556,7 +603,9 @@ class SftBackwardTask : public SftTask {
     const int n = static_cast<int>(g.active.size());
     const bool lora = st_.lora;
     switch (phase) {
-      case kGather: return spread(int(rows.size()), s);
+      case kGather:
+        if (s == 0) allocate();  // here, not when built: the pool's scratch is this task's once it runs
+        return spread(int(rows.size()), s);
       case kDBd: return lora && gw[5] ? spread(int(hcols.size()), s) : 0;
       case kBaseDh:
         if (!len(s)) return 0;
@@ -608,13 +657,17 @@ class SftBackwardTask : public SftTask {
     for (auto* v : {&sc.dh, &sc.dguf, &sc.qgup, &sc.y, &sc.dwp}) v->resize(S);
     sc.dgub.resize(S);
     sc.qbmid.resize(S);
+    plan_tiles(sc.tiles_bin, [&](int i) -> const PackedWeight& { return L.back_[s0].down_t[g.active[i]]; });
+    sc.tiles_bmid.resize(S);
     if (quant) {
       sc.qbin.resize(n);
       for (int i = 0; i < n; ++i) sc.qbin[i].prepare(L.back_[s0].down_t[g.active[i]], g.count[i]);
     }
     for (int s = 0; s < S; ++s) {
       const size_t l = len(s);
+      sc.tiles_bmid[s].at.clear();
       if (!l) continue;
+      plan_tiles(sc.tiles_bmid[s], [&](int i) -> const PackedWeight& { return L.back_[s].gu_t[g.active[i]]; });
       sc.dh[s].get(R * l);
       sc.dguf[s].get(R * 2 * l);
       sc.dgub[s].get(R * 2 * l);
@@ -643,7 +696,12 @@ class SftBackwardTask : public SftTask {
           widen(gr.d_out_bf16 + size_t(t) * H, sc.dogf.data() + size_t(off + q) * H, H);
       }
     }
-    if (quant) quantize_activations(sc.qbin[i], dog, H, b.begin, b.end, L.kt_);
+    if (quant) {
+      quantize_activations(sc.qbin[i], dog, H, b.begin, b.end, L.kt_);
+      sc.tiles_bin.pack_rows(i, sc.qbin[i].q.data(), sc.qbin[i].k_pad, b.begin, b.end);
+    } else {
+      sc.tiles_bin.pack_rows(i, dog, sizeof(bf16_t) * H, b.begin, b.end);
+    }
     const int e = g.active[i];
     // d out_row / d weight includes the down bias: b_d . dOut (fp32 dOut, in double).
     if (const float* bd = L.packs_->down_bias(); bd && gr.d_weights) {
@@ -682,7 +740,7 @@ class SftBackwardTask : public SftTask {
 
   void base_dh(int s, Runs::Item it) {
     base_gemm(L.back_[s].down_t[g.active[it.i]], it, sc.dog.data(), quant ? &sc.qbin[it.i] : nullptr, H,
-              sc.dh[s].data(), len(s));
+              sc.dh[s].data(), len(s), sc.tiles_bin);
   }
 
   void act(int s, const Block& b) {
@@ -743,7 +801,12 @@ class SftBackwardTask : public SftTask {
       std::memcpy(dhq, hrow.data(), sizeof(float) * l);  // h replaces the row of dh after its last read
       sc.dwp[s][row0 + q] = static_cast<float>(dw);
     }
-    if (quant) quantize_activations(sc.qbmid[s][i], sc.dgub[s].data() + size_t(g.offset[i]) * 2 * l, 2 * l, b.begin, b.end, L.kt_);
+    if (quant) {
+      quantize_activations(sc.qbmid[s][i], sc.dgub[s].data() + size_t(g.offset[i]) * 2 * l, 2 * l, b.begin, b.end, L.kt_);
+      sc.tiles_bmid[s].pack_rows(i, sc.qbmid[s][i].q.data(), sc.qbmid[s][i].k_pad, b.begin, b.end);
+    } else {
+      sc.tiles_bmid[s].pack_rows(i, sc.dgub[s].data() + size_t(g.offset[i]) * 2 * l, sizeof(bf16_t) * 2 * l, b.begin, b.end);
+    }
     if (st_.lora) {
       float* q = sc.qgup[s].data() + row0 * 2 * r;
       mm(m, r, l, 1.0f, {dguf, 2 * l}, wt[BG].of(e).at(i0, 0), 0.0f, q, 2 * r);
@@ -766,7 +829,7 @@ class SftBackwardTask : public SftTask {
 
   void base_dx(int s, Runs::Item it) {
     base_gemm(L.back_[s].gu_t[g.active[it.i]], it, sc.dgub[s].data(), quant ? &sc.qbmid[s][it.i] : nullptr, 2 * len(s),
-              sc.y[s].data(), H);
+              sc.y[s].data(), H, sc.tiles_bmid[s]);
   }
 
   void lora_dx(const Block& b) {
@@ -828,7 +891,7 @@ void LoraMoe::backward(LoraContext& ctx, const LoraWeights& lora, const SftGrad&
   TANDEM_CHECK(ctx.s_ != nullptr, Errc::invalid_argument, "lora: layer ", layer_,
                ": backward without a forward context (the context is empty: was forward called with train = true?)");
   LoraContext::State& st = *ctx.s_;
-  TANDEM_CHECK(st.layer_id == scratch_->id, Errc::invalid_argument, "lora: layer ", layer_,
+  TANDEM_CHECK(st.layer_id == id_, Errc::invalid_argument, "lora: layer ", layer_,
                ": the context comes from another layer's forward (layer ", st.layer_index, ")");
   TANDEM_CHECK((grad.d_out != nullptr) != (grad.d_out_bf16 != nullptr), Errc::invalid_argument, "lora: layer ", layer_,
                ": give exactly one dL/dout (fp32 d_out or bf16 d_out_bf16)");

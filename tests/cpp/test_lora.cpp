@@ -291,23 +291,27 @@ ExpertSource source_of(const Problem& p, int e) {
 
 // ---- running the layer ----------------------------------------------------------------
 
+// p's layer on pool, loaded.
+std::unique_ptr<LoraMoe> layer_on(Pool& pool, const Problem& p, int layer_index = 3) {
+  const Case& c = p.c;
+  SftOptions o;
+  o.format = c.fmt;
+  o.lora.rank = c.rank;
+  o.lora.alpha = c.alpha;
+  o.lora.rslora = c.rslora;
+  MoeShape shape{c.experts, c.hidden, c.inter};
+  shape.act = c.act;
+  shape.bias = c.bias;
+  auto moe = std::make_unique<LoraMoe>(pool, shape, o, layer_index);
+  if (c.isa >= 0) moe->use_isa(static_cast<IsaLevel>(c.isa));
+  moe->load([&](int e) { return source_of(p, e); });
+  return moe;
+}
+
 struct TestLayer {
   std::unique_ptr<Pool> pool;
   std::unique_ptr<LoraMoe> moe;
-  TestLayer(const Problem& p, int subpools, int layer_index = 3) : pool(make_pool(subpools)) {
-    const Case& c = p.c;
-    SftOptions o;
-    o.format = c.fmt;
-    o.lora.rank = c.rank;
-    o.lora.alpha = c.alpha;
-    o.lora.rslora = c.rslora;
-    MoeShape shape{c.experts, c.hidden, c.inter};
-    shape.act = c.act;
-    shape.bias = c.bias;
-    moe = std::make_unique<LoraMoe>(*pool, shape, o, layer_index);
-    if (c.isa >= 0) moe->use_isa(static_cast<IsaLevel>(c.isa));
-    moe->load([&](int e) { return source_of(p, e); });
-  }
+  TestLayer(const Problem& p, int subpools, int layer_index = 3) : pool(make_pool(subpools)), moe(layer_on(*pool, p, layer_index)) {}
 };
 
 MoeInput input_of(const Problem& p, float* out) {
@@ -923,7 +927,9 @@ TEST(LoraReference, BiasesForwardAndEveryGradient) {
 // others unused: their gradients stay exactly at the initial values.
 TEST(LoraReference, AllTokensOnOneExpert) {
   const uint64_t seed = test::test_seed();
-  for (const PackOptions fmt : {PackOptions{WeightFormat::int8}, PackOptions{WeightFormat::int4, 32, false}}) {
+  // 400 rows on one expert: two row blocks, each put into tile order by its own item.
+  for (const PackOptions fmt : {PackOptions{WeightFormat::bf16}, PackOptions{WeightFormat::int8},
+                                PackOptions{WeightFormat::int4, 32, false}}) {
     Case c;
     c.experts = 16, c.hidden = 128, c.inter = 96, c.top_k = 2, c.tokens = 200, c.rank = 16;
     c.fmt = fmt;
@@ -1234,6 +1240,38 @@ TEST(LoraContexts, SeveralContextsInFlightInAnyOrder) {
   EXPECT_TRUE(moved.valid());
   backward_into(*layer.moe, ps[1], moved, m);
   expect_identical(alone[1], m, "moved context");
+}
+
+// The LoRA layers of one pool share one scratch (their tasks run one at a time): layers
+// of different shapes and formats, forwards and backwards interleaved, give the bits of
+// each on a pool of its own, and the pool's scratch outlives no layer of it.
+TEST(LoraContexts, LayersOfOnePoolShareTheirScratchAndStayExact) {
+  const uint64_t seed = test::test_seed();
+  Case a;
+  a.experts = 4, a.hidden = 128, a.inter = 96, a.top_k = 2, a.tokens = 300, a.rank = 8;  // ~150 rows per expert
+  a.fmt = {WeightFormat::bf16};
+  a.one_expert = true, a.one_expert_id = 1;  // 600 rows on one expert: three row blocks
+  Case b;
+  b.experts = 6, b.hidden = 64, b.inter = 128, b.top_k = 3, b.tokens = 40, b.rank = 16;
+  b.fmt = {WeightFormat::int8};
+  Problem pa = make_problem(a, seed + 71), pb = make_problem(b, seed + 72);
+  Outputs alone_a, alone_b;
+  {
+    TestLayer la(pa, 1), lb(pb, 1);
+    alone_a = run(*la.moe, pa);
+    alone_b = run(*lb.moe, pb);
+  }
+  auto pool = make_pool(1);
+  auto la = layer_on(*pool, pa, 0), lb = layer_on(*pool, pb, 1);
+  Outputs oa, ob;
+  LoraContext ca = forward_into(*la, pa, oa);
+  LoraContext cb = forward_into(*lb, pb, ob);
+  backward_into(*la, pa, ca, oa);
+  backward_into(*lb, pb, cb, ob);
+  expect_identical(alone_a, oa, "layer a on the shared pool");
+  expect_identical(alone_b, ob, "layer b on the shared pool");
+  check_outputs(pa, oa, reference(pa, base_of(*la)));
+  check_outputs(pb, ob, reference(pb, base_of(*lb)));
 }
 
 // ---- 5. strided / transposed layouts ------------------------------------------------------

@@ -178,7 +178,9 @@ class LoraMoe {
   std::unique_ptr<core::ExpertPacks> packs_;  // forward: gate and up apart (LoRA adds before the SiLU)
   std::vector<BackwardPacks> back_;           // per subpool
   bool loaded_ = false, backward_ready_ = false;
-  std::unique_ptr<Scratch> scratch_;
+  uint64_t id_ = 0;                   // this layer, as its contexts name it
+  std::shared_ptr<Scratch> scratch_;  // one per pool: its LoRA layers' tasks run one at a time
+  static std::shared_ptr<Scratch> pool_scratch(const Pool& pool);
 };
 
 }  // namespace tandem
