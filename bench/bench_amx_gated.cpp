@@ -3,11 +3,13 @@
 //
 //   build/bench/bench_amx_gated [--formats bf16,int8,int4] [--ops gate_up,down] [--m 32,128]
 //                               [--experts E] [--panels P] [--samples N] [--group G] [--cpu C]
+//   build/bench/bench_amx_gated --probe     # one line per physical core: its tile step now
 //
 // Why gated: on a virtual machine the host can throttle a core's tile unit (on the AMX
 // Xeon this project is developed on, a 2 x 2 tile step fed from L1 ran at about 2400
-// GFLOP/s per core or, for seconds to minutes at a time, at about 700), and single runs of
-// the other benchmarks then measure the host. Here a short probe (the step from L1) runs
+// GFLOP/s per core or, for stretches of a millisecond to minutes, at about 700; probes a
+// few milliseconds apart often disagree), and single runs of the other benchmarks then
+// measure the host. Here a short probe (the step from L1) runs
 // before and after every timed burst, on the same pinned thread, and a burst counts only
 // when both probes are at least 60% of the best probe seen. The figures are one thread's,
 // so they say what the kernels do, not what two cores' shared memory bandwidth allows.
@@ -107,6 +109,21 @@ int main(int argc, char** argv) {
   std::vector<std::string> formats = {"bf16", "int8", "int4"}, ops = {"gate_up", "down"};
   std::vector<int> ms = {32, 128};
   int experts = 16, panels = 8, samples = 12, group = 128, cpu = -1;
+  // --probe: each physical core's tile step from L1 right now ("cpu N: GFLOP/s" lines), for
+  // scripts that gate their own samples (bench_peers_amx.py, bench_sft.py).
+  if (argc == 2 && !std::strcmp(argv[1], "--probe")) {
+    if (!cpu_features().amx_bf16) {
+      std::fprintf(stderr, "bench_amx_gated: this CPU has no AMX-BF16\n");
+      return 2;
+    }
+    (void)kernels();  // requests the tile permission
+    for (const int c : core_cpus(1 << 10)) {
+      if (!pin(c)) continue;
+      probe();
+      std::printf("cpu %d: %.0f\n", c, probe());
+    }
+    return 0;
+  }
   for (int i = 1; i + 1 < argc; i += 2) {
     const char* v = argv[i + 1];
     if (!std::strcmp(argv[i], "--formats")) formats = split(v);

@@ -37,7 +37,11 @@ machine with few cores kt may do better with fewer workers than cores: try --kt-
 
 Timing: per engine and T, a warm-up call (its output is the one compared), then --reps samples,
 each the mean of enough back-to-back calls to last >= 50 ms; the median sample is reported (ms
-per layer forward). When both engines' weights fit in memory together, samples alternate
+per layer forward), and "best" is the ratio of the two engines' fastest samples: where
+something outside the process slows the machine now and then (the AMX Xeon this was written
+on: the tile step of a core drops to about a third for stretches of milliseconds to
+seconds, bench/bench_amx_gated.cpp), the fastest samples are the closest to the engines' own
+speed. When both engines' weights fit in memory together, samples alternate
 (tandem, kt, tandem, kt, ...) so a neighbour's load hits both alike; otherwise (or with
 --sequential) tandem runs all token counts first, is freed, then kt-kernel.
 GB/s = distinct experts of the routing (mean over the 8) x nominal bytes per expert of the
@@ -298,8 +302,8 @@ class KtRunner:
 
 
 def measure(runners: list, cases: list, reps: int) -> dict:
-    """{(runner name, T): (median seconds per call, output of the warm-up call on routing 0)};
-    samples of the runners alternate."""
+    """{(runner name, T): (median seconds per call, output of the warm-up call on routing 0,
+    fastest sample's seconds per call)}; samples of the runners alternate."""
     res = {}
     for case in cases:
         counter = {r.name: 0 for r in runners}
@@ -321,7 +325,7 @@ def measure(runners: list, cases: list, reps: int) -> dict:
             for r in runners:
                 samples[r.name].append(run(r, calls[r.name]))
         for r in runners:
-            res[(r.name, case["T"])] = (statistics.median(samples[r.name]), outs[r.name])
+            res[(r.name, case["T"])] = (statistics.median(samples[r.name]), outs[r.name], min(samples[r.name]))
     return res
 
 
@@ -474,21 +478,21 @@ def main() -> int:
         gc.collect()
 
         print(f"{'tokens':>6} {'exp':>5} | {'tandem ms':>10} {'GB/s':>6} | {'peer':<15} {'ms':>10} {'GB/s':>6} | "
-              f"{'tandem/kt':>9} | {'L2 t~kt':>8} {'t~ref':>8} {'kt~ref':>8}")
+              f"{'tandem/kt':>9} {'best':>7} | {'L2 t~kt':>8} {'t~ref':>8} {'kt~ref':>8}")
         for c in cases:
             T, n = c["T"], min(args.check, c["T"])
             gb = c["distinct"] * nominal / 1e9
             peers = list(results.items()) or [(None, None)]
             for label, res in peers:
-                t_s, t_out = res[("tandem", T)] if tandem_alone is None else tandem_alone[("tandem", T)]
+                t_s, t_out, t_best = res[("tandem", T)] if tandem_alone is None else tandem_alone[("tandem", T)]
                 line = f"{T:>6} {c['distinct']:>5.0f} | {t_s * 1e3:>10.3f} {gb / t_s:>6.1f} | "
                 t_ref = rel_l2(t_out[:n], refs[T])
                 if label is None:
-                    line += f"{'(no peer)':<15} {'':>10} {'':>6} | {'':>9} | {'':>8} {t_ref:>8.4f} {'':>8}"
+                    line += f"{'(no peer)':<15} {'':>10} {'':>6} | {'':>9} {'':>7} | {'':>8} {t_ref:>8.4f} {'':>8}"
                 else:
-                    k_s, k_out = res[(label, T)]
+                    k_s, k_out, k_best = res[(label, T)]
                     d = rel_l2(t_out, k_out)
-                    line += (f"{label:<15} {k_s * 1e3:>10.3f} {gb / k_s:>6.1f} | {k_s / t_s:>8.2f}x | "
+                    line += (f"{label:<15} {k_s * 1e3:>10.3f} {gb / k_s:>6.1f} | {k_s / t_s:>8.2f}x {k_best / t_best:>6.2f}x | "
                              f"{d:>8.4f} {t_ref:>8.4f} {rel_l2(k_out[:n], refs[T]):>8.4f}")
                     if not torch.isfinite(k_out).all():
                         line += "  (kt output has NaN/Inf: its time means nothing)"
