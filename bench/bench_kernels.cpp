@@ -178,29 +178,18 @@ int main(int argc, char** argv) {
   const int threads = default_threads();
   KernelTable table = kernels();
   if (!variant.empty()) {
-    const KernelFamily family = family_of(opt.format);
-    const KernelListEntry* e = find_kernel(family, variant);
-    if (!e) {
-      std::string known;
-      for (const KernelListEntry& k : kernel_list())
-        if (k.family == family) known += (known.empty() ? "" : ", ") + std::string(k.name());
-      std::fprintf(stderr, "unknown %s kernel variant '%s'; known: %s\n", std::string(format_name(opt)).c_str(),
-                   variant.c_str(), known.c_str());
-      return 2;
-    }
     try {
-      table = with_kernel(table, *e);
-      if (const KernelListEntry* q = find_kernel(KernelFamily::quantize, variant)) table = with_kernel(table, *q);
+      table = with_variant(table, opt.format, variant);
     } catch (const Error& err) {
       std::fprintf(stderr, "%s\n", err.message().c_str());
       return 2;
     }
   }
   const FormatKernels& fk = table.of(opt.format);
-  std::printf("machine: %s; format: %s%s; kernels: %s (m < %d), %s; threads: %d; %d repetitions, medians\n",
+  std::printf("machine: %s; format: %s%s; kernels: %s; threads: %d; %d repetitions, medians\n",
               machine_line().c_str(), std::string(format_name(opt)).c_str(),
               opt.format == WeightFormat::int4 ? (" group " + std::to_string(opt.group) + (opt.symmetric ? " sym" : " asym")).c_str() : "",
-              fk.small.name, fk.large_from_m, fk.large.name, threads, reps);
+              kernels_line(fk).c_str(), threads, reps);
   const PeakChoice peak_small = peak_for_variant(fk.small.name, opt.format),
                    peak_large = peak_for_variant(fk.large.name, opt.format);
   if (peak_small.name == peak_large.name)

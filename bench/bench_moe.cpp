@@ -16,6 +16,10 @@
 //
 //   build/bench/bench_moe [--shape qwen3-30b|qwen3-235b|deepseek-v3|gpt-oss-120b|all] [--format bf16|int8|int4]
 //                         [--tokens 1,4,16,64,256,1024] [--reps R] [--budget-gb G] [--math plain|gpt-oss]
+//                         [--variant NAME]
+// --variant NAME runs that line of cpu_kernels/kernel_list.inc for the format at every row
+// count (and its quantizer, where the list has one of that name), in the layer and in the
+// bare kernels it is compared with.
 
 #include <algorithm>
 #include <chrono>
@@ -31,6 +35,7 @@
 
 #include "ceilings.h"
 #include "harness.h"
+#include "tandem/error.h"
 #include "tandem/moe.h"
 #include "tandem/pool_config.h"
 #include "tandem/trace.h"
@@ -72,6 +77,7 @@ int main(int argc, char** argv) {
   double budget_gb = 6;
   PackOptions opt;
   bool oai = false;  // --math gpt-oss
+  std::string variant;
   for (int i = 1; i < argc; ++i) {
     auto next = [&] { return i + 1 < argc ? argv[++i] : ""; };
     if (!std::strcmp(argv[i], "--shape")) which = next();
@@ -85,7 +91,17 @@ int main(int argc, char** argv) {
       if (m != "plain" && m != "gpt-oss") { std::fprintf(stderr, "--math: plain or gpt-oss, not '%s'\n", m.c_str()); return 2; }
       oai = m == "gpt-oss";
     }
+    else if (!std::strcmp(argv[i], "--variant")) variant = next();
     else { std::fprintf(stderr, "unknown option %s\n", argv[i]); return 2; }
+  }
+  KernelTable forced = kernels();
+  if (!variant.empty()) {
+    try {
+      forced = with_variant(forced, opt.format, variant);
+    } catch (const Error& err) {
+      std::fprintf(stderr, "%s\n", err.message().c_str());
+      return 2;
+    }
   }
   Pool pool(pool_options(Config::Cpu{}));
   const int threads = pool.total_threads();
@@ -143,9 +159,10 @@ int main(int argc, char** argv) {
     MoeShape shape = math;
     shape.experts = E;
     MoeLayer layer(pool, shape, opt);
+    if (!variant.empty()) layer.use_kernels(forced);
     if (oai) std::printf("# experts: %s\n", describe_experts(shape).c_str());
     const FormatKernels& fk = layer.kernel_set().of(opt.format);
-    std::printf("# kernels: %s (m < %d), %s; compute ceiling: %s / %s\n", fk.small.name, fk.large_from_m, fk.large.name,
+    std::printf("# kernels: %s; compute ceiling: %s / %s\n", kernels_line(fk).c_str(),
                 peak_for_variant(fk.small.name, opt.format).name.c_str(),
                 peak_for_variant(fk.large.name, opt.format).name.c_str());
     const double rss0 = proc_status_bytes("VmRSS");
@@ -223,7 +240,7 @@ int main(int argc, char** argv) {
             gu.push_back(&layer.gate_up_pack(0, route[k]));
             dn.push_back(&layer.down_pack(0, route[k]));
           }
-          expert_step(threads, gu, dn, 1, x.data(), h.data(), acc.data(), w.data(), q_in, q_mid);
+          expert_step(threads, gu, dn, 1, x.data(), h.data(), acc.data(), w.data(), q_in, q_mid, &layer.kernel_set());
         };
         std::vector<double> ratio;
         for (int rep = 0; rep < reps; ++rep) {

@@ -2,6 +2,11 @@
 
 #include <omp.h>
 
+#include <cstring>
+#include <string>
+
+#include "tandem/error.h"
+
 namespace tandem::bench {
 
 void expert_step(int threads, const std::vector<const PackedWeight*>& gate_up, const std::vector<const PackedWeight*>& down,
@@ -56,6 +61,25 @@ void expert_step(int threads, const std::vector<const PackedWeight*>& gate_up, c
 #pragma omp barrier
     }
   }
+}
+
+KernelTable with_variant(KernelTable table, WeightFormat format, std::string_view name) {
+  const KernelFamily family = family_of(format);
+  const KernelListEntry* e = find_kernel(family, name);
+  if (!e) {
+    std::string known;
+    for (const KernelListEntry& k : kernel_list())
+      if (k.family == family) known += (known.empty() ? "" : ", ") + std::string(k.name());
+    TANDEM_FAIL(Errc::invalid_argument, "unknown ", format_name(format), " kernel variant '", name, "'; known: ", known);
+  }
+  table = with_kernel(table, *e);
+  if (const KernelListEntry* q = find_kernel(KernelFamily::quantize, name)) table = with_kernel(table, *q);
+  return table;
+}
+
+std::string kernels_line(const FormatKernels& fk) {
+  if (!std::strcmp(fk.small.name, fk.large.name)) return std::string(fk.small.name) + " at every m";
+  return std::string(fk.small.name) + " (m < " + std::to_string(fk.large_from_m) + "), " + fk.large.name;
 }
 
 }  // namespace tandem::bench

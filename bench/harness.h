@@ -3,6 +3,7 @@
 #pragma once
 
 #include <chrono>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -54,5 +55,13 @@ double time_per_call(F f, double min_s = 0.25) {
 void expert_step(int threads, const std::vector<const PackedWeight*>& gate_up, const std::vector<const PackedWeight*>& down,
                  int m, const bf16_t* a, bf16_t* h, float* out, const float* rw, QuantizedActs& q_in, QuantizedActs& q_mid,
                  const KernelTable* kt = nullptr);
+
+// `table` with the kernel variant `name` (a line of cpu_kernels/kernel_list.inc) run for
+// `format`'s family at every m, and that line's quantizer where the list has one of the
+// same name (bench_kernels and bench_moe --variant). Throws tandem::Error naming the known
+// variants when there is no such line, or what this CPU lacks for it.
+KernelTable with_variant(KernelTable table, WeightFormat format, std::string_view name);
+// "small (m < N), large", or "name at every m" when one variant runs at every row count.
+std::string kernels_line(const FormatKernels& fk);
 
 }  // namespace tandem::bench

@@ -538,6 +538,69 @@ TEST(MoeEngineApi, LayersOfOnePoolShareTheirScratchAndStayExact) {
                                       << " tokens), seed=" << seed;
 }
 
+// use_kernels: a layer runs the table it is given (benchmarks force one variant with
+// with_kernel). Every line of the list this CPU runs, forced for its format at every row
+// count, reports itself and gives the default layer's output, at 1 and 40 tokens: to the
+// bit for the integer formats (exact int32 sums, the same fp32 scaling), and for bf16
+// within one bf16 step of h (2^-8 relative): the variants sum in other orders, and an
+// fp32 difference can flip h's rounding to bf16 between the two products.
+TEST(MoeEngineApi, ForcedKernelVariantRunsAtEveryRowCount) {
+  const uint64_t seed = test::test_seed();
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const MoeShape sh{4, 128, 64};
+  std::vector<std::vector<float>> w;
+  for (int i = 0; i < 3 * sh.experts; ++i) {
+    std::vector<float> v(static_cast<size_t>(sh.hidden) * sh.inter);
+    for (auto& x : v) x = 0.1f * nd(rng);
+    w.push_back(std::move(v));
+  }
+  auto pool = make_pool(1);
+  for (const PackOptions fmt : {PackOptions{WeightFormat::bf16}, PackOptions{WeightFormat::int8}, PackOptions{WeightFormat::int4, 64}}) {
+    MoeLayer layer(*pool, sh, fmt);
+    layer.load([&](int e) { return test::f32_expert(w[3 * e].data(), w[3 * e + 1].data(), w[3 * e + 2].data(), sh.hidden, sh.inter); });
+    for (const int tokens : {1, 40}) {
+      std::vector<bf16_t> x;
+      std::vector<int32_t> ids;
+      for (int i = 0; i < tokens * sh.hidden; ++i) x.push_back(fp32_to_bf16(nd(rng)));
+      for (int i = 0; i < tokens * 2; ++i) ids.push_back(static_cast<int32_t>((i + i / 2) % sh.experts));
+      const std::vector<float> wts(static_cast<size_t>(tokens) * 2, 0.5f);
+      auto run = [&] {
+        std::vector<float> out(static_cast<size_t>(tokens) * sh.hidden);
+        MoeInput in;
+        in.x = x.data();
+        in.tokens = tokens;
+        in.ids = ids.data();
+        in.top_k = 2;
+        in.weights = wts.data();
+        in.out = out.data();
+        layer.forward(in);
+        return out;
+      };
+      layer.use_isa(effective_isa());
+      const std::vector<float> ref = run();
+      double ref2 = 0;
+      for (float v : ref) ref2 += double(v) * v;
+      int ran = 0;
+      for (const KernelListEntry& e : kernel_list()) {
+        if (e.family != family_of(fmt.format) || !feature_set(cpu_features()).contains(e.needs)) continue;
+        const KernelTable table = with_kernel(kernels(), e);
+        layer.use_kernels(table);
+        const FormatKernels& fk = layer.kernel_set().of(fmt.format);
+        EXPECT_STREQ(fk.pick(1).name, e.name());
+        EXPECT_STREQ(fk.pick(1 << 20).name, e.name());
+        const std::vector<float> out = run();
+        double d2 = 0;
+        for (size_t i = 0; i < out.size(); ++i) d2 += double(out[i] - ref[i]) * (out[i] - ref[i]);
+        EXPECT_LE(std::sqrt(d2 / ref2), fmt.format == WeightFormat::bf16 ? std::ldexp(1.0, -8) : 0.0)
+            << format_name(fmt) << " variant " << e.name() << ", " << tokens << " tokens, seed=" << seed;
+        ++ran;
+      }
+      EXPECT_GE(ran, 1) << format_name(fmt);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace tandem
 

@@ -78,6 +78,9 @@ class MoeLayer {
   // The kernel level this layer runs, every phase of it (default: effective_isa() when
   // the layer is built; an engine passes select_isa(its config's cpu.isa)).
   void use_isa(IsaLevel level) { kt_ = &kernel_table(level); }
+  // Runs `table`'s kernels instead (benchmarks forcing one variant: with_kernel); the
+  // caller keeps the table alive while the layer uses it.
+  void use_kernels(const KernelTable& table) { kt_ = &table; }
   IsaLevel isa() const { return kt_->level; }
   const KernelTable& kernel_set() const { return *kt_; }
 
