@@ -191,17 +191,19 @@ struct RowTiles {
   static constexpr size_t kNone = ~size_t(0);
   AlignedBuffer buf;
   std::vector<size_t> at;  // per active expert: its offset in buf, or kNone
+  std::vector<int> count;  // per active expert: its rows
   size_t row_bytes = 0;
-  // Expert i (of n, rows[i] rows of row_bytes) gets a place when wants(i).
+  // Expert i (of n, expert_rows[i] rows of row_bytes) gets a place when wants(i).
   template <class Wants>
-  void plan(int n, const std::vector<int>& rows, size_t bytes_per_row, Wants wants) {
+  void plan(int n, const std::vector<int>& expert_rows, size_t bytes_per_row, Wants wants) {
     row_bytes = bytes_per_row;
+    count.assign(expert_rows.begin(), expert_rows.begin() + n);
     at.assign(n, kNone);
     size_t total = 0;
     for (int i = 0; i < n; ++i)
       if (wants(i)) {
         at[i] = total;
-        total += (row_tiles_bytes(rows[i], row_bytes) + 63) / 64 * 64;
+        total += (row_tiles_bytes(count[i], row_bytes) + 63) / 64 * 64;
       }
     if (total > buf.size) buf = AlignedBuffer::allocate(total);
   }
@@ -219,10 +221,12 @@ struct RowTiles {
   // place: one block of its rows, packed by whichever thread made them. r0 is a multiple
   // of 16, and so is r1 - r0 unless r1 is the expert's last row (the padding goes there).
   void pack_rows(int i, const void* rows, size_t lda_bytes, int r0, int r1) const {
-    TANDEM_CHECK(r0 % 16 == 0, Errc::internal, "RowTiles::pack_rows: first row ", r0, " is not a tile's first");
-    if (std::byte* out = of(i))
+    if (std::byte* out = of(i)) {
+      TANDEM_CHECK(r0 % 16 == 0 && r0 < r1 && r1 <= count[i] && ((r1 - r0) % 16 == 0 || r1 == count[i]), Errc::internal,
+                   "RowTiles::pack_rows: rows [", r0, ", ", r1, ") of ", count[i], " are not whole tiles");
       pack_row_tiles(static_cast<const std::byte*>(rows) + static_cast<size_t>(r0) * lda_bytes, lda_bytes, r1 - r0, row_bytes,
                      out + static_cast<size_t>(r0) * row_bytes);
+    }
   }
 };
 

@@ -101,6 +101,7 @@ std::vector<Block> blocks(const std::vector<int>& count, int per_block) {
 }
 
 constexpr int kRowBlock = 256, kColChunk = 256;
+static_assert(kRowBlock % 16 == 0, "row blocks are packed into AMX tile order (16-row tiles) one block at a time");
 using core::kMergeCols;
 std::atomic<uint64_t> next_layer_id{1};
 
@@ -667,7 +668,8 @@ class SftBackwardTask : public SftTask {
       const size_t l = len(s);
       sc.tiles_bmid[s].at.clear();
       if (!l) continue;
-      plan_tiles(sc.tiles_bmid[s], [&](int i) -> const PackedWeight& { return L.back_[s].gu_t[g.active[i]]; });
+      if (gr.d_x)  // only the dx product reads them
+        plan_tiles(sc.tiles_bmid[s], [&](int i) -> const PackedWeight& { return L.back_[s].gu_t[g.active[i]]; });
       sc.dh[s].get(R * l);
       sc.dguf[s].get(R * 2 * l);
       sc.dgub[s].get(R * 2 * l);

@@ -1244,7 +1244,7 @@ TEST(LoraContexts, SeveralContextsInFlightInAnyOrder) {
 
 // The LoRA layers of one pool share one scratch (their tasks run one at a time): layers
 // of different shapes and formats, forwards and backwards interleaved, give the bits of
-// each on a pool of its own, and the pool's scratch outlives no layer of it.
+// each on a pool of its own (the backward must need nothing the forward left in it).
 TEST(LoraContexts, LayersOfOnePoolShareTheirScratchAndStayExact) {
   const uint64_t seed = test::test_seed();
   Case a;
