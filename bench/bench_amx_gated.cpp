@@ -109,8 +109,8 @@ int main(int argc, char** argv) {
   std::vector<std::string> formats = {"bf16", "int8", "int4"}, ops = {"gate_up", "down"};
   std::vector<int> ms = {32, 128};
   int experts = 16, panels = 8, samples = 12, group = 128, cpu = -1;
-  // --probe: each physical core's tile step from L1 right now ("cpu N: GFLOP/s" lines), for
-  // scripts that gate their own samples (bench_peers_amx.py, bench_sft.py).
+  // --probe: each physical core's tile step from L1 right now ("cpu N: GFLOP/s" lines): is
+  // the host throttling a core's tile unit at this moment?
   if (argc == 2 && !std::strcmp(argv[1], "--probe")) {
     if (!cpu_features().amx_bf16) {
       std::fprintf(stderr, "bench_amx_gated: this CPU has no AMX-BF16\n");

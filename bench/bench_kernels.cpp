@@ -177,14 +177,7 @@ int main(int argc, char** argv) {
   }
   const int threads = default_threads();
   KernelTable table = kernels();
-  if (!variant.empty()) {
-    try {
-      table = with_variant(table, opt.format, variant);
-    } catch (const Error& err) {
-      std::fprintf(stderr, "%s\n", err.message().c_str());
-      return 2;
-    }
-  }
+  if (!variant.empty() && !use_variant(table, opt.format, variant)) return 2;
   const FormatKernels& fk = table.of(opt.format);
   std::printf("machine: %s; format: %s%s; kernels: %s; threads: %d; %d repetitions, medians\n",
               machine_line().c_str(), std::string(format_name(opt)).c_str(),

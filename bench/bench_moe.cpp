@@ -35,7 +35,6 @@
 
 #include "ceilings.h"
 #include "harness.h"
-#include "tandem/error.h"
 #include "tandem/moe.h"
 #include "tandem/pool_config.h"
 #include "tandem/trace.h"
@@ -95,14 +94,7 @@ int main(int argc, char** argv) {
     else { std::fprintf(stderr, "unknown option %s\n", argv[i]); return 2; }
   }
   KernelTable forced = kernels();
-  if (!variant.empty()) {
-    try {
-      forced = with_variant(forced, opt.format, variant);
-    } catch (const Error& err) {
-      std::fprintf(stderr, "%s\n", err.message().c_str());
-      return 2;
-    }
-  }
+  if (!variant.empty() && !use_variant(forced, opt.format, variant)) return 2;
   Pool pool(pool_options(Config::Cpu{}));
   const int threads = pool.total_threads();
   std::printf("machine: %s; format: %s; engine: %d subpool(s), %d threads; %d repetitions, medians\n",

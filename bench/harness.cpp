@@ -2,6 +2,7 @@
 
 #include <omp.h>
 
+#include <cstdio>
 #include <cstring>
 #include <string>
 
@@ -63,18 +64,25 @@ void expert_step(int threads, const std::vector<const PackedWeight*>& gate_up, c
   }
 }
 
-KernelTable with_variant(KernelTable table, WeightFormat format, std::string_view name) {
+bool use_variant(KernelTable& table, WeightFormat format, std::string_view name) {
   const KernelFamily family = family_of(format);
   const KernelListEntry* e = find_kernel(family, name);
   if (!e) {
     std::string known;
     for (const KernelListEntry& k : kernel_list())
       if (k.family == family) known += (known.empty() ? "" : ", ") + std::string(k.name());
-    TANDEM_FAIL(Errc::invalid_argument, "unknown ", format_name(format), " kernel variant '", name, "'; known: ", known);
+    std::fprintf(stderr, "unknown %s kernel variant '%s'; known: %s\n", std::string(format_name(format)).c_str(),
+                 std::string(name).c_str(), known.c_str());
+    return false;
   }
-  table = with_kernel(table, *e);
-  if (const KernelListEntry* q = find_kernel(KernelFamily::quantize, name)) table = with_kernel(table, *q);
-  return table;
+  try {
+    table = with_kernel(table, *e);
+    if (const KernelListEntry* q = find_kernel(KernelFamily::quantize, name)) table = with_kernel(table, *q);
+  } catch (const Error& err) {
+    std::fprintf(stderr, "%s\n", err.message().c_str());
+    return false;
+  }
+  return true;
 }
 
 std::string kernels_line(const FormatKernels& fk) {

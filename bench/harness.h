@@ -56,11 +56,11 @@ void expert_step(int threads, const std::vector<const PackedWeight*>& gate_up, c
                  int m, const bf16_t* a, bf16_t* h, float* out, const float* rw, QuantizedActs& q_in, QuantizedActs& q_mid,
                  const KernelTable* kt = nullptr);
 
-// `table` with the kernel variant `name` (a line of cpu_kernels/kernel_list.inc) run for
-// `format`'s family at every m, and that line's quantizer where the list has one of the
-// same name (bench_kernels and bench_moe --variant). Throws tandem::Error naming the known
-// variants when there is no such line, or what this CPU lacks for it.
-KernelTable with_variant(KernelTable table, WeightFormat format, std::string_view name);
+// Puts the kernel variant `name` (a line of cpu_kernels/kernel_list.inc) into `table` for
+// `format`'s family at every m, with that line's quantizer where the list has one of the
+// same name (bench_kernels and bench_moe --variant). When there is no such line, or this
+// CPU lacks what it needs, prints why (naming the known variants) and returns false.
+bool use_variant(KernelTable& table, WeightFormat format, std::string_view name);
 // "small (m < N), large", or "name at every m" when one variant runs at every row count.
 std::string kernels_line(const FormatKernels& fk);
 

@@ -473,9 +473,9 @@ void ExpertForward::run(int phase, int s, int item, int) {
       bf16_t* xg = quant ? nullptr : sc.xg.data() + size_t(offset[i]) * H;
       gather_rows(in_, *this, i, 0, count[i], H, xg, quant ? &sc.qin[i] : nullptr, kt, quantize_tokens() ? &sc.qtok : nullptr);
       if (quant)
-        sc.tiles_in.pack(i, sc.qin[i].q.data(), sc.qin[i].k_pad, count[i]);
+        sc.tiles_in.pack(i, sc.qin[i].q.data(), sc.qin[i].k_pad);
       else
-        sc.tiles_in.pack(i, xg, sizeof(bf16_t) * H, count[i]);
+        sc.tiles_in.pack(i, xg, sizeof(bf16_t) * H);
       break;
     }
     case kGateUp: {
@@ -491,9 +491,9 @@ void ExpertForward::run(int phase, int s, int item, int) {
       if (quant) {
         QuantizedActs& q = sc.qmid[s][item];
         quantize_activations(q, h, len, 0, count[item], &kt);
-        sc.tiles_mid[s].pack(item, q.q.data(), q.k_pad, count[item]);
+        sc.tiles_mid[s].pack(item, q.q.data(), q.k_pad);
       } else {
-        sc.tiles_mid[s].pack(item, h, sizeof(bf16_t) * len, count[item]);
+        sc.tiles_mid[s].pack(item, h, sizeof(bf16_t) * len);
       }
       break;
     }

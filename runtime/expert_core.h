@@ -18,7 +18,10 @@
 
 #include <array>
 #include <functional>
+#include <iterator>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <utility>
 #include <vector>
 
@@ -213,10 +216,8 @@ struct RowTiles {
     return false;
   }
   std::byte* of(int i) const { return i < static_cast<int>(at.size()) && at[i] != kNone ? buf.data() + at[i] : nullptr; }
-  // Packs expert i's m rows (lda_bytes apart) when it has a place.
-  void pack(int i, const void* rows, size_t lda_bytes, int m) const {
-    if (std::byte* out = of(i)) pack_row_tiles(rows, lda_bytes, m, row_bytes, out);
-  }
+  // Packs all of expert i's rows (lda_bytes apart) when it has a place.
+  void pack(int i, const void* rows, size_t lda_bytes) const { pack_rows(i, rows, lda_bytes, 0, count[i]); }
   // Packs rows [r0, r1) of expert i (its first row at rows, lda_bytes apart) when it has a
   // place: one block of its rows, packed by whichever thread made them. r0 is a multiple
   // of 16, and so is r1 - r0 unless r1 is the expert's last row (the padding goes there).
@@ -229,6 +230,24 @@ struct RowTiles {
     }
   }
 };
+
+// The one T of `pool`, shared by every layer made on it: the pool runs their tasks one
+// after another and a task uses its scratch only while it runs, so one layer's buffers
+// are free for the next, and a long batch grows one set of buffers instead of one per
+// layer. Made by the first layer of a pool, freed with the last (MoeLayer: ForwardScratch;
+// LoraMoe: its training scratch).
+template <class T>
+std::shared_ptr<T> pool_shared(const Pool& pool) {
+  static std::mutex mu;
+  static std::map<const Pool*, std::weak_ptr<T>> by_pool;
+  std::lock_guard<std::mutex> lock(mu);
+  for (auto it = by_pool.begin(); it != by_pool.end();) it = it->second.expired() ? by_pool.erase(it) : std::next(it);
+  std::weak_ptr<T>& w = by_pool[&pool];
+  if (auto s = w.lock()) return s;
+  auto s = std::make_shared<T>();
+  w = s;
+  return s;
+}
 
 // Scratch of the inference forward, kept by its owner between calls.
 struct ForwardScratch {

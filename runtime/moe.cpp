@@ -2,37 +2,15 @@
 
 #include <algorithm>
 #include <cmath>
-#include <iterator>
-#include <map>
-#include <mutex>
 
 #include "expert_core.h"
 #include "tandem/error.h"
 
 namespace tandem {
 
-namespace {
-// The forward scratch of a pool's layers, one for all of them: the pool runs their tasks one
-// after another (and a task only uses its scratch while it runs), so one layer's buffers are
-// free for the next, and a long prompt grows one set of buffers instead of one per layer
-// (Qwen3-235B at 4096 tokens, bf16: ~0.9 GB of rows, activations and outputs per layer, 94
-// layers). Made by the first layer of a pool, freed with the last.
-std::shared_ptr<core::ForwardScratch> shared_scratch(const Pool& pool) {
-  static std::mutex mu;
-  static std::map<const Pool*, std::weak_ptr<core::ForwardScratch>> by_pool;
-  std::lock_guard<std::mutex> lock(mu);
-  for (auto it = by_pool.begin(); it != by_pool.end();) it = it->second.expired() ? by_pool.erase(it) : std::next(it);
-  std::weak_ptr<core::ForwardScratch>& w = by_pool[&pool];
-  if (auto s = w.lock()) return s;
-  auto s = std::make_shared<core::ForwardScratch>();
-  w = s;
-  return s;
-}
-}  // namespace
-
 MoeLayer::MoeLayer(Pool& pool, MoeShape shape, PackOptions format, int layer_index)
     : pool_(pool), shape_(shape), format_(format), layer_(layer_index), kt_(&kernel_table(effective_isa())),
-      scratch_(shared_scratch(pool)) {
+      scratch_(core::pool_shared<core::ForwardScratch>(pool)) {
   TANDEM_CHECK(shape.experts >= 1 && shape.hidden >= 1 && shape.inter >= 1, Errc::invalid_argument, "moe: shape (experts ",
                shape.experts, ", hidden ", shape.hidden, ", intermediate ", shape.inter, ") must be positive");
   check_gate_act(str_cat("moe: layer ", layer_index), shape.act);

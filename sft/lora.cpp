@@ -6,8 +6,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
-#include <map>
-#include <mutex>
 
 #include "bf16_round.h"
 #include "expert_core.h"
@@ -137,7 +135,9 @@ size_t LoraContext::bytes() const { return s_ ? s_->bytes : 0; }
 // ---- layer ---------------------------------------------------------------------------
 
 // What a task needs only while it runs (what the backward reads of the forward is in the
-// context), so the layers of one pool share one (pool_scratch).
+// context, and a task sizes it when it starts), so the layers of one pool share one
+// (core::pool_shared): a long batch grows one set of rows and partial outputs instead of
+// one per layer (Qwen3-235B at 2048 tokens: ~1 GB, 94 layers).
 struct LoraMoe::Scratch {
   // forward
   std::vector<QuantizedActs> qin;                 // per active expert (integer base)
@@ -159,25 +159,9 @@ struct LoraMoe::Scratch {
   std::vector<core::RowTiles> tiles_bmid;         // per subpool: dgub (or qbmid) in tile order, for gu_t
 };
 
-// Tasks of a pool run one at a time and each sizes what it uses when it starts, so the
-// LoRA layers of a pool share one scratch: a long batch grows one set of rows and partial
-// outputs instead of one per layer (Qwen3-235B at 2048 tokens: ~1 GB, 94 layers). Made by
-// the first layer of a pool, freed with the last.
-std::shared_ptr<LoraMoe::Scratch> LoraMoe::pool_scratch(const Pool& pool) {
-  static std::mutex mu;
-  static std::map<const Pool*, std::weak_ptr<Scratch>> by_pool;
-  std::lock_guard<std::mutex> lock(mu);
-  for (auto it = by_pool.begin(); it != by_pool.end();) it = it->second.expired() ? by_pool.erase(it) : std::next(it);
-  std::weak_ptr<Scratch>& w = by_pool[&pool];
-  if (auto s = w.lock()) return s;
-  auto s = std::make_shared<Scratch>();
-  w = s;
-  return s;
-}
-
 LoraMoe::LoraMoe(Pool& pool, MoeShape shape, SftOptions options, int layer_index)
     : pool_(pool), shape_(shape), options_(options), layer_(layer_index), kt_(&kernel_table(effective_isa())),
-      scratch_(pool_scratch(pool)) {
+      scratch_(core::pool_shared<Scratch>(pool)) {
   TANDEM_CHECK(shape.experts >= 1 && shape.hidden >= 1 && shape.inter >= 1, Errc::invalid_argument, "lora: shape (experts ",
                shape.experts, ", hidden ", shape.hidden, ", intermediate ", shape.inter, ") must be positive");
   check_gate_act(str_cat("lora: layer ", layer_index), shape.act);

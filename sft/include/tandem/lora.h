@@ -180,7 +180,6 @@ class LoraMoe {
   bool loaded_ = false, backward_ready_ = false;
   uint64_t id_ = 0;                   // this layer, as its contexts name it
   std::shared_ptr<Scratch> scratch_;  // one per pool: its LoRA layers' tasks run one at a time
-  static std::shared_ptr<Scratch> pool_scratch(const Pool& pool);
 };
 
 }  // namespace tandem
