@@ -273,7 +273,7 @@ def run_torch(args, shape: dict, r: int, T: int) -> dict:
 
 def kt_unavailable(args) -> str | None:
     """Why the kt variant cannot run here (checked without importing kt_kernel), or None."""
-    from bench_peers_amx import INSTALL, cpu_flags  # imported here: bench_peers_amx imports this module
+    from bench_peers import INSTALL, cpu_flags  # imported here: bench_peers imports this module
 
     if args.format != "bf16":
         return f"this script runs kt's bf16 operator only, not --format {args.format}"
@@ -291,7 +291,7 @@ def run_kt(args, shape: dict, r: int, T: int) -> dict:
     {"skipped": why} where it cannot be."""
     import torch
 
-    from bench_peers_amx import import_kt
+    from bench_peers import import_kt
     from tandem import _C
 
     kt, why = import_kt(args.kt_path)

@@ -1,59 +1,77 @@
-"""One MoE layer's routed experts on the CPU: tandem (tandem._C.Engine) vs KTransformers'
-kt-kernel 0.7.2 (its AMX MoE operators), in the same process, on the same random bf16
-weights, inputs and routing.
+"""One MoE layer's routed experts on the CPU: tandem (tandem._C.Engine) next to the engines users
+would pick instead, in the same process, on the same random bf16 weights, inputs and routing:
+KTransformers' kt-kernel 0.7.2 (its MoE operators) and ggml, llama.cpp's tensor library (the
+graph llama.cpp builds for a Qwen3-MoE layer, bench/peers_ggml.py).
 
-    .venv/bin/python bench/bench_peers_amx.py --kt-path DIR                 # 235b, bf16/int8/int4, 1..2048 tokens
-    .venv/bin/python bench/bench_peers_amx.py --shape 30b --experts 16 --tokens 1,32 --reps 1   # a quick check
-    KT_KERNEL_PATH=DIR .venv/bin/python bench/bench_peers_amx.py --formats int4 --tokens 1,2048
+    .venv/bin/python bench/bench_peers.py --kt-path DIR --llama-path DIR2   # 235b, bf16/int8/int4, 1..2048 tokens
+    .venv/bin/python bench/bench_peers.py --shape 30b --experts 16 --tokens 1,32 --reps 1   # a quick check
+    KT_KERNEL_PATH=DIR LLAMA_CPP_PATH=DIR2 .venv/bin/python bench/bench_peers.py --formats int4 --tokens 1,512
 
-kt-kernel is installed outside the project and only called, never copied:
-    pip install --no-deps --target DIR kt_kernel-0.7.2-cp311-cp311-manylinux_2_35_x86_64.whl gguf typer rich httpx
-(--kt-path DIR, default $KT_KERNEL_PATH; DIR is appended to sys.path, so the project's own
-torch / numpy / yaml win). Without it the script says so and measures tandem alone.
+The peers are installed outside the project and only called, never copied:
+    pip install --no-deps --target DIR kt-kernel==0.7.2 gguf typer rich httpx
+        (--kt-path DIR, default $KT_KERNEL_PATH; DIR is appended to sys.path, so the project's own
+        torch / numpy / yaml win)
+    pip install --no-deps --target DIR2 llama-cpp-python==0.3.36
+        (builds llama.cpp for this CPU, ~10 minutes on 2 cores; --llama-path DIR2, default
+        $LLAMA_CPP_PATH; its llama_cpp/lib/libggml*.so are loaded with ctypes)
+A peer that is not found is said so and left out; --peers picks among those found.
 
 Shapes (random bf16 weights N(0, 1/fan_in), seed 0; --experts N allocates the first N experts
 only, for quick runs or small machines; routing then draws from those N):
   235b  Qwen3-235B-A22B: 128 experts, hidden 4096, expert intermediate 1536, top-8
   30b   Qwen3-30B-A3B:   128 experts, hidden 2048, expert intermediate 768,  top-8
+  v3    DeepSeek-V3:     256 routed experts, hidden 7168, expert intermediate 2048, top-8
+        (45 GB of bf16 source for all 256: use --experts on a small machine)
 Inputs per token count T (seed T): x ~ N(0, 1) in bf16, routing = 8 different sets of T x top-8
-distinct experts (uniform) with weights normalised to sum 1, cycled call after call by both
-engines in the same order (so decode does not re-read 8 experts that sit in the cache).
+distinct experts (uniform) with weights normalised to sum 1, cycled call after call by every
+engine in the same order (so decode does not re-read 8 experts that sit in the cache).
 
-Formats and what each side runs (both quantize the same bf16 weights while loading):
+Formats and what each side runs (each quantizes the same bf16 weights while loading):
   bf16  tandem cpu.format bf16            | kt AMXBF16_MOE (what kt's BF16 method runs)
+                                          | ggml BF16
   int8  tandem cpu.format int8 (per row)  | kt AMXInt8_MOE (AMXINT8, online-quantized from bf16)
+                                          | ggml Q8_0 (blocks of 32, fp16 scale)
   int4  tandem cpu.format int4, symmetric groups of --int4-group along k (default 32)
                                           | kt AMXInt4_MOE (AMXINT4: one scale per row, online from bf16)
                                           | kt AMXInt4_KGroup_MOE (RAWINT4: symmetric groups of
                                             --int4-group, bf16 scales; fed with int4 this script
                                             quantizes itself in the compressed-tensors layout)
-  (kt-kernel 0.7.2's RAWINT4 AMX operator returned NaN for groups of 64 and 128 on the machine
-  this was written on, and later crashed the process (SIGSEGV) at groups of 128, so it runs only
-  for groups of 32, the default; a peer output with NaN/Inf is flagged in its row.)
-Both use the same threads: one per physical core (tandem's cpu.threads auto; kt-kernel's
-WorkerPool gets the same subpools and thread counts; --kt-threads changes kt's). kt-kernel's
-caller also spin-waits in CPUInfer.sync and its task queue has a thread of its own, so on a
-machine with few cores kt may do better with fewer workers than cores: try --kt-threads.
+                                          | ggml Q4_0 (blocks of 32, fp16 scale; in ggml's CPU
+                                            repack buffer, as llama.cpp loads it, where this CPU
+                                            has a repacked layout: x86 with AVX2)
+  kt-kernel's pip package loads one build per CPU (amx, avx512_bf16, avx512_vnni, ..., avx2:
+  printed); its wrappers pick the classes above in every AVX-512 build, whose kernels follow
+  the build (tile instructions only in the amx build).
+  (kt-kernel 0.7.2's RAWINT4 AMX operator returned NaN for groups of 64 and 128 on the AMX
+  machine this was written on, and later crashed the process (SIGSEGV) at groups of 128, so it
+  runs only for groups of 32, the default; a peer output with NaN/Inf is flagged in its row.)
+All use the same threads: one per physical core (tandem's cpu.threads auto; kt-kernel's
+WorkerPool gets the same subpools and thread counts, --kt-threads changes kt's; ggml's
+threadpool the same count). kt-kernel's caller also spin-waits in CPUInfer.sync and its task
+queue has a thread of its own, so on a machine with few cores kt may do better with fewer
+workers than cores: try --kt-threads.
 
 Timing: per engine and T, a warm-up call (its output is the one compared), then --reps samples,
-each the mean of enough back-to-back calls to last >= 50 ms; the median sample is reported (ms
+each the mean of enough back-to-back calls to last >= 50 ms and started 20 ms after the
+previous one ended (engines' idle threads spin for a while before they park); the median sample is reported (ms
 per layer forward), and "best" is the ratio of the two engines' fastest samples: where
 something outside the process slows the machine now and then (the AMX Xeon this was written
 on: the tile step of a core drops to about a third for stretches of milliseconds to
 seconds, bench/bench_amx_gated.cpp), the fastest samples are the closest to the engines' own
-speed. When both engines' weights fit in memory together, samples alternate
-(tandem, kt, tandem, kt, ...) so a neighbour's load hits both alike; otherwise (or with
---sequential) tandem runs all token counts first, is freed, then kt-kernel.
+speed. tandem stays loaded and each peer in turn is loaded next to it: when both fit in
+memory, their samples alternate (tandem, peer, tandem, peer, ...) so a neighbour's load hits
+both alike; otherwise (or with --sequential) tandem runs all token counts first, is freed,
+then the peers.
 GB/s = distinct experts of the routing (mean over the 8) x nominal bytes per expert of the
 format (3 x hidden x inter x 2 / 1 / 0.5 bytes; scales not counted) / time: the same bytes
-for both, so the GB/s ratio is the speed ratio. tandem/kt > 1: tandem faster.
+for all, so the GB/s ratio is the speed ratio. tandem/peer > 1: tandem faster.
 
 Memory: the bf16 source stays resident (3 x E x hidden x inter x 2 bytes: 4.8 GB for 235b) and
-each engine packs its own copy (4.8 GB more each in bf16); --sequential never holds both copies,
---experts N shrinks all of them.
+each engine packs its own copy (4.8 GB more each in bf16); --sequential never holds two engines'
+copies, --experts N shrinks all of them.
 
 Correctness: relative L2 difference ||a - b|| / ||b|| of the whole T x hidden output of tandem
-vs kt-kernel (they quantize differently: reported; for bf16 it must be < 0.1, else the run
+vs the peer (they quantize differently: reported; for bf16 it must be < 0.1, else the run
 fails), and of each against an fp32 torch reference (bf16 weights and x as fp32) on the first
 --check tokens.
 """
@@ -74,14 +92,22 @@ from pathlib import Path
 import torch
 
 from bench_sft import random_weights  # this script's folder is first on sys.path
+import peers_ggml
 
 SHAPES = {"235b": dict(name="Qwen3-235B-A22B", experts=128, hidden=4096, inter=1536, top_k=8),
-          "30b": dict(name="Qwen3-30B-A3B", experts=128, hidden=2048, inter=768, top_k=8)}
+          "30b": dict(name="Qwen3-30B-A3B", experts=128, hidden=2048, inter=768, top_k=8),
+          "v3": dict(name="DeepSeek-V3", experts=256, hidden=7168, inter=2048, top_k=8)}
 BYTES_PER_WEIGHT = {"bf16": 2.0, "int8": 1.0, "int4": 0.5}
 ROUTINGS = 8          # routings per token count, cycled
 MIN_SAMPLE_S = 0.05   # a timed sample lasts at least this long (several calls for small T)
-INSTALL = ("pip install --no-deps --target DIR kt_kernel-0.7.2-cp311-cp311-manylinux_2_35_x86_64.whl "
-           "gguf typer rich httpx; then --kt-path DIR or KT_KERNEL_PATH=DIR")
+# A pause before each sample, so that the engine sampled before has parked its threads: ggml's
+# OpenMP workers (libgomp) and kt-kernel's keep spinning for a while after a call, and would
+# otherwise take cores from the next engine's sample.
+SETTLE_S = 0.02
+INSTALL = ("pip install --no-deps --target DIR kt-kernel==0.7.2 gguf typer rich httpx; "
+           "then --kt-path DIR or KT_KERNEL_PATH=DIR")
+LLAMA_INSTALL = ("pip install --no-deps --target DIR llama-cpp-python==0.3.36; "
+                 "then --llama-path DIR or LLAMA_CPP_PATH=DIR")
 
 
 # ---------------------------------------------------------------------------- machine
@@ -323,6 +349,7 @@ def measure(runners: list, cases: list, reps: int) -> dict:
             calls[r.name] = max(1, math.ceil(MIN_SAMPLE_S / max(t, 1e-6)))
         for _ in range(reps):
             for r in runners:
+                time.sleep(SETTLE_S)
                 samples[r.name].append(run(r, calls[r.name]))
         for r in runners:
             res[(r.name, case["T"])] = (statistics.median(samples[r.name]), outs[r.name], min(samples[r.name]))
@@ -374,6 +401,9 @@ def main() -> int:
     ap.add_argument("--check", type=int, default=4, help="tokens compared with the fp32 torch reference")
     ap.add_argument("--kt-path", default=os.environ.get("KT_KERNEL_PATH"),
                     help="directory holding kt_kernel (pip --target DIR); default $KT_KERNEL_PATH")
+    ap.add_argument("--llama-path", default=os.environ.get("LLAMA_CPP_PATH"),
+                    help="directory holding llama_cpp (pip --target DIR) for ggml; default $LLAMA_CPP_PATH")
+    ap.add_argument("--peers", default="kt,ggml", help="peers to run among those found (default: kt,ggml)")
     ap.add_argument("--kt-threads", type=int, default=0,
                     help="kt-kernel's worker threads (default: tandem's, one per physical core)")
     ap.add_argument("--verbose", action="store_true", help="let kt-kernel's C++ banners through")
@@ -381,6 +411,9 @@ def main() -> int:
                     help="never hold both engines' weights at once (tandem first, then kt-kernel)")
     args = ap.parse_args()
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    wanted = {p.strip() for p in args.peers.split(",") if p.strip()}
+    if not wanted <= {"kt", "ggml"}:
+        ap.error(f"--peers: {sorted(wanted - {'kt', 'ggml'})} not among: kt, ggml")
     for f in formats:
         if f not in BYTES_PER_WEIGHT:
             ap.error(f"--formats: {f!r} is not one of: bf16, int8, int4")
@@ -404,7 +437,7 @@ def main() -> int:
           f"memory {meminfo_gib('MemTotal'):.1f} GiB ({meminfo_gib('MemAvailable'):.1f} available)")
     print(f"software: tandem {_C.__version__}, torch {torch.__version__}, python {platform.python_version()}; "
           f"threads: {threads} in {subpools} subpool(s) for both engines")
-    kt, why = import_kt(args.kt_path)
+    kt, why = import_kt(args.kt_path) if "kt" in wanted else (None, "not asked for (--peers)")
     cpu_infer = None
     if kt is None:
         print(f"kt-kernel: not found ({why}) (install with: {INSTALL}); measuring tandem alone")
@@ -422,6 +455,19 @@ def main() -> int:
             cpu_infer = ext.CPUInfer(wpc)
         if kt_threads != threads:
             print(f"kt-kernel threads: {kt_threads} (--kt-threads), tandem: {threads}")
+    ggml = None
+    if "ggml" in wanted:
+        libdir, why = peers_ggml.find_libdir(args.llama_path)
+        if libdir is not None:
+            try:
+                ggml = peers_ggml.Ggml(libdir)
+            except (OSError, AttributeError) as e:
+                why = f"{type(e).__name__}: {e}"
+        if ggml is None:
+            print(f"ggml: not found ({why}) (install with: {LLAMA_INSTALL})")
+        else:
+            print(f"ggml: llama-cpp-python's libraries in {libdir}; CPU features {ggml.cpu_features()}; "
+                  f"extra buffer types: {', '.join(ggml.extra_bufts()) or 'none'}")
 
     expert_b = 3 * H * I
     print(f"\n== {args.shape} ({shape['name']}): {E} of {shape['experts']} experts allocated, hidden {H}, inter {I}, "
@@ -441,6 +487,8 @@ def main() -> int:
         print(f"\n-- {fmt}: tandem {tandem.desc}; packed {tandem.bytes / 1e9:.2f} GB "
               f"({tandem.bytes / E / 1e6:.1f} MB/expert), loaded in {tandem.load_s:.1f} s", flush=True)
         variants = kt_variants(fmt, args.int4_group) if kt is not None else []
+        if ggml is not None:
+            variants.append(("ggml", f"ggml {peers_ggml.FORMAT_TYPE[fmt].upper()}", False))
         # Both resident if kt's copy (~ nominal bytes, + half for slack) fits what is left.
         both = not args.sequential and E * nominal * 1.5 / 2**30 < meminfo_gib("MemAvailable") - 1.0
         results, tandem_alone = {}, None
@@ -455,9 +503,12 @@ def main() -> int:
                     t0 = time.perf_counter()
                     q4 = tuple(quantize_int4_groups(w, args.int4_group) for w in W)
                     print(f"   (int4 groups of {args.int4_group} for RAWINT4 quantized in {time.perf_counter() - t0:.1f} s)")
-                with c_stdout(args.verbose):
-                    peer = KtRunner(kt, cpu_infer, cls_name, label, shape, E, max(tokens), W,
-                                    q4=q4 if needs_q4 else None, group=args.int4_group)
+                if cls_name == "ggml":
+                    peer = peers_ggml.GgmlRunner(ggml, fmt, shape, E, tokens, W, threads, cases)
+                else:
+                    with c_stdout(args.verbose):
+                        peer = KtRunner(kt, cpu_infer, cls_name, label, shape, E, max(tokens), W,
+                                        q4=q4 if needs_q4 else None, group=args.int4_group)
             except Exception as e:
                 print(f"   {label}: could not load: {type(e).__name__}: {e}", flush=True)
                 continue
@@ -478,7 +529,7 @@ def main() -> int:
         gc.collect()
 
         print(f"{'tokens':>6} {'exp':>5} | {'tandem ms':>10} {'GB/s':>6} | {'peer':<15} {'ms':>10} {'GB/s':>6} | "
-              f"{'tandem/kt':>9} {'best':>7} | {'L2 t~kt':>8} {'t~ref':>8} {'kt~ref':>8}")
+              f"{'tandem/pr':>9} {'best':>7} | {'L2 t~pr':>8} {'t~ref':>8} {'pr~ref':>8}")
         for c in cases:
             T, n = c["T"], min(args.check, c["T"])
             gb = c["distinct"] * nominal / 1e9
@@ -495,7 +546,7 @@ def main() -> int:
                     line += (f"{label:<15} {k_s * 1e3:>10.3f} {gb / k_s:>6.1f} | {k_s / t_s:>8.2f}x {k_best / t_best:>6.2f}x | "
                              f"{d:>8.4f} {t_ref:>8.4f} {rel_l2(k_out[:n], refs[T]):>8.4f}")
                     if not torch.isfinite(k_out).all():
-                        line += "  (kt output has NaN/Inf: its time means nothing)"
+                        line += "  (peer output has NaN/Inf: its time means nothing)"
                     if fmt == "bf16" and not d < 0.1:
                         failures.append(f"bf16 tokens {T}: tandem vs {label} relative L2 {d:.4f} >= 0.1")
                         line += "  FAIL"
