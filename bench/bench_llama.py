@@ -24,6 +24,11 @@ The checkpoint has no trained tokenizer: the GGUF gets the demo model's byte-lev
 (token ids are what both tools read; the text is never used), registered under the "qwen2"
 pre-tokenizer name, since llama.cpp's converter only knows the tokenizers of published models.
 
+--rounds N runs each pair's two processes N times, alternating which starts, and prints the
+ratio of every round next to the medians: on a machine whose read bandwidth moves by the
+minute (a shared VM: 33-47 GB/s within an hour on the Zen 4 guest) one round compares two
+different machines.
+
 Bytes per decoded token: every weight except the embedding table (one row of it) plus top_k
 of each MoE layer's experts, counted from the tensors each tool holds (the GGUF's tensor
 sizes; tandem's packed bytes). Their rate over the read bandwidth measured by
@@ -200,6 +205,9 @@ def main() -> int:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run each pair's two processes this many times, alternating which goes first; the "
+                        "ratios are per round (a machine whose bandwidth moves by the minute needs several)")
     p.add_argument("--work", default=str(Path(os.environ.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem"))
                                          / "gguf"), help="where the GGUF files are kept")
     p.add_argument("--json", help="also write the results here")
@@ -234,20 +242,44 @@ def main() -> int:
     print(ceil.get("machine", ""))
     print(f"checkpoint {ckpt.name}: {args.layers} layers, vocab {cfg.vocab_size}; prompt {args.prompt} tokens, "
           f"{args.new} new, median of {args.repeat}; read bandwidth (bench_ceilings) {bw} GB/s", flush=True)
-    rows = []
-    for fmt, dense, gtype in pairs:
-        gguf_path = gguf_file(args, ckpt, gtype)
-        td = tandem_variant(args, ckpt, fmt, dense)
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
+    rows, rounds = [], {}
+
+    def llama_run(gguf_path, gtype):
         r = subprocess.run([sys.executable, __file__, "--llama", args.llama, "--llama-variant", str(gguf_path),
                             "--gtype", gtype, "--prompt", str(args.prompt), "--new", str(args.new),
                             "--repeat", str(args.repeat)], capture_output=True, text=True)
         if r.returncode:
             sys.exit(f"bench_llama: llama.cpp {gtype} failed:\n{r.stderr[-3000:]}")
-        lc = json.loads(r.stdout.strip().splitlines()[-1])
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    def median_of(runs):
+        out = dict(runs[0])
+        for key in ("prefill_tps", "decode_tps", "load_s"):
+            out[key] = statistics.median(x[key] for x in runs)
+        return out
+
+    for fmt, dense, gtype in pairs:
+        gguf_path = gguf_file(args, ckpt, gtype)
+        tds, lcs = [], []
+        for i in range(args.rounds):  # odd rounds start with llama.cpp
+            if i % 2:
+                lcs.append(llama_run(gguf_path, gtype))
+            tds.append(tandem_variant(args, ckpt, fmt, dense))
+            if not i % 2:
+                lcs.append(llama_run(gguf_path, gtype))
+            if args.rounds > 1:
+                print(f"  round {i + 1}: tandem {fmt}/{dense} decode {tds[-1]['decode_tps']:.2f} tok/s, "
+                      f"llama.cpp/{gtype} {lcs[-1]['decode_tps']:.2f}: {tds[-1]['decode_tps'] / lcs[-1]['decode_tps']:.2f}x",
+                      flush=True)
+        td, lc = median_of(tds), median_of(lcs)
         experts = getattr(cfg, "num_experts", None) or cfg.n_routed_experts
         lc["decode_bytes"] = gguf_decode_bytes(args, gguf_path, cfg.num_experts_per_tok, experts)
         td["variant"] = f"tandem {fmt}, dense {dense}"
         rows.append((td, lc))
+        rounds[td["variant"]] = [dict(decode=a["decode_tps"] / b["decode_tps"], prefill=a["prefill_tps"] / b["prefill_tps"])
+                                 for a, b in zip(tds, lcs)]
         print(f"  {td['variant']}: decode {td['decode_tps']:.2f} tok/s; {lc['variant']}: {lc['decode_tps']:.2f}",
               flush=True)
 
@@ -263,10 +295,17 @@ def main() -> int:
                   f"{x['decode_bytes'] / 2**20:>10.1f}{gbs(x):>7.1f}{share}")
     print()
     for td, lc in rows:
-        print(f"{td['variant']} vs {lc['variant']}: prefill {td['prefill_tps'] / lc['prefill_tps']:.2f}x, "
-              f"decode {td['decode_tps'] / lc['decode_tps']:.2f}x (bytes per token {td['decode_bytes'] / lc['decode_bytes']:.2f}x)")
+        line = (f"{td['variant']} vs {lc['variant']}: prefill {td['prefill_tps'] / lc['prefill_tps']:.2f}x, "
+                f"decode {td['decode_tps'] / lc['decode_tps']:.2f}x (bytes per token {td['decode_bytes'] / lc['decode_bytes']:.2f}x)")
+        if args.rounds > 1:
+            per = rounds[td["variant"]]
+            line += ("; per round: decode " + " ".join(f"{r['decode']:.2f}" for r in per)
+                     + f" (median {statistics.median(r['decode'] for r in per):.2f}x), prefill "
+                     + " ".join(f"{r['prefill']:.2f}" for r in per)
+                     + f" (median {statistics.median(r['prefill'] for r in per):.2f}x)")
+        print(line)
     if args.json:
-        Path(args.json).write_text(json.dumps({"ceilings": ceil, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"ceilings": ceil, "rows": rows, "rounds": rounds}, indent=1))
     return 0
 
 

@@ -52,8 +52,9 @@ queue has a thread of its own, so on a machine with few cores kt may do better w
 workers than cores: try --kt-threads.
 
 Timing: per engine and T, a warm-up call (its output is the one compared), then --reps samples,
-each the mean of enough back-to-back calls to last >= 50 ms and started 20 ms after the
-previous one ended (engines' idle threads spin for a while before they park); the median sample is reported (ms
+each the mean of enough back-to-back calls to last >= 50 ms and started 0.2 s after the
+previous one ended (engines' idle threads spin for a while before they park: kt-kernel's for
+~0.1 s); the median sample is reported (ms
 per layer forward), and "best" is the ratio of the two engines' fastest samples: where
 something outside the process slows the machine now and then (the AMX Xeon this was written
 on: the tile step of a core drops to about a third for stretches of milliseconds to
@@ -100,10 +101,12 @@ SHAPES = {"235b": dict(name="Qwen3-235B-A22B", experts=128, hidden=4096, inter=1
 BYTES_PER_WEIGHT = {"bf16": 2.0, "int8": 1.0, "int4": 0.5}
 ROUTINGS = 8          # routings per token count, cycled
 MIN_SAMPLE_S = 0.05   # a timed sample lasts at least this long (several calls for small T)
-# A pause before each sample, so that the engine sampled before has parked its threads: ggml's
-# OpenMP workers (libgomp) and kt-kernel's keep spinning for a while after a call, and would
-# otherwise take cores from the next engine's sample.
-SETTLE_S = 0.02
+# A pause before each sample, so that the engine sampled before has parked its threads: after
+# a call kt-kernel 0.7.2's workers kept spinning for 0.08-0.1 s of CPU time (both cores for the
+# first 20 ms, one core until ~0.1 s), ggml's OpenMP workers (libgomp) ~0.01 s, tandem's pool
+# <= 0.003 s (measured on a 2-core Zen 4 with getrusage around an idle sleep); without the
+# pause a tandem sample that followed a kt one ran on half the machine.
+SETTLE_S = 0.2
 INSTALL = ("pip install --no-deps --target DIR kt-kernel==0.7.2 gguf typer rich httpx; "
            "then --kt-path DIR or KT_KERNEL_PATH=DIR")
 LLAMA_INSTALL = ("pip install --no-deps --target DIR llama-cpp-python==0.3.36; "

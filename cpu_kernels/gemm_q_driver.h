@@ -63,11 +63,10 @@ void gemm_q_driver(const PackedWeight& w, const GemmArgs& g) {
   alignas(64) float t[Micro::kMaxRows * kPanel];
   for (int p = g.panel_begin; p < pe; ++p) {
     const int n0 = p * kPanel, nn = std::min(kPanel, w.n - n0);
-    for (int r0 = 0; r0 < g.m; r0 += Micro::kMaxRows) {
-      const int mr = std::min(Micro::kMaxRows, g.m - r0);
+    for_row_blocks(g.m, Micro::kMaxRows, [&](int r0, int mr) {
       Micro::run(mr, in, r0, w, w.panel_data(p), t);
       store_rows(g, t, mr, r0, n0, nn, in.scale);
-    }
+    });
   }
 }
 
@@ -78,12 +77,11 @@ void gate_up_q_driver(const PackedWeight& w, const GateUpArgs& g) {
   alignas(64) float tg[Micro::kMaxRows * kPanel], tu[Micro::kMaxRows * kPanel];
   for (int p = g.panel_begin; p < pe; ++p) {
     const int n0 = p * kPanel, nn = std::min(kPanel, w.n - n0);
-    for (int r0 = 0; r0 < g.m; r0 += Micro::kMaxRows) {
-      const int mr = std::min(Micro::kMaxRows, g.m - r0);
+    for_row_blocks(g.m, Micro::kMaxRows, [&](int r0, int mr) {
       Micro::run(mr, in, r0, w, w.panel_data(2 * p), tg);
       Micro::run(mr, in, r0, w, w.panel_data(2 * p + 1), tu);
       store_silu_rows(g, tg, tu, mr, r0, n0, nn, in.scale);
-    }
+    });
   }
 }
 
