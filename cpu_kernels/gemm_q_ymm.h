@@ -46,6 +46,7 @@ struct Int4Ymm {
     for (int gi = 0; gi < in.groups; ++gi) {
       const std::byte* gb = int4_group(w, panel, gi);
       const __m256i* wp = reinterpret_cast<const __m256i*>(gb);
+      prefetch_group_tail(w, gb);
       const int8_t* a = in.row(r0) + gi * w.group;
       acc_t acc[8];
 #pragma GCC unroll 8

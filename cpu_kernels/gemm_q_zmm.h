@@ -42,6 +42,7 @@ struct Int4Zmm {
     for (int gi = 0; gi < in.groups; ++gi) {
       const std::byte* gb = int4_group(w, panel, gi);
       const __m512i* wp = reinterpret_cast<const __m512i*>(gb);
+      prefetch_group_tail(w, gb);
       acc_t acc[MR][4];
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r)
