@@ -54,8 +54,7 @@ workers than cores: try --kt-threads.
 Timing: per engine and T, a warm-up call (its output is the one compared), then --reps samples,
 each the mean of enough back-to-back calls to last >= 50 ms and started 0.2 s after the
 previous one ended (engines' idle threads spin for a while before they park: kt-kernel's for
-~0.1 s); the median sample is reported (ms
-per layer forward), and "best" is the ratio of the two engines' fastest samples: where
+~0.1 s); the median sample is reported (ms per layer forward), and "best" is the ratio of the two engines' fastest samples: where
 something outside the process slows the machine now and then (the AMX Xeon this was written
 on: the tile step of a core drops to about a third for stretches of milliseconds to
 seconds, bench/bench_amx_gated.cpp), the fastest samples are the closest to the engines' own
@@ -411,7 +410,7 @@ def main() -> int:
                     help="kt-kernel's worker threads (default: tandem's, one per physical core)")
     ap.add_argument("--verbose", action="store_true", help="let kt-kernel's C++ banners through")
     ap.add_argument("--sequential", action="store_true",
-                    help="never hold both engines' weights at once (tandem first, then kt-kernel)")
+                    help="never hold two engines' weights at once (tandem first, then the peers)")
     args = ap.parse_args()
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     wanted = {p.strip() for p in args.peers.split(",") if p.strip()}
@@ -491,8 +490,8 @@ def main() -> int:
               f"({tandem.bytes / E / 1e6:.1f} MB/expert), loaded in {tandem.load_s:.1f} s", flush=True)
         variants = kt_variants(fmt, args.int4_group) if kt is not None else []
         if ggml is not None:
-            variants.append(("ggml", f"ggml {peers_ggml.FORMAT_TYPE[fmt].upper()}", False))
-        # Both resident if kt's copy (~ nominal bytes, + half for slack) fits what is left.
+            variants.append(("ggml", peers_ggml.label(fmt), False))
+        # Both resident if a peer's copy (~ nominal bytes, + half for slack) fits what is left.
         both = not args.sequential and E * nominal * 1.5 / 2**30 < meminfo_gib("MemAvailable") - 1.0
         results, tandem_alone = {}, None
         if not both or not variants:
@@ -507,7 +506,7 @@ def main() -> int:
                     q4 = tuple(quantize_int4_groups(w, args.int4_group) for w in W)
                     print(f"   (int4 groups of {args.int4_group} for RAWINT4 quantized in {time.perf_counter() - t0:.1f} s)")
                 if cls_name == "ggml":
-                    peer = peers_ggml.GgmlRunner(ggml, fmt, shape, E, tokens, W, threads, cases)
+                    peer = peers_ggml.GgmlRunner(ggml, fmt, shape, E, W, threads, cases)
                 else:
                     with c_stdout(args.verbose):
                         peer = KtRunner(kt, cpu_infer, cls_name, label, shape, E, max(tokens), W,

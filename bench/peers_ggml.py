@@ -14,22 +14,29 @@ bytes order): BF16 as they are, Q8_0 and Q4_0 quantized by ggml's own `ggml_quan
 (what llama.cpp's quantizer calls). Each weight tensor lives where llama.cpp would put it: in
 the CPU backend's repack buffer ("CPU_REPACK", Q4_0 re-laid in 8x8 blocks on x86 with AVX2)
 when that buffer type takes it, else in a plain CPU buffer. Activations are f32, as in
-llama.cpp. The graph runs on the CPU backend with a persistent ggml threadpool (llama-cli's
-and llama-server's way; without one every compute would start its threads anew), memory
-planned by ggml-alloc, one graph per token count, built once; only the routing changes
-between calls.
+llama.cpp. The graph runs on the CPU backend with `threads` threads and a ggml threadpool
+attached, as llama-cli and llama-server attach one (in a ggml built with OpenMP, as
+llama-cpp-python builds it where the compiler has OpenMP, OpenMP's threads run the graph and
+the threadpool only carries the thread count), memory planned by ggml-alloc, one graph per
+token count, built once; only the routing changes between calls.
 """
 from __future__ import annotations
 
 import ctypes as C
 import glob
-import os
+import time
 from pathlib import Path
 
 import torch
 
 GGML_TYPE = {"f32": 0, "q4_0": 2, "q8_0": 8, "i32": 26, "bf16": 30}
 FORMAT_TYPE = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}  # tandem format -> the ggml type compared
+
+
+def label(fmt: str) -> str:
+    """The peer's name in bench_peers' tables for tandem format `fmt`: "ggml Q4_0", ..."""
+    return f"ggml {FORMAT_TYPE[fmt].upper()}"
+
 USAGE_WEIGHTS = 1
 MAX_THREADS = 512  # GGML_MAX_N_THREADS: the size of ggml_threadpool_params.cpumask
 
@@ -153,10 +160,9 @@ class GgmlRunner:
     """One MoE layer in ggml (see the module docstring). Same interface as bench_peers'
     runners: call(case, r), output(T), free()."""
 
-    def __init__(self, g: Ggml, fmt: str, shape: dict, E: int, tokens: list[int], W, threads: int,
-                 cases: list[dict]):
+    def __init__(self, g: Ggml, fmt: str, shape: dict, E: int, W, threads: int, cases: list[dict]):
         self.g = g
-        self.name = f"ggml {FORMAT_TYPE[fmt].upper()}"
+        self.name = label(fmt)
         self.type = GGML_TYPE[FORMAT_TYPE[fmt]]
         H, I, K = shape["hidden"], shape["inter"], shape["top_k"]
         self.H, self.I, self.K = H, I, K
@@ -174,14 +180,13 @@ class GgmlRunner:
         if not self.buf:
             raise MemoryError("ggml could not allocate the weights' buffer")
         g.ggml_backend_buffer_set_usage(self.buf, USAGE_WEIGHTS)
-        import time
         t0 = time.perf_counter()
         for t, src in zip(self.w, W):
             self._set_weight(t, src)
         self.load_s = time.perf_counter() - t0
         self.bytes = sum(g.ggml_nbytes(t) for t in self.w)
         self.desc = (f"{FORMAT_TYPE[fmt].upper()} in {g.ggml_backend_buft_name(buft).decode()}, "
-                     f"{threads} threads in a ggml threadpool; ggml CPU features: {g.cpu_features()}")
+                     f"{threads} threads; ggml CPU features: {g.cpu_features()}")
 
         self.backend = g.ggml_backend_cpu_init()
         g.ggml_backend_cpu_set_n_threads(self.backend, threads)

@@ -93,12 +93,13 @@ inline const std::byte* int4_group(const PackedWeight& w, const std::byte* panel
   return panel + gi * w.group_stride;
 }
 // prefetch_ahead, called for each packed row of nibbles, reaches the nibbles of the group
-// 8 KB ahead but not what follows a group's nibbles (its 64 fp16 scales and, asymmetric, zero
+// kPrefetchAhead bytes ahead but not what follows a group's nibbles (its 64 fp16 scales and, asymmetric, zero
 // points): at group 32, 2 of every 18 lines (3 of 19) were left to demand misses from memory.
-// Called once per group, this asks for those lines of the group 8 KB ahead.
+// Called once per group, this asks for those lines, the same distance ahead.
 inline void prefetch_group_tail(const PackedWeight& w, const std::byte* group) {
-  const size_t nibbles = static_cast<size_t>(w.group) * kPanel / 2;
-  for (size_t off = nibbles; off < w.group_stride; off += 64) _mm_prefetch(reinterpret_cast<const char*>(group) + off + 8192, _MM_HINT_T1);
+  const char* ahead = reinterpret_cast<const char*>(group) + kPrefetchAhead;
+  for (size_t off = static_cast<size_t>(w.group) * kPanel / 2; off < w.group_stride; off += 64)
+    _mm_prefetch(ahead + off, _MM_HINT_T1);
 }
 inline const uint16_t* int4_scales(const PackedWeight& w, const std::byte* group) {
   return reinterpret_cast<const uint16_t*>(group + static_cast<size_t>(w.group) * kPanel / 2);
