@@ -33,6 +33,7 @@ as ``output_attentions`` works through hooks); any other call runs transformers'
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -417,6 +418,78 @@ _MODEL_HARMLESS = frozenset({"cache_position", "use_cache", "return_dict"})
 _OUTPUT_FLAGS = ("output_attentions", "output_hidden_states", "output_router_logits")
 
 
+# Rotary embeddings whose output for a position depends on nothing but that position and
+# the module's inv_freq (the "dynamic" and "longrope" kinds rescale with the call's length).
+STATIC_ROPE = frozenset({"default", "linear", "llama3", "yarn"})
+ROPE_TABLE_MAX = 1 << 16  # positions a table holds at most; later ones call the module
+
+
+class _RopeTable:
+    """The rotary embedding of positions [0, length) from one call of the model's own rotary
+    module, for the one-token steps to read their position's row instead of calling it
+    (~30 us a call, several times that once a token's weights have gone through the
+    caches). Made for the first ``ROPE_TABLE_MAX`` positions, grown by doubling, and used
+    only if nine rows spread over it, its last and the position asked for have the bits of
+    one-position calls (a vectorized cos over another length could round differently);
+    remade when inv_freq or attention_scaling change."""
+
+    def __init__(self, rotary: nn.Module, mla: bool) -> None:
+        self.rotary, self.mla = rotary, mla
+        kind = getattr(rotary, "rope_type", None)
+        self.on = isinstance(kind, str) and kind in STATIC_ROPE and isinstance(getattr(rotary, "inv_freq", None),
+                                                                               torch.Tensor)
+        self.length, self.key = 0, None
+        self.x = torch.zeros(1, 1, 1, dtype=torch.bfloat16)  # the dtype the steps read
+
+    def _state(self) -> tuple:
+        f = self.rotary.inv_freq
+        return f.data_ptr(), f._version, getattr(self.rotary, "attention_scaling", None)
+
+    def _split(self, pe: Any) -> tuple[torch.Tensor, ...] | None:
+        """The table's tensors: (cos, sin) [length, D] bf16, or MLA's frequencies as fp32
+        pairs [length, rope]."""
+        if self.mla:
+            if not isinstance(pe, torch.Tensor) or pe.dtype != torch.complex64:
+                return None
+            return (torch.view_as_real(pe).reshape(pe.shape[-2], -1).contiguous(),)
+        if not isinstance(pe, tuple) or len(pe) != 2 or any(t.dtype != torch.bfloat16 for t in pe):
+            return None
+        return tuple(t.reshape(t.shape[-2], -1).contiguous() for t in pe)
+
+    def _make(self, n: int) -> bool:
+        length = max(256, self.length)
+        while length <= n:
+            length *= 2
+        length = min(length, ROPE_TABLE_MAX)
+        with torch.no_grad():
+            key = self._state()
+            parts = self._split(self.rotary(self.x, torch.arange(length)[None]))
+            if parts is None or self._state() != key:
+                return False
+            for p in sorted({n, length - 1, *range(0, length, length // 8)}):
+                one = self._split(self.rotary(self.x, torch.tensor([[p]])))
+                if one is None or not all(torch.equal(a[p:p + 1], b) for a, b in zip(parts, one)):
+                    return False
+        self.parts, self.length, self.key = parts, length, key
+        self.rows = [(t.data_ptr(), t.shape[1] * t.element_size()) for t in parts]
+        return True
+
+    def row(self, n: int) -> tuple[int, int, int] | None:
+        """Position n's pointers for the stack (cos, sin, 0), or (0, 0, frequencies); None
+        where the module must be called."""
+        if not self.on or n >= ROPE_TABLE_MAX:
+            return None
+        if n >= self.length or self._state() != self.key:
+            if not self._make(n):
+                self.on = False  # not of this form: the module's calls from now on
+                return None
+        if self.mla:
+            p, b = self.rows[0]
+            return 0, 0, p + n * b
+        (c, b), (s, _) = self.rows
+        return c + n * b, s + n * b, 0
+
+
 class _ModelStep:
     """One token through a whole base model: embedding, rotary embedding, every decoder
     layer's step in one C++ call (``_C.DecoderStack``, each layer appending its key and
@@ -435,6 +508,8 @@ class _ModelStep:
         self.forwards = [(layer.__dict__, layer.__dict__.get("forward")) for layer in self.layers]
         self.table = torch.zeros(len(steps), 6, dtype=torch.int64)  # per layer: the cache's pointers and strides
         self.bufs: list = []  # the buffers the table was made from
+        self.rope = _RopeTable(base.rotary_emb, self.mla)
+        self.pe = None  # the rotary module's output while the stack reads it (no table row)
         self.enabled = True
 
     def takes(self, input_ids: Any, inputs_embeds: Any, attention_mask: Any, position_ids: Any, cache: Any,
@@ -496,25 +571,42 @@ class _ModelStep:
         self.table = torch.tensor(rows, dtype=torch.int64)
         self.bufs = bufs
 
+    def position(self, x: torch.Tensor, n: int) -> tuple[int, int, int] | None:
+        """The stack's rotary arguments for position n (cos and sin pointers, or MLA's
+        frequencies): a row of the table, else the rotary module's own output for n (kept
+        in ``self.pe`` while the stack reads it); None when that is not of the steps' form."""
+        ptrs = self.rope.row(n)
+        if ptrs is not None:
+            return ptrs
+        pe = self.base.rotary_emb(x, torch.tensor([[n]], device=x.device))
+        if not self.steps[0]._pos_ok(pe):
+            return None
+        self.pe = pe
+        if self.mla:
+            return 0, 0, torch.view_as_real(pe).data_ptr()
+        return pe[0].data_ptr(), pe[1].data_ptr(), 0
+
+    def run(self, x: torch.Tensor, cache: Any, n: int, pos: tuple[int, int, int]) -> None:
+        """x [hidden] bf16, contiguous, in place through every layer at position n; the
+        cache's views then end at n + 1."""
+        self._cache_table(cache)
+        self.stack.run(x.data_ptr(), *pos, self.table.data_ptr(), n)
+        self.pe = None
+        for c in cache.layers:
+            c.filled(n + 1)
+
     def __call__(self, input_ids: torch.Tensor, cache: Any, n: int) -> Any:
         from transformers.modeling_outputs import MoeModelOutputWithPast
 
         base = self.base
         x = base.embed_tokens(input_ids)
-        pos = torch.tensor([[n]], device=x.device)
-        pe = base.rotary_emb(x, pos)
-        st = self.steps[0]
-        if x.dtype != torch.bfloat16 or x.shape != (1, 1, st.hidden) or not st._pos_ok(pe):
+        if x.dtype != torch.bfloat16 or x.shape != (1, 1, self.steps[0].hidden):
             return None
         x = x.contiguous().clone()
-        self._cache_table(cache)
-        if self.mla:
-            args = (0, 0, torch.view_as_real(pe).data_ptr())
-        else:
-            args = (pe[0].data_ptr(), pe[1].data_ptr(), 0)
-        self.stack.run(x.data_ptr(), *args, self.table.data_ptr(), n)
-        for c in cache.layers:
-            c.filled(n + 1)
+        pos = self.position(x, n)
+        if pos is None:
+            return None
+        self.run(x, cache, n, pos)
         return MoeModelOutputWithPast(last_hidden_state=base.norm(x), past_key_values=cache)
 
 
@@ -582,4 +674,169 @@ def use_model_step(model: nn.Module) -> bool:
     base.forward = forward
     base.tandem_module_forward = module_forward
     base.tandem_model_step = fast
+    return True
+
+
+# Causal LMs whose forward is: the base model, its last hidden state's last position (or
+# all, ``logits_to_keep``) through lm_head, a loss only with labels, an auxiliary loss only
+# with router logits. The probe still decides.
+HEAD_STEP_MODELS = frozenset({"Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV2ForCausalLM"})
+# The causal LM's own keywords the head step reads; every other goes to the model step's checks.
+_HEAD_ARGS = ("input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds", "use_cache")
+
+
+class _HeadStep:
+    """One token through a whole causal LM: the embedding's row, the model step's stack,
+    the final norm (``_C.rms_norm_bf16``, as ``TandemRMSNorm``) and lm_head (its
+    ``TandemLinear``'s packed weight, bf16 out, as its forward) called directly, and the
+    output the model's forward returns (logits and the cache). transformers' module calls
+    around them (embedding, rotary embedding, norm, lm_head, the causal LM's and base
+    model's glue: ~1 ms of Python a token on the 2-core machine, since a token's weights
+    have just gone through the caches) go."""
+
+    def __init__(self, model: nn.Module, fast: _ModelStep) -> None:
+        from .dense import TandemLinear, TandemRMSNorm
+
+        base = fast.base
+        self.model, self.fast, self.base = model, fast, base
+        lm, norm, emb = model.lm_head, base.norm, base.embed_tokens
+        if not (type(lm) is TandemLinear and lm.fused_with == 1 and lm.bias is None and type(norm) is TandemRMSNorm
+                and type(emb) is nn.Embedding and emb.max_norm is None):
+            raise ValueError("lm_head, the final norm or the embedding is not of the head step's form")
+        H = fast.steps[0].hidden
+        if lm.in_features != H or norm.weight.shape != (H,) or emb.weight.shape[1] != H:
+            raise ValueError("lm_head, the final norm or the embedding does not take the hidden size")
+        self.lm, self.norm, self.emb, self.H, self.V = lm, norm, emb, H, lm.out_features
+        self.parts = [(model._modules, "lm_head", lm), (model._modules, "model", base),
+                      (base._modules, "norm", norm), (base._modules, "embed_tokens", emb),
+                      (base._modules, "rotary_emb", base.rotary_emb)]
+        # hooks on these would see calls the step no longer makes (the causal LM's own hooks
+        # still run: its forward is what is replaced)
+        self.watched = [base, lm, norm, emb, base.rotary_emb]
+        self.hooks = [_hooks(m) for m in self.watched]
+        if any(h != (0, 0) for h in self.hooks):
+            raise ValueError("the base model, lm_head, the final norm or the embedding has hooks")
+        self.base_forward = base.__dict__.get("forward")
+        self.x = torch.empty(H, dtype=torch.bfloat16)
+        self.xn = torch.empty(H, dtype=torch.bfloat16)
+        self.out_cls = None  # the forward's output type (the probe's)
+        self.enabled = True
+
+    def ok(self) -> bool:
+        """The checks that do not depend on the call: the parts, weights and forwards found
+        at install, no hooks on them, the kernels' own bf16 output."""
+        norm, emb, lm = self.norm, self.emb, self.lm
+        return (self.enabled and self.out_cls is not None and self.base.__dict__.get("forward") is self.base_forward
+                and all(d.get(a) is m for d, a, m in self.parts)
+                and all(_hooks(m) == h for m, h in zip(self.watched, self.hooks))
+                and norm.weight.dtype == torch.bfloat16 and norm.weight.is_contiguous()
+                and emb.weight.dtype == torch.bfloat16 and emb.weight.device.type == "cpu"
+                and not lm._packed.biases and lm._packed.bf16_on_pool)
+
+    def __call__(self, input_ids: torch.Tensor, cache: Any, n: int) -> Any:
+        from . import _C
+
+        tok = int(input_ids)
+        w = self.emb.weight
+        if not 0 <= tok < w.shape[0]:
+            return None  # the module path raises its own error
+        x, xn = self.x, self.xn
+        x.copy_(w[tok])
+        pos = self.fast.position(x, n)
+        if pos is None:
+            return None
+        self.fast.run(x, cache, n, pos)
+        _C.rms_norm_bf16(x.data_ptr(), self.norm.weight.data_ptr(), self.norm.eps, 1, self.H, xn.data_ptr())
+        logits = torch.empty(1, 1, self.V, dtype=torch.bfloat16)
+        packed = self.lm._packed
+        packed.dense.forward_bf16(xn.data_ptr(), True, 1, self.H, logits.data_ptr(), self.V)
+        packed.runs += 1
+        return self.out_cls(logits=logits, past_key_values=cache)
+
+    def takes(self, kwargs: dict) -> int | None:
+        """The cache's length when this call of the causal LM's forward (keywords only) is
+        one the model step takes and its output is the logits alone; else None."""
+        if (kwargs.get("labels") is not None or kwargs.get("output_router_logits")
+                or not isinstance(kwargs.get("logits_to_keep", 0), int)
+                or getattr(self.model.config, "return_dict", True) is False or not self.ok()):
+            return None
+        rest = {k: v for k, v in kwargs.items() if k not in _HEAD_ARGS and k not in ("labels", "logits_to_keep")}
+        get = kwargs.get
+        return self.fast.takes(get("input_ids"), get("inputs_embeds"), get("attention_mask"), get("position_ids"),
+                               get("past_key_values"), get("use_cache"), rest)
+
+
+def _probe_head(module_forward: Any, head: _HeadStep, seed: int) -> bool:
+    """A random 3-token prompt through the causal LM's own forward, then two one-token
+    steps through it and through the head step, each on a fresh cache: the same logits,
+    bit for bit, in the same output type?"""
+    from .kv_cache import GrowingCache
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, head.emb.weight.shape[0], (1, 5), generator=g)
+    outs, types = [], []
+    try:
+        with torch.no_grad():
+            for use_head in (False, True):
+                cache = GrowingCache(config=head.model.config)
+                module_forward(input_ids=ids[:, :3], past_key_values=cache, use_cache=True)
+                got = []
+                for t in (3, 4):
+                    one = ids[:, t:t + 1]
+                    y = head(one, cache, t) if use_head else module_forward(input_ids=one, past_key_values=cache,
+                                                                            use_cache=True, logits_to_keep=1)
+                    if y is None:
+                        return False
+                    types.append((type(y), tuple(y.keys())))
+                    got.append(y.logits)
+                outs.append(got)
+    except (ValueError, RuntimeError, TypeError):
+        return False
+    if len(set(types)) != 1:
+        return False
+    return all(a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(*outs))
+
+
+def use_head_step(model: nn.Module) -> bool:
+    """Gives a causal LM whose base model has the model step (``use_model_step``) the
+    one-token path of ``_HeadStep`` where a probe agrees; returns whether it did. Every call
+    the path does not take (positional arguments after input_ids, labels, router logits,
+    any call the model step would not take) runs the model's own forward."""
+    base = getattr(model, "model", None)
+    fast = getattr(base, "tandem_model_step", None) if base is not None else None
+    if (type(model).__name__ not in HEAD_STEP_MODELS or not isinstance(fast, _ModelStep)
+            or "tandem_module_forward" in model.__dict__):
+        return False
+    try:
+        head = _HeadStep(model, fast)
+    except ValueError:
+        return False
+    module_forward = model.forward
+    # the probe's output type, for the probe's own head calls
+    try:
+        with torch.no_grad():
+            from .kv_cache import GrowingCache
+            cache = GrowingCache(config=model.config)
+            head.out_cls = type(module_forward(input_ids=torch.zeros(1, 1, dtype=torch.long), past_key_values=cache,
+                                               use_cache=True))
+    except (ValueError, RuntimeError, TypeError):
+        return False
+    if not _probe_head(module_forward, head, seed=len(fast.steps)):
+        return False
+
+    @functools.wraps(module_forward)
+    def forward(*args, **kwargs):
+        if len(args) <= 1 and head.enabled:
+            kw = dict(kwargs, input_ids=args[0]) if args and "input_ids" not in kwargs else kwargs
+            if not args or kw is not kwargs:
+                n = head.takes(kw)
+                if n is not None:
+                    out = head(kw["input_ids"], kw["past_key_values"], n)
+                    if out is not None:
+                        return out
+        return module_forward(*args, **kwargs)
+
+    model.forward = forward
+    model.tandem_module_forward = module_forward
+    model.tandem_head = head
     return True

@@ -31,7 +31,7 @@ from .checkpoint_reader import TensorReader
 from .config import ConfigLike, config_json
 from .checkpoint_names import CheckpointNames
 from .attention import is_mla, use_mla_absorption, use_pool_attention
-from .decode_step import use_decoder_steps, use_model_step
+from .decode_step import use_decoder_steps, use_head_step, use_model_step
 from .dense import replace_dense, replace_norms, use_gated_mlps
 from .router import replace_routers
 from .discovery import PLAIN, ExpertMath, expert_shape, find_moe_blocks, oai_math
@@ -464,6 +464,8 @@ def load_model(path: str | os.PathLike | None = None, config: ConfigLike = None,
             model.tandem_decoder_steps = use_decoder_steps(model, engine) if model.tandem_attention else 0
             # And all of them in one C++ call per token where every layer has its step.
             model.tandem_model_step = use_model_step(model) if model.tandem_decoder_steps else False
+            # And the embedding, final norm and lm_head around that call too (one path per token).
+            model.tandem_head_step = use_head_step(model) if model.tandem_model_step else False
     if not train and device.type == "cpu":
         # generate appends to the KV cache in place (tandem.kv_cache), not by torch.cat.
         use_growing_cache(model)
