@@ -35,12 +35,19 @@ from torch import nn
 
 
 class TandemRouter(nn.Module):
-    """A softmax-then-top-k router on tandem's kernels (see the module docstring)."""
+    """A softmax-then-top-k router on tandem's kernels (see the module docstring).
+
+    ``replace_routers`` makes each one an instance of ``router_class(type(router))``, a
+    subclass of both this class and the router's own: transformers finds the modules whose
+    outputs ``output_router_logits`` records by their class, and would otherwise record
+    nothing (its auxiliary loss then failed with an IndexError on an empty tuple).
+    Attributes this class does not have (the router's config, ``norm_topk_prob``, ...) are
+    the replaced router's."""
 
     def __init__(self, engine: Any, router: nn.Module, top_k: int, renorm: bool, scores_dtype: torch.dtype,
                  name: str, logits_dtype: torch.dtype = torch.bfloat16, scale: float = 1.0, groups: int = 1,
                  top_groups: int = 1, sorted: bool = True) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # (not the router class's __init__, in a subclass of both)
         w = router.weight
         # The module's own Parameter under the same name (state_dict keys and .to() see it);
         # the module itself is kept for other inputs, not registered (no second copy).
@@ -64,6 +71,15 @@ class TandemRouter(nn.Module):
         """The router this one replaced (runs every input the kernels do not take)."""
         return self._inner
 
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__.get("_inner")
+            if inner is None or name.startswith("__"):
+                raise
+            return getattr(inner, name)
+
     def forward(self, hidden_states: torch.Tensor):
         x = hidden_states
         if (x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] != self.hidden_dim
@@ -86,6 +102,20 @@ class TandemRouter(nn.Module):
         return (f"experts={self.num_experts}, hidden={self.hidden_dim}, top_k={self.top_k}, renorm={self.renorm}, "
                 f"logits={str(self.logits_dtype).removeprefix('torch.')}, "
                 f"scores={str(self.scores_dtype).removeprefix('torch.')}{extra} (tandem)")
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def router_class(kind: type) -> type:
+    """``TandemRouter`` as a subclass of the router class `kind` too (one per class)."""
+    if kind is TandemRouter or issubclass(kind, TandemRouter):
+        return kind
+    cls = _CLASSES.get(kind)
+    if cls is None:
+        cls = type(f"Tandem{kind.__name__}", (TandemRouter, kind), {"__module__": __name__, "__doc__": TandemRouter.__doc__})
+        _CLASSES[kind] = cls
+    return cls
 
 
 def _probe(hidden: int, n: int, seed: int) -> torch.Tensor:
@@ -173,8 +203,8 @@ def _checked(engine: Any, router: nn.Module, k: int, name: str, seed: int) -> Ta
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         return None
     try:  # the weight packed once, for the probe and after
-        cand = TandemRouter(engine, router, k, True, sd, name, logits_dtype=ld, scale=float(scale), groups=groups,
-                            top_groups=top_groups)
+        cand = router_class(type(router))(engine, router, k, True, sd, name, logits_dtype=ld, scale=float(scale),
+                                          groups=groups, top_groups=top_groups)
         for sorted_ in (True, False):
             for renorm in (True, False):
                 cand.sorted, cand.renorm = sorted_, renorm

@@ -272,3 +272,33 @@ def test_load_model_replaces_the_routers_it_can(ckpt, kind):
     assert ((a - b).abs()[ok].max() / b.abs().max()).item() <= 2 ** -6
     torch_routers = tandem.load_model(path, cfg("torch"), progress=False)
     assert not any(isinstance(m, TandemRouter) for m in torch_routers.modules())
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "deepseek_v2"])
+def test_router_logits_are_recorded_from_tandems_routers(ckpt, kind):
+    """output_router_logits: transformers records the outputs of the modules of its router
+    class; tandem's routers are of that class too (before, nothing was recorded and the
+    auxiliary loss failed with an IndexError). Against the same model with the module
+    routers put back: as many router logits, of the same shapes and dtype, within 2^-6 of
+    the largest (the fp32 sums' order, as the test above bounds the logits), and the same
+    auxiliary loss within 1%."""
+    path = ckpt(kind, "bf16")
+    model = tandem.load_model(path, cfg(), progress=False)
+    routers = {n: m for n, m in model.named_modules() if isinstance(m, TandemRouter)}
+    assert routers and all(isinstance(m, type(m.inner)) for m in routers.values())
+    assert all(m.num_experts == m.inner.num_experts for m in routers.values())  # the router's own attributes
+    plain = tandem.load_model(path, cfg(), progress=False)
+    for name, m in routers.items():
+        parent, _, attr = name.rpartition(".")
+        setattr(plain.get_submodule(parent), attr, m.inner)
+    x = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        out = model(x, output_router_logits=True)
+        ref = plain(x, output_router_logits=True)
+    assert len(out.router_logits) == len(ref.router_logits) == len(routers)
+    for a, b in zip(out.router_logits, ref.router_logits):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert ((a.double() - b.double()).abs().max() / b.double().abs().max()).item() <= 2 ** -6
+    if ref.aux_loss is not None:
+        assert out.aux_loss is not None
+        assert abs(out.aux_loss.item() - ref.aux_loss.item()) <= 0.01 * abs(ref.aux_loss.item())
