@@ -15,6 +15,16 @@ reads the cache, fp32 accumulation, one bf16 rounding, as SDPA's CPU kernels rou
 every other call (prefill, a float mask, softcap, attention sinks, gradients) goes to
 transformers' own SDPA function unchanged.
 
+**Prefill attention on the pool's cores.** torch keeps one thread beside the pool, so a
+prompt's SDPA ran on one core while the pool's waited: 5 ms per layer at 128 tokens and
+64 ms at 512 for Qwen3-30B-A3B's 32 heads on the 2-core Zen 4 machine, 10-13% of the whole
+prefill. Such calls (``_head_parts``: inference on the CPU, the pool having more threads
+than torch, at least ``PREFILL_SPLIT_MIN`` query x key x head products, a mask shared by
+the heads, no unknown keyword) run as one SDPA call per pool thread on contiguous groups of
+heads (whole GQA groups), on Python threads (torch releases the GIL inside SDPA, and
+parked threads do not spin as torch's OpenMP workers would on the pool's cores). Each
+head's arithmetic is the same alone, so the output is that of the whole call, bit for bit.
+
 torch 2.11 sends the SDPA calls of transformers' models on an H100 / H200 to cuDNN, which
 builds an execution plan for every new shape it sees. In generation every decode step has a
 new key length, so every step of a first generation builds plans: on an H200 (2026-11-27)
@@ -79,7 +89,70 @@ def _mask_rows(mask: torch.Tensor) -> tuple[torch.Tensor, int]:
 def _sdpa(module, query, key, value, attention_mask, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    parts = _head_parts(module, query, key, value, attention_mask, kwargs)
+    if parts is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    # The heads in `parts` contiguous groups, each SDPA call on its own thread (the first on
+    # this one): torch releases the GIL inside, and each head's arithmetic is the same alone.
+    futures = [_helpers(len(parts) - 1).submit(sdpa_attention_forward, module, query[:, q0:q1], key[:, k0:k1],
+                                               value[:, k0:k1], attention_mask, **kwargs)
+               for q0, q1, k0, k1 in parts[1:]]
+    q0, q1, k0, k1 = parts[0]
+    outs = [sdpa_attention_forward(module, query[:, q0:q1], key[:, k0:k1], value[:, k0:k1], attention_mask,
+                                   **kwargs)[0]]
+    outs += [f.result()[0] for f in futures]
+    return torch.cat(outs, dim=2), None
+
+
+# Prefill attention on the pool's cores: SDPA calls of at least this many query x key x head
+# products (one 128-token prompt of Qwen3-30B-A3B's 32 heads is 2^19) have their heads split
+# over threads, one per pool thread; smaller ones are not worth a thread's wake-up.
+PREFILL_SPLIT_MIN = 1 << 16
+_HELPERS: list = [None, 0]  # (executor, workers)
+
+
+def _helpers(n: int) -> Any:
+    """A thread pool of n workers (made again larger when asked for more)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if _HELPERS[0] is None or _HELPERS[1] < n:
+        _HELPERS[0], _HELPERS[1] = ThreadPoolExecutor(n, thread_name_prefix="tandem-attention"), n
+    return _HELPERS[0]
+
+
+def _head_parts(module, query, key, value, mask, kwargs) -> list[tuple[int, int, int, int]] | None:
+    """How a prefill SDPA call of a CPU model on tandem's pool splits by heads: (q0, q1, k0, k1)
+    per part, query heads [q0, q1) with key / value heads [k0, k1) (whole groups of a GQA, or
+    every part with the one key head of an MQA); None to run it whole. torch keeps one thread
+    beside the pool (``share_cpu_with_torch``), so a long prompt's attention ran on one core
+    while the pool's cores waited: a 512-token prompt of a Qwen3-30B-A3B-shaped layer spent
+    64 ms in it on the 2-core machine (bench/RESULTS.md). Split when the call is inference
+    on the CPU, the pool has more threads than torch, the mask (if any) is the same for
+    every head, and no keyword beyond dropout and scaling changes the math."""
+    engine = module.__dict__.get("tandem_attention_engine")
+    if engine is None or query.device.type != "cpu" or query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        return None
+    threads = getattr(engine, "threads", 1)
+    B, Hq, Lq, D = query.shape
+    Hkv, L = key.shape[1], key.shape[2]
+    if (threads <= torch.get_num_threads() or Lq * L * Hq < PREFILL_SPLIT_MIN or Hq < 2 or Hq % Hkv
+            or value.shape[1] != Hkv or _unknown_kwargs({k: v for k, v in kwargs.items() if k not in ("dropout", "scaling")})
+            or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))):
+        return None
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[1] != 1):
+        return None
+    groups = Hkv if Hkv > 1 else Hq  # the units a part takes whole
+    per = Hq // groups                # query heads per unit
+    n = min(threads, groups)
+    if n < 2:
+        return None
+    parts, u0 = [], 0
+    for i in range(n):
+        u1 = u0 + groups // n + (1 if i < groups % n else 0)
+        k0, k1 = (u0, u1) if Hkv > 1 else (0, 1)
+        parts.append((u0 * per, u1 * per, k0, k1))
+        u0 = u1
+    return parts
 
 
 def pool_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

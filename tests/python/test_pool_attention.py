@@ -1,5 +1,6 @@
 """Decode attention on tandem's pool (tandem.attention.use_pool_attention): the function
-transformers calls instead of SDPA in a CPU model loaded by tandem.load_model.
+transformers calls instead of SDPA in a CPU model loaded by tandem.load_model; and prefill
+SDPA calls split by heads over the pool's cores (bit-identical to whole calls).
 
 - Function level, against fp64 on random inputs (GQA, a padding mask, MLA's value dim):
   within one bf16 rounding of the output plus the fp32 score error, as SDPA itself is.
@@ -231,3 +232,60 @@ def test_mla_absorbed_attention_matches_fp64(ckpt, seed, on_pool):
     assert isinstance(wk, tandem._C.DenseLinear) == on_pool and isinstance(wv, tandem._C.DenseLinear) == on_pool
     if on_pool:
         assert (wk.groups, wk.n, wk.k) == (H, H * r, nope) and (wv.groups, wv.n, wv.k) == (H, H * v, r)
+
+
+def test_prefill_head_parts(engine, monkeypatch):
+    """Which prefill calls split their heads over the pool's threads, and how: whole GQA
+    groups per part (every part with the one key head of an MQA), and none for calls that
+    are small, need a gradient, have a per-head mask or unknown math, or when torch already
+    has as many threads as the pool."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    mod = _Attn(4, engine)
+    threads = engine.threads
+    assert threads >= 2
+    q, k = torch.zeros(1, 8, 128, 16), torch.zeros(1, 2, 128, 16)
+    parts = ta._head_parts(mod, q, k, k, None, {"dropout": 0.0, "scaling": 0.25})
+    assert parts == [(0, 4, 0, 1), (4, 8, 1, 2)]  # two kv groups: at most two parts
+    mqa = ta._head_parts(mod, q, k[:, :1], k[:, :1], None, {})
+    assert len(mqa) == min(threads, 8) and all(p[2:] == (0, 1) for p in mqa)
+    assert [p[0] for p in mqa] + [8] == sorted({p[0] for p in mqa} | {8})  # contiguous, covering 0..8
+    three = ta._head_parts(mod, torch.zeros(1, 6, 128, 16), torch.zeros(1, 3, 128, 16), torch.zeros(1, 3, 128, 16),
+                           None, {})
+    assert len(three) == min(threads, 3)  # three kv groups of two query heads, whole groups per part
+    assert all(q0 == 2 * k0 and q1 == 2 * k1 for q0, q1, k0, k1 in three)
+    assert three[0][0] == 0 and three[-1][1] == 6 and all(a[1] == b[0] for a, b in zip(three, three[1:]))
+    mask = torch.ones(1, 1, 128, 128, dtype=torch.bool)
+    assert ta._head_parts(mod, q, k, k, mask, {}) == parts
+    assert ta._head_parts(mod, q, k, k, torch.ones(1, 8, 128, 128, dtype=torch.bool), {}) is None  # per head
+    assert ta._head_parts(mod, q[:, :, :4], k[:, :, :4], k[:, :, :4], None, {}) is None  # small
+    assert ta._head_parts(mod, q, k, k, None, {"softcap": 30.0}) is None
+    assert ta._head_parts(mod, q.requires_grad_(), k, k, None, {}) is None
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    assert ta._head_parts(mod, q.detach(), k, k, None, {}) is None
+    no_engine = _Attn(4, None)
+    del no_engine.__dict__["tandem_attention_engine"]
+    assert ta._head_parts(no_engine, q.detach(), k, k, None, {}) is None
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "deepseek_v2"])
+def test_prefill_split_over_heads_gives_sdpas_bits(ckpt, kind, monkeypatch):
+    """A model's prefill logits with every SDPA call's heads split over threads are those of
+    whole calls, bit for bit (each head's arithmetic is the same alone), with and without a
+    padding mask; the split really ran."""
+    path = ckpt(kind, "bf16")
+    model = tandem.load_model(path, {"version": 1, "cpu": {"virtual_subpools": 2}, "gpu": {"device": "none"}},
+                              progress=False)
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, :7] = 0  # left padding
+    split = []
+    real = ta._helpers
+    monkeypatch.setattr(ta, "_helpers", lambda n: split.append(n) or real(n))
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(ta, "PREFILL_SPLIT_MIN", 1 if on else 1 << 60)
+        split.clear()
+        with torch.no_grad():
+            outs[on] = (model(ids).logits, model(ids, attention_mask=mask).logits)
+        assert bool(split) == on
+    assert all(torch.equal(a, b) for a, b in zip(outs[False], outs[True]))
