@@ -22,7 +22,12 @@ alternated figures compare):
   / one call pair per layer from transformers' layer loop;
 - ``mlps``: gated MLPs (shared experts, dense MLPs) in one call (``tandem.dense.use_gated_mlps``) /
   transformers' MLP over tandem's layers (DeepSeek-V2 shapes; with the decoder-layer steps
-  off in both arms, since a step needs its MLP's path).
+  off in both arms, since a step needs its MLP's path);
+- ``head``: the whole causal LM's token without module calls (``tandem.decode_step.use_head_step``:
+  embedding row, stack, final norm, lm_head) / the model step inside transformers' causal LM;
+- ``split``: prefill SDPA calls split by heads over the pool's threads
+  (``tandem.attention.PREFILL_SPLIT_MIN``) / whole on torch's one thread (read the prefill ratio;
+  try ``--prompt 512``).
 
     .venv/bin/python bench/ab_decode.py norms                  # int4 experts, int4 dense layers
     .venv/bin/python bench/ab_decode.py projections --format bf16 --dense auto --rounds 8
@@ -33,6 +38,8 @@ alternated figures compare):
     .venv/bin/python bench/ab_decode.py layers --format bf16 --dense auto
     .venv/bin/python bench/ab_decode.py layers --model deepseek-v2-lite --group-size 64 --format bf16 --dense auto
     .venv/bin/python bench/ab_decode.py mlps --model deepseek-v2-lite --group-size 64
+    .venv/bin/python bench/ab_decode.py head --rounds 8
+    .venv/bin/python bench/ab_decode.py split --prompt 512 --new 4 --format bf16 --dense auto
 
 The checkpoints are bench_hf.py's random ones (Qwen3-30B-A3B or DeepSeek-V2-Lite shapes,
 4 layers, vocabulary 32768), built once into tandem's cache.
@@ -90,6 +97,19 @@ def mla_slots(model: nn.Module) -> list:
 
     return [(_MlaSlot(m), "engine", m.__dict__["tandem_attention_engine"], None)
             for m in model.modules() if is_mla(m) and "tandem_attention_engine" in m.__dict__]
+
+
+def head_slots(model: nn.Module) -> list:
+    """(the causal LM's one-token step, "enabled", True, False)."""
+    head = getattr(model, "tandem_head", None)
+    return [(head, "enabled", True, False)] if head is not None else []
+
+
+def split_slots(model: nn.Module) -> list:
+    """(tandem.attention, "PREFILL_SPLIT_MIN", its value, never)."""
+    from tandem import attention
+
+    return [(attention, "PREFILL_SPLIT_MIN", attention.PREFILL_SPLIT_MIN, 1 << 62)]
 
 
 def bf16out_slots(model: nn.Module) -> list:
@@ -153,7 +173,7 @@ def projection_slots(model: nn.Module, cfg: dict) -> list[tuple[nn.Module, str, 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("what", choices=("norms", "projections", "routers", "cache", "mla", "bf16out", "layers", "mlps",
-                                    "caller", "model"))
+                                    "caller", "model", "head", "split"))
     p.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(bench_hf.SHAPES))
     p.add_argument("--format", default="int4", help="cpu.format (default int4)")
     p.add_argument("--dense", default="int4", help="cpu.dense_format (default int4; not torch)")
@@ -171,11 +191,12 @@ def main() -> int:
         cpu["group_size"] = a.group_size
     cfg = {"version": 1, "cpu": cpu,
            "gpu": {"device": "auto"}}
-    if a.what in ("norms", "routers", "cache", "mla", "bf16out", "layers", "mlps", "caller", "model"):
+    if a.what in ("norms", "routers", "cache", "mla", "bf16out", "layers", "mlps", "caller", "model", "head", "split"):
         model = tandem.load_model(d, cfg, progress=False)
         slots = {"norms": norm_slots, "routers": router_slots, "mla": mla_slots,
                  "bf16out": bf16out_slots, "layers": layer_slots, "mlps": mlp_slots,
-                 "caller": caller_slots, "model": model_slots}.get(a.what, lambda m: [])(model)
+                 "caller": caller_slots, "model": model_slots, "head": head_slots,
+                 "split": split_slots}.get(a.what, lambda m: [])(model)
     else:
         model = tandem.load_model(d, dict(cfg, cpu=dict(cfg["cpu"], dense_format="torch")), progress=False)
         slots = projection_slots(model, cfg)
