@@ -136,7 +136,8 @@ def _head_parts(module, query, key, value, mask, kwargs) -> list[tuple[int, int,
     B, Hq, Lq, D = query.shape
     Hkv, L = key.shape[1], key.shape[2]
     if (threads <= torch.get_num_threads() or Lq * L * Hq < PREFILL_SPLIT_MIN or Hq < 2 or Hq % Hkv
-            or value.shape[1] != Hkv or _unknown_kwargs({k: v for k, v in kwargs.items() if k not in ("dropout", "scaling")})
+            or value.shape[1] != Hkv
+            or _unknown_kwargs({k: v for k, v in kwargs.items() if k not in ("dropout", "scaling")})
             or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))):
         return None
     if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[1] != 1):

@@ -113,7 +113,8 @@ def router_class(kind: type) -> type:
         return kind
     cls = _CLASSES.get(kind)
     if cls is None:
-        cls = type(f"Tandem{kind.__name__}", (TandemRouter, kind), {"__module__": __name__, "__doc__": TandemRouter.__doc__})
+        cls = type(f"Tandem{kind.__name__}", (TandemRouter, kind),
+                   {"__module__": __name__, "__doc__": TandemRouter.__doc__})
         _CLASSES[kind] = cls
     return cls
 
