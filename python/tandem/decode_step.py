@@ -34,11 +34,14 @@ as ``output_attentions`` works through hooks); any other call runs transformers'
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.modules import module as _torch_module
+from torch.utils.hooks import RemovableHandle
 
 from .attention import ATTENTION_NAME, _unknown_kwargs
 from .peft_glue import route_peft_wrappers
@@ -51,6 +54,13 @@ SUPPORTED = frozenset({"Qwen3MoeDecoderLayer", "MixtralDecoderLayer", "DeepseekV
 MOE_BLOCKS = frozenset({"Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock", "DeepseekV2Moe"})
 SHARED_EXPERTS = {"DeepseekV2Moe": "shared_experts"}
 DENSE_MLPS = frozenset({"DeepseekV2MLP"})
+
+
+_enabled = operator.attrgetter("enabled")
+_training = operator.attrgetter("training")
+_bf16_on_pool = operator.attrgetter("bf16_on_pool")
+_initialized = operator.attrgetter("is_initialized")
+_buffers = operator.attrgetter("_buffers")
 
 
 def _capture_hook(h: Any) -> bool:
@@ -287,16 +297,23 @@ class _Step:
         if (any(w.data_ptr() != p for w, p in zip(self.weights, self.ptrs))
                 or not all(pk.bf16_on_pool for pk in self.packs)):
             return False
-        if self.mla and (self.kv_b[0].data_ptr() != self.kv_b[1] or self.kv_b[0]._version != self.kv_b[2]
-                         or self.attn.__dict__.get("tandem_absorbed") is None):
-            return False  # kv_b_proj changed: the module path absorbs it again
-        if self.shared is not None and not self.shared.enabled:
-            return False  # the MLP's own path is off: the module path computes it in torch
+        if not self.special_ok():
+            return False
         if any(d.get(a) is not m for d, a, m in self.parts):
             return False
         if _hooks(self.attn) != self.attn_hooks:
             return False
         return all(_hooks(m) == h for m, h in zip(self.watched, self.hooks))
+
+    def special_ok(self) -> bool:
+        """The checks of ``layer_ok`` only some layers have: MLA's kv_b_proj unchanged and
+        absorbed, the shared experts' MLP path on."""
+        if self.mla and (self.kv_b[0].data_ptr() != self.kv_b[1] or self.kv_b[0]._version != self.kv_b[2]
+                         or self.attn.__dict__.get("tandem_absorbed") is None):
+            return False  # kv_b_proj changed: the module path absorbs it again
+        if self.shared is not None and not self.shared.enabled:
+            return False  # the MLP's own path is off: the module path computes it in torch
+        return True
 
     def __call__(self, x: torch.Tensor, cache: Any, pos_emb: Any) -> torch.Tensor:
         """The layer's output for x [1, 1, hidden]; the cache gets this step's key and value
@@ -511,6 +528,16 @@ class _ModelStep:
         self.rope = _RopeTable(base.rotary_emb, self.mla)
         self.pe = None  # the rotary module's output while the stack reads it (no table row)
         self.enabled = True
+        # Every layer's per-call checks as flat lists (``_quick_ok``).
+        self._q_layers = [st.layer for st in steps]
+        self._q_fw = ([d for d, _ in self.forwards], [f for _, f in self.forwards])
+        self._q_w = [w for st in steps for w in st.weights]
+        self._q_ptrs = [p for st in steps for p in st.ptrs]
+        self._q_packs = [pk for st in steps for pk in st.packs]
+        parts = [pt for st in steps for pt in st.parts]
+        self._q_parts = ([d for d, _, _ in parts], [a for _, a, _ in parts], [m for _, _, m in parts])
+        self._q_special = [st for st in steps if st.mla or st.shared is not None]
+        self._q_snap: int | None = None  # torch's hook handles made when the full check last passed
 
     def takes(self, input_ids: Any, inputs_embeds: Any, attention_mask: Any, position_ids: Any, cache: Any,
               use_cache: Any, kwargs: dict) -> int | None:
@@ -533,10 +560,11 @@ class _ModelStep:
         if _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks or _capturing():
             return None
         layers = cache.layers
-        if len(layers) != len(self.layers) or any(type(c) is not GrowingLayer or not c.is_initialized for c in layers):
+        if (len(layers) != len(self.layers) or not all(map(_initialized, layers))
+                or not all(map(operator.is_, map(type, layers), itertools.repeat(GrowingLayer)))):
             return None
-        n = layers[0].keys.shape[-2]
-        if n < 1 or any(c.keys.shape[-2] != n for c in layers):
+        n = layers[0].get_seq_length()  # (the layers' views are not made: GrowingLayer.filled)
+        if n < 1 or any(map(n.__ne__, map(GrowingLayer.get_seq_length, layers))):
             return None
         if position_ids is not None and (position_ids.numel() != 1 or int(position_ids) != n):
             return None
@@ -551,17 +579,38 @@ class _ModelStep:
     def layers_ok(self) -> bool:
         """Every layer's ``_Step.layer_ok`` (the decoder layer among its watched modules),
         plus its installed forward still in place."""
-        return (all(d.get("forward") is f for d, f in self.forwards)
-                and all(st.layer_ok() for st in self.steps))
+        if self._quick_ok():
+            return True
+        ok = all(d.get("forward") is f for d, f in self.forwards) and all(st.layer_ok() for st in self.steps)
+        self._q_snap = RemovableHandle.next_id if ok else None
+        return ok
+
+    def _quick_ok(self) -> bool:
+        """``layers_ok`` in C-level loops over flat lists (a Python loop over 48 layers' checks
+        cost ~1.1 ms a token, on caches a token's weights had just gone through). The hooks:
+        no hook registered anywhere since the full check last passed (torch numbers every
+        handle it makes, ``RemovableHandle.next_id``). When that check passed, the watched
+        modules held only tandem's own hooks and transformers' inert capture hooks; removing
+        those changes nothing the stack computes. The rest as ``_Step.layer_ok`` checks it."""
+        snap = self._q_snap
+        if snap is None or RemovableHandle.next_id != snap:
+            return False
+        fw, parts = self._q_fw, self._q_parts
+        return (all(map(_enabled, self.steps)) and not any(map(_training, self._q_layers))
+                and list(map(torch.Tensor.data_ptr, self._q_w)) == self._q_ptrs
+                and all(map(_bf16_on_pool, self._q_packs))
+                and all(map(operator.is_, map(dict.get, fw[0], itertools.repeat("forward")), fw[1]))
+                and all(map(operator.is_, map(dict.get, parts[0], parts[1]), parts[2]))
+                and all(st.special_ok() for st in self._q_special))
 
     def _cache_table(self, cache: Any) -> None:
         """Room for one more position in every layer's buffers, and the table of their
         pointers and strides (remade when a buffer moved)."""
         layers = cache.layers
         for c in layers:
-            c.reserve(1, c.keys, c.values)
-        bufs = [c._buffers for c in layers]
-        if len(bufs) == len(self.bufs) and all(a is b for a, b in zip(bufs, self.bufs)):
+            c.reserve(1)
+        bufs = list(map(_buffers, layers))
+        if len(bufs) == len(self.bufs) and all(map(operator.is_, bufs, self.bufs)):
             return
         rows = []
         for kb, vb in bufs:
@@ -593,7 +642,7 @@ class _ModelStep:
         self.stack.run(x.data_ptr(), *pos, self.table.data_ptr(), n)
         self.pe = None
         for c in cache.layers:
-            c.filled(n + 1)
+            c.filled(n + 1)  # (the views are made when read)
 
     def __call__(self, input_ids: torch.Tensor, cache: Any, n: int) -> Any:
         from transformers.modeling_outputs import MoeModelOutputWithPast

@@ -31,7 +31,42 @@ GROW_MIN = 256      # and by at least this many positions
 
 
 class GrowingLayer(DynamicLayer):
-    """A ``DynamicLayer`` that appends into spare room instead of concatenating."""
+    """A ``DynamicLayer`` that appends into spare room instead of concatenating.
+
+    ``keys`` / ``values`` are views of the buffers' filled part. ``filled(n)`` records n and
+    the views are made when next read: the model step (``tandem.decode_step``) marks every
+    layer filled at each token and mostly nobody reads them before the next one (a 48-layer
+    model's 96 views cost ~0.5 ms of Python a token, on caches the token's weights had just
+    gone through). Any other assignment of ``keys`` / ``values`` first makes the pending
+    views, so transformers' methods see the tensors they would have seen."""
+
+    def _pending_views(self) -> None:
+        n = self.__dict__.get("_pending")
+        if n is not None:
+            kb, vb = self._buffers
+            k, v = kb[..., :n, :], vb[..., :n, :]
+            self.__dict__.update(_keys=k, _values=v, _pending=None)
+            self._views = (k, v)
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        self._pending_views()
+        return self.__dict__.get("_keys")
+
+    @keys.setter
+    def keys(self, t: torch.Tensor | None) -> None:
+        self._pending_views()
+        self.__dict__["_keys"] = t
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        self._pending_views()
+        return self.__dict__.get("_values")
+
+    @values.setter
+    def values(self, t: torch.Tensor | None) -> None:
+        self._pending_views()
+        self.__dict__["_values"] = t
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -50,11 +85,15 @@ class GrowingLayer(DynamicLayer):
         self.filled(need)
         return self.keys, self.values
 
-    def reserve(self, extra: int, like_k: torch.Tensor, like_v: torch.Tensor) -> int:
+    def reserve(self, extra: int, like_k: torch.Tensor | None = None, like_v: torch.Tensor | None = None) -> int:
         """Buffers (``_buffers``) holding the n positions cached so far with room for `extra`
-        more, shaped like `like_k` / `like_v` but for their positions; returns n. Still the
-        views handed out? Another method may have replaced them (reorder_cache,
-        batch_repeat_interleave, crop): then they move into new buffers."""
+        more, shaped like `like_k` / `like_v` (default: the cached keys and values) but for
+        their positions; returns n. Still the views handed out? Another method may have
+        replaced them (reorder_cache, batch_repeat_interleave, crop): then they move into new
+        buffers."""
+        n = self.__dict__.get("_pending")
+        if n is not None and n + extra <= self._buffers[0].shape[-2]:
+            return n  # views not made yet: still the buffers', with room
         v = self._views
         owned = v is not None and v[0] is self.keys and v[1] is self.values
         n = self.keys.shape[-2] if owned or self.keys.numel() else 0
@@ -62,7 +101,8 @@ class GrowingLayer(DynamicLayer):
         if not owned or need > self._buffers[0].shape[-2]:
             cap = need + max(need // GROW_FRACTION, GROW_MIN)
             bufs = []
-            for old, new in ((self.keys, like_k), (self.values, like_v)):
+            for old, new in ((self.keys, self.keys if like_k is None else like_k),
+                             (self.values, self.values if like_v is None else like_v)):
                 buf = new.new_empty(*new.shape[:-2], cap, new.shape[-1])
                 if n:
                     buf[..., :n, :].copy_(old)
@@ -71,12 +111,16 @@ class GrowingLayer(DynamicLayer):
         return n
 
     def filled(self, n: int) -> None:
-        """The first n positions of the buffers are the cache's keys and values."""
-        kb, vb = self._buffers
-        self.keys, self.values = kb[..., :n, :], vb[..., :n, :]
-        self._views = (self.keys, self.values)
+        """The first n positions of the buffers are the cache's keys and values (the views
+        made when next read)."""
+        self.__dict__["_pending"] = n
+
+    def get_seq_length(self) -> int:
+        n = self.__dict__.get("_pending")
+        return n if n is not None else super().get_seq_length()
 
     def reset(self) -> None:
+        self.__dict__["_pending"] = None
         self._buffers = self._views = None
         super().reset()
 

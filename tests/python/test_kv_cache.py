@@ -82,6 +82,39 @@ def test_growth_reallocates_rarely_and_keeps_the_values():
     assert torch.equal(k, torch.cat([want[..., :-10, :], chunks[1], chunks[2]], -2))
 
 
+def test_filled_views_are_made_when_read():
+    """``filled(n)`` (the model step's append) records n; the keys and values are the
+    buffers' first n positions whenever read, the length is known without them, room is
+    reserved without them, and transformers' own assignments (crop, reset) see them first."""
+    layer = GrowingLayer()
+    g = torch.Generator().manual_seed(1)
+    first = torch.randn(1, 2, 6, 4, generator=g)
+    layer.update(first, -first)
+    n = layer.reserve(1)
+    assert n == 6
+    kb, vb = layer._buffers
+    step = torch.randn(1, 2, 1, 4, generator=g)
+    kb[..., 6:7, :].copy_(step)  # as the C++ stack writes position n
+    vb[..., 6:7, :].copy_(-step)
+    layer.filled(7)
+    assert "_pending" in layer.__dict__ and layer.__dict__["_pending"] == 7
+    assert layer.get_seq_length() == 7 and layer.__dict__["_pending"] == 7  # no views made for the length
+    assert layer.reserve(1) == 7 and layer._buffers[0] is kb  # room without them
+    want = torch.cat([first, step], -2)
+    assert torch.equal(layer.keys, want) and torch.equal(layer.values, -want)
+    assert layer.keys.data_ptr() == kb.data_ptr() and layer.__dict__["_pending"] is None
+    layer.filled(7)
+    layer.crop(-2)  # reads, then assigns: the pending views first
+    assert torch.equal(layer.keys, want[..., :5, :]) and layer.get_seq_length() == 5
+    layer.filled(7)  # (not owned any more after the crop: a new buffer at the next reserve)
+    layer.values = layer.values.clone()  # an assignment of one makes both views first
+    assert torch.equal(layer.keys, want) and torch.equal(layer.values, -want)
+    layer.filled(3)
+    layer.reset()
+    assert layer.keys is None and layer.values is None and not layer.is_initialized
+    assert layer.get_seq_length() == 0
+
+
 def test_generate_uses_it_unless_the_caller_chose_a_cache(ckpt):
     model = tandem.load_model(ckpt("qwen3_moe", "bf16"), CFG, progress=False)
     ids, mask = batch()

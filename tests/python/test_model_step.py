@@ -249,3 +249,42 @@ def test_bad_stacks_are_refused(ckpt):
     with pytest.raises(Exception, match="null cache"):
         stack.run(x.data_ptr(), 0, 0, 0, table.data_ptr(), 3)
     assert len(stack) == 1 and step_hidden > 0
+
+
+def test_the_quick_check_refuses_what_the_full_check_refuses(ckpt):
+    """``_ModelStep.layers_ok`` first runs its flat check (``_quick_ok``), valid while no hook
+    was registered anywhere since the full check last passed: every change the full check
+    refuses is refused by both, and undoing it takes the path again."""
+    model = load(ckpt, "qwen3_moe")
+    fast = model.model.tandem_model_step
+    layer = model.model.layers[2]
+    assert fast.layers_ok() and fast._quick_ok()
+    h = model.lm_head.register_forward_hook(lambda *a: None)  # a hook on a module the step does not watch
+    assert not fast._quick_ok()  # a new hook somewhere: the full check again, which passes
+    assert fast.layers_ok() and fast._quick_ok()
+    h.remove()
+    h = layer.post_attention_layernorm.register_forward_pre_hook(lambda *a: None)
+    assert not fast.layers_ok() and not fast._quick_ok()
+    h.remove()
+    assert fast.layers_ok() and fast._quick_ok()
+    step = layer.tandem_decoder_step
+    gate = layer.mlp.gate
+    norm_w = layer.input_layernorm.weight
+    data = norm_w.data
+
+    def refused(change, undo):
+        change()
+        try:
+            assert not fast._quick_ok() and not fast.layers_ok()
+        finally:
+            undo()
+        assert fast.layers_ok() and fast._quick_ok()
+
+    refused(lambda: setattr(layer.mlp, "gate", gate.inner), lambda: setattr(layer.mlp, "gate", gate))
+    refused(lambda: layer.train(), lambda: layer.eval())
+    refused(lambda: setattr(step, "enabled", False), lambda: setattr(step, "enabled", True))
+    real = layer.forward
+    refused(lambda: setattr(layer, "forward", lambda *a, **k: real(*a, **k)), lambda: setattr(layer, "forward", real))
+    refused(lambda: setattr(norm_w, "data", data.clone()), lambda: setattr(norm_w, "data", data))  # the weight moved
+    pack = step.packs[0]
+    refused(lambda: setattr(pack, "bf16_on_pool", False), lambda: setattr(pack, "bf16_on_pool", True))
