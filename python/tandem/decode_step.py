@@ -446,7 +446,7 @@ class _RopeTable:
     module, for the one-token steps to read their position's row instead of calling it
     (~30 us a call, several times that once a token's weights have gone through the
     caches). Made for the first ``ROPE_TABLE_MAX`` positions, grown by doubling, and used
-    only if nine rows spread over it, its last and the position asked for have the bits of
+    only if eight rows spread over it, its last and the position asked for have the bits of
     one-position calls (a vectorized cos over another length could round differently);
     remade when inv_freq or attention_scaling change."""
 
