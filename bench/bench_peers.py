@@ -54,11 +54,11 @@ workers than cores: try --kt-threads.
 Timing: per engine and T, a warm-up call (its output is the one compared), then --reps samples,
 each the mean of enough back-to-back calls to last >= 50 ms and started 0.2 s after the
 previous one ended (engines' idle threads spin for a while before they park: kt-kernel's for
-~0.1 s); the median sample is reported (ms per layer forward), and "best" is the ratio of the two engines' fastest samples: where
-something outside the process slows the machine now and then (the AMX Xeon this was written
-on: the tile step of a core drops to about a third for stretches of milliseconds to
-seconds, bench/bench_amx_gated.cpp), the fastest samples are the closest to the engines' own
-speed. tandem stays loaded and each peer in turn is loaded next to it: when both fit in
+~0.1 s); the median sample is reported (ms per layer forward), and "best" is the ratio of the
+two engines' fastest samples: where something outside the process slows the machine now and
+then (the AMX Xeon this was written on: the tile step of a core drops to about a third for
+stretches of milliseconds to seconds, bench/bench_amx_gated.cpp), the fastest samples are the
+closest to the engines' own speed. tandem stays loaded and each peer in turn is loaded next to it: when both fit in
 memory, their samples alternate (tandem, peer, tandem, peer, ...) so a neighbour's load hits
 both alike; otherwise (or with --sequential) tandem runs all token counts first, is freed,
 then the peers.

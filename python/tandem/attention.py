@@ -94,13 +94,12 @@ def _sdpa(module, query, key, value, attention_mask, **kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     # The heads in `parts` contiguous groups, each SDPA call on its own thread (the first on
     # this one): torch releases the GIL inside, and each head's arithmetic is the same alone.
-    futures = [_helpers(len(parts) - 1).submit(sdpa_attention_forward, module, query[:, q0:q1], key[:, k0:k1],
-                                               value[:, k0:k1], attention_mask, **kwargs)
-               for q0, q1, k0, k1 in parts[1:]]
-    q0, q1, k0, k1 = parts[0]
-    outs = [sdpa_attention_forward(module, query[:, q0:q1], key[:, k0:k1], value[:, k0:k1], attention_mask,
-                                   **kwargs)[0]]
-    outs += [f.result()[0] for f in futures]
+    def part(q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        return sdpa_attention_forward(module, query[:, q0:q1], key[:, k0:k1], value[:, k0:k1], attention_mask,
+                                      **kwargs)[0]
+
+    futures = [_helpers(len(parts) - 1).submit(part, *p) for p in parts[1:]]
+    outs = [part(*parts[0])] + [f.result() for f in futures]
     return torch.cat(outs, dim=2), None
 
 

@@ -731,7 +731,8 @@ def use_model_step(model: nn.Module) -> bool:
 # with router logits. The probe still decides.
 HEAD_STEP_MODELS = frozenset({"Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV2ForCausalLM"})
 # The causal LM's own keywords the head step reads; every other goes to the model step's checks.
-_HEAD_ARGS = ("input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds", "use_cache")
+_HEAD_ARGS = ("input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds", "use_cache",
+              "labels", "logits_to_keep")
 
 
 class _HeadStep:
@@ -768,14 +769,14 @@ class _HeadStep:
         self.base_forward = base.__dict__.get("forward")
         self.x = torch.empty(H, dtype=torch.bfloat16)
         self.xn = torch.empty(H, dtype=torch.bfloat16)
-        self.out_cls = None  # the forward's output type (the probe's)
+        self.out_cls = None  # the forward's output type (set by the probe)
         self.enabled = True
 
     def ok(self) -> bool:
         """The checks that do not depend on the call: the parts, weights and forwards found
         at install, no hooks on them, the kernels' own bf16 output."""
         norm, emb, lm = self.norm, self.emb, self.lm
-        return (self.enabled and self.out_cls is not None and self.base.__dict__.get("forward") is self.base_forward
+        return (self.enabled and self.base.__dict__.get("forward") is self.base_forward
                 and all(d.get(a) is m for d, a, m in self.parts)
                 and all(_hooks(m) == h for m, h in zip(self.watched, self.hooks))
                 and norm.weight.dtype == torch.bfloat16 and norm.weight.is_contiguous()
@@ -809,7 +810,7 @@ class _HeadStep:
                 or not isinstance(kwargs.get("logits_to_keep", 0), int)
                 or getattr(self.model.config, "return_dict", True) is False or not self.ok()):
             return None
-        rest = {k: v for k, v in kwargs.items() if k not in _HEAD_ARGS and k not in ("labels", "logits_to_keep")}
+        rest = {k: v for k, v in kwargs.items() if k not in _HEAD_ARGS}
         get = kwargs.get
         return self.fast.takes(get("input_ids"), get("inputs_embeds"), get("attention_mask"), get("position_ids"),
                                get("past_key_values"), get("use_cache"), rest)
@@ -818,7 +819,8 @@ class _HeadStep:
 def _probe_head(module_forward: Any, head: _HeadStep, seed: int) -> bool:
     """A random 3-token prompt through the causal LM's own forward, then two one-token
     steps through it and through the head step, each on a fresh cache: the same logits,
-    bit for bit, in the same output type?"""
+    bit for bit, in the same output type? (The head step returns the type the forward
+    returned: ``head.out_cls`` is set from the forward's first step.)"""
     from .kv_cache import GrowingCache
 
     g = torch.Generator().manual_seed(seed)
@@ -836,6 +838,8 @@ def _probe_head(module_forward: Any, head: _HeadStep, seed: int) -> bool:
                                                                             use_cache=True, logits_to_keep=1)
                     if y is None:
                         return False
+                    if head.out_cls is None:
+                        head.out_cls = type(y)
                     types.append((type(y), tuple(y.keys())))
                     got.append(y.logits)
                 outs.append(got)
@@ -861,28 +865,18 @@ def use_head_step(model: nn.Module) -> bool:
     except ValueError:
         return False
     module_forward = model.forward
-    # the probe's output type, for the probe's own head calls
-    try:
-        with torch.no_grad():
-            from .kv_cache import GrowingCache
-            cache = GrowingCache(config=model.config)
-            head.out_cls = type(module_forward(input_ids=torch.zeros(1, 1, dtype=torch.long), past_key_values=cache,
-                                               use_cache=True))
-    except (ValueError, RuntimeError, TypeError):
-        return False
     if not _probe_head(module_forward, head, seed=len(fast.steps)):
         return False
 
     @functools.wraps(module_forward)
     def forward(*args, **kwargs):
-        if len(args) <= 1 and head.enabled:
-            kw = dict(kwargs, input_ids=args[0]) if args and "input_ids" not in kwargs else kwargs
-            if not args or kw is not kwargs:
-                n = head.takes(kw)
-                if n is not None:
-                    out = head(kw["input_ids"], kw["past_key_values"], n)
-                    if out is not None:
-                        return out
+        if not args or (len(args) == 1 and "input_ids" not in kwargs):  # input_ids alone may be positional
+            kw = dict(kwargs, input_ids=args[0]) if args else kwargs
+            n = head.takes(kw)
+            if n is not None:
+                out = head(kw["input_ids"], kw["past_key_values"], n)
+                if out is not None:
+                    return out
         return module_forward(*args, **kwargs)
 
     model.forward = forward

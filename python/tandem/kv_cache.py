@@ -30,6 +30,19 @@ GROW_FRACTION = 4   # a full buffer grows by 1 / GROW_FRACTION of what it must h
 GROW_MIN = 256      # and by at least this many positions
 
 
+def _view_attr(name: str) -> property:
+    """``GrowingLayer.keys`` / ``values``: the tensor stored under `name`, read or replaced
+    after any pending views are made."""
+    def get(self) -> torch.Tensor | None:
+        self._pending_views()
+        return self.__dict__.get(name)
+
+    def set_(self, t: torch.Tensor | None) -> None:
+        self._pending_views()
+        self.__dict__[name] = t
+    return property(get, set_)
+
+
 class GrowingLayer(DynamicLayer):
     """A ``DynamicLayer`` that appends into spare room instead of concatenating.
 
@@ -48,25 +61,8 @@ class GrowingLayer(DynamicLayer):
             self.__dict__.update(_keys=k, _values=v, _pending=None)
             self._views = (k, v)
 
-    @property
-    def keys(self) -> torch.Tensor | None:
-        self._pending_views()
-        return self.__dict__.get("_keys")
-
-    @keys.setter
-    def keys(self, t: torch.Tensor | None) -> None:
-        self._pending_views()
-        self.__dict__["_keys"] = t
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        self._pending_views()
-        return self.__dict__.get("_values")
-
-    @values.setter
-    def values(self, t: torch.Tensor | None) -> None:
-        self._pending_views()
-        self.__dict__["_values"] = t
+    keys = _view_attr("_keys")
+    values = _view_attr("_values")
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)

@@ -109,7 +109,7 @@ _CLASSES: dict[type, type] = {}
 
 def router_class(kind: type) -> type:
     """``TandemRouter`` as a subclass of the router class `kind` too (one per class)."""
-    if kind is TandemRouter or issubclass(kind, TandemRouter):
+    if issubclass(kind, TandemRouter):
         return kind
     cls = _CLASSES.get(kind)
     if cls is None:
