@@ -154,7 +154,13 @@ def ceilings() -> dict:
     out = subprocess.run([str(exe)], capture_output=True, text=True).stdout
     m = re.search(r"read bandwidth\s+([\d.]+) GB/s", out)
     machine = out.splitlines()[0] if out else ""
-    return {"read_gbs": float(m.group(1)) if m else None, "machine": machine}
+    res = {"read_gbs": float(m.group(1)) if m else None, "machine": machine}
+    # The instruction peaks (GFLOP/s) a BF16 kernel's rate is measured against.
+    for key, label in (("fma_zmm", "peak vfmadd231ps zmm"), ("fma_ymm", "peak vfmadd231ps ymm"),
+                       ("dpbf16", "peak vdpbf16ps zmm"), ("amx_bf16", "peak AMX tdpbf16ps")):
+        m = re.search(re.escape(label) + r"[^\n]*?\s([\d.]+) GFLOP/s", out)
+        res[key] = float(m.group(1)) if m else None
+    return res
 
 
 def main() -> int:

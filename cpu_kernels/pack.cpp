@@ -101,10 +101,20 @@ std::string_view source_type_name(SourceType t) noexcept {
 }
 
 void AlignedBufferFree::operator()(std::byte* p) const noexcept {
+  if (borrowed) return;
   if (mapped)
     ::munmap(p, mapped);
   else
     std::free(p);
+}
+
+AlignedBuffer AlignedBuffer::borrow(std::byte* p, size_t bytes) {
+  TANDEM_CHECK(reinterpret_cast<uintptr_t>(p) % 64 == 0, Errc::invalid_argument, "a borrowed buffer at ",
+               static_cast<const void*>(p), " is not 64-byte aligned");
+  AlignedBuffer b;
+  b.ptr = std::unique_ptr<std::byte[], Free>(p, Free{0, true});
+  b.size = bytes;
+  return b;
 }
 
 AlignedBuffer AlignedBuffer::allocate(size_t bytes) {

@@ -539,6 +539,31 @@ PYBIND11_MODULE(_C, m) {
            "q [batch, q_heads, head_dim], k / v [batch, kv_heads, keys, dim], optional uint8 mask [batch, keys] "
            "(0: no pointer), out bf16 [batch, q_heads, value_dim]; element strides; optional k2 [batch, kv_heads, "
            "keys, k2_dim]: the keys' last k2_dim values held apart (k then holds head_dim - k2_dim)")
+      .def("prefill_attention", [](Engine& e, int batch, int q_heads, int kv_heads, int queries, int keys,
+                                   int head_dim, int value_dim, float scale, bool causal, uintptr_t q, int64_t q_b,
+                                   int64_t q_h, int64_t q_l, uintptr_t k, int64_t k_b, int64_t k_h, int64_t k_l,
+                                   uintptr_t v, int64_t v_b, int64_t v_h, int64_t v_l, uintptr_t mask, int64_t mask_b,
+                                   int64_t mask_l, uintptr_t out, int64_t out_b, int64_t out_l, int64_t out_h) {
+             PrefillAttention a;
+             a.batch = batch, a.q_heads = q_heads, a.kv_heads = kv_heads, a.queries = queries, a.keys = keys;
+             a.head_dim = head_dim, a.value_dim = value_dim, a.scale = scale, a.causal = causal;
+             a.q = reinterpret_cast<const bf16_t*>(q), a.q_b = q_b, a.q_h = q_h, a.q_l = q_l;
+             a.k = reinterpret_cast<const bf16_t*>(k), a.k_b = k_b, a.k_h = k_h, a.k_l = k_l;
+             a.v = reinterpret_cast<const bf16_t*>(v), a.v_b = v_b, a.v_h = v_h, a.v_l = v_l;
+             a.mask = reinterpret_cast<const uint8_t*>(mask), a.mask_b = mask_b, a.mask_l = mask_l;
+             a.out = reinterpret_cast<bf16_t*>(out), a.out_b = out_b, a.out_l = out_l, a.out_h = out_h;
+             py::gil_scoped_release nogil;
+             prefill_attention(e.pool(), e.isa(), a);
+           }, py::arg("batch"), py::arg("q_heads"), py::arg("kv_heads"), py::arg("queries"), py::arg("keys"),
+           py::arg("head_dim"), py::arg("value_dim"), py::arg("scale"), py::arg("causal"), py::arg("q"), py::arg("q_b"),
+           py::arg("q_h"), py::arg("q_l"), py::arg("k"), py::arg("k_b"), py::arg("k_h"), py::arg("k_l"), py::arg("v"),
+           py::arg("v_b"), py::arg("v_h"), py::arg("v_l"), py::arg("mask"), py::arg("mask_b"), py::arg("mask_l"),
+           py::arg("out"), py::arg("out_b"), py::arg("out_l"), py::arg("out_h"),
+           "Flash attention of `queries` rows per sequence and head against `keys` keys on the engine's pool, its "
+           "products on tandem's BF16 kernels (tandem/attention.h): bf16 q [batch, q_heads, queries, head_dim], k / v "
+           "[batch, kv_heads, keys, dim], optional uint8 mask [batch, queries, keys] (0: no pointer; nonzero: attend), "
+           "causal: query i at position keys - queries + i sees keys up to it; out bf16 [batch, queries, q_heads, "
+           "value_dim]; element strides")
       .def("mla_decode", [](Engine& e, DenseLinear& w_uk, DenseLinear& w_uv, int batch, int heads, int nope, int rope,
                             int rank, int v_dim, int keys, float scale, uintptr_t q, int64_t q_b, int64_t q_h,
                             uintptr_t latent, int64_t latent_b, int64_t latent_l, uintptr_t k_rope, int64_t k_rope_b,

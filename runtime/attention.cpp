@@ -29,6 +29,7 @@ struct Loops {
   float (*exp_shifted)(const float*, float, int, float*);
   void (*widen)(const bf16_t*, int, float*);
   float (*row_max)(const float*, int);
+  float (*prefill_row)(float*, int, int, const uint8_t*, float, float&, float&, bf16_t*);
 };
 
 namespace scalar {
@@ -52,9 +53,10 @@ namespace avx512 {
 #pragma GCC pop_options
 
 const Loops& loops_for(IsaLevel level) {
-  static const Loops s{scalar::scores, scalar::accumulate, scalar::exp_shifted, scalar::widen, scalar::row_max},
-      a2{avx2::scores, avx2::accumulate, avx2::exp_shifted, avx2::widen, avx2::row_max},
-      a5{avx512::scores, avx512::accumulate, avx512::exp_shifted, avx512::widen, avx512::row_max};
+  static const Loops s{scalar::scores,      scalar::accumulate, scalar::exp_shifted,
+                       scalar::widen,       scalar::row_max,    scalar::prefill_row},
+      a2{avx2::scores, avx2::accumulate, avx2::exp_shifted, avx2::widen, avx2::row_max, avx2::prefill_row},
+      a5{avx512::scores, avx512::accumulate, avx512::exp_shifted, avx512::widen, avx512::row_max, avx512::prefill_row};
   if (level >= IsaLevel::avx512) return a5;
   if (level >= IsaLevel::avx2) return a2;
   return s;
@@ -154,6 +156,169 @@ class AttentionTask final : public Task {
   int64_t begin_ns_ = trace::now_ns();
 };
 
+// Keys per block of the prefill attention: two key panels for the score product, and the
+// depth (k) of the value product, whose fp32 output is read and written once per block.
+constexpr int kKeyBlock = 2 * kPanel;
+constexpr size_t kPairRow = kPanel * 2 * sizeof(bf16_t);  // one k-pair row of a panel: 256 bytes
+
+// A BF16 pack's layout over memory the task owns: `panels` panels of W [n x k], `stride`
+// bytes apart, at `data`.
+PackedWeight panel_view(std::byte* data, int n, int k, int panels, size_t stride) {
+  PackedWeight w = pack_layout(PackOptions{}, n, k);
+  w.panels = panels;
+  w.panel_stride = stride;
+  w.data = AlignedBuffer::borrow(data, stride * panels);
+  return w;
+}
+
+class PrefillTask final : public Task {
+ public:
+  PrefillTask(const PrefillAttention& a, const Loops& f, const KernelTable& kt, int threads, int subpools)
+      : a_(a), f_(f), kt_(kt), subpools_(subpools) {
+    G_ = a.q_heads / a.kv_heads;
+    dv_ = a.value_dim;
+    const int seqs = a.batch * a.kv_heads;
+    // About 128 query rows per block (every head of the group, qb_ queries each), halved
+    // while the blocks would leave threads idle (four items per thread at least).
+    qb_ = std::max(1, std::min(a.queries, 128 / G_));
+    while (qb_ > 4 && static_cast<int64_t>(seqs) * ((a.queries + qb_ - 1) / qb_) < 4 * threads) qb_ /= 2;
+    qblocks_ = (a.queries + qb_ - 1) / qb_;
+    kblocks_ = (a.keys + kKeyBlock - 1) / kKeyBlock;
+    kpanels_ = (a.keys + kPanel - 1) / kPanel;
+    kpanel_bytes_ = static_cast<size_t>((a.head_dim + 1) / 2) * kPairRow;
+    vpanels_ = (dv_ + kPanel - 1) / kPanel;
+    vblock_bytes_ = static_cast<size_t>(vpanels_) * (kKeyBlock / 2) * kPairRow;
+    kseq_bytes_ = static_cast<size_t>(kpanels_) * kpanel_bytes_;
+    vseq_bytes_ = static_cast<size_t>(kblocks_) * vblock_bytes_;
+    packs_ = AlignedBuffer::allocate(static_cast<size_t>(seqs) * (kseq_bytes_ + vseq_bytes_));
+  }
+  int phases() const override { return 2; }
+  // Subpool s takes every subpools-th item from the s-th on (each a share of the heavy
+  // ones).
+  int items(int phase, int s) override {
+    const int n = a_.batch * a_.kv_heads * (phase == 0 ? kblocks_ : qblocks_);
+    return (n - s + subpools_ - 1) / subpools_;
+  }
+  void run(int phase, int s, int i, int) override {
+    const int seqs = a_.batch * a_.kv_heads, item = i * subpools_ + s;
+    if (phase == 0)
+      pack(item % seqs, item / seqs);
+    else  // the last query blocks first: under a causal mask they see the most keys
+      block(item % seqs, qblocks_ - 1 - item / seqs);
+  }
+  void finished() override {
+    trace::record("prefill attention", begin_ns_, trace::now_ns(), {-1, a_.queries, a_.keys});
+  }
+
+ private:
+  std::byte* kpack(int seq) const { return packs_.data() + static_cast<size_t>(seq) * kseq_bytes_; }
+  std::byte* vpack(int seq) const {
+    return packs_.data() + static_cast<size_t>(a_.batch * a_.kv_heads) * kseq_bytes_ +
+           static_cast<size_t>(seq) * vseq_bytes_;
+  }
+
+  // Key block j of sequence-and-kv-head `seq`: its two key panels ([D/2][64 keys][2]) and
+  // its value panels ([128 keys / 2][64 value columns][2]), zero past the keys and dims.
+  void pack(int seq, int j) {
+    const int b = seq / a_.kv_heads, g = seq % a_.kv_heads, D = a_.head_dim, L = a_.keys;
+    const bf16_t* k = a_.k + b * a_.k_b + g * a_.k_h;
+    const bf16_t* v = a_.v + b * a_.v_b + g * a_.v_h;
+    const int pairs = (D + 1) / 2;
+    for (int p = 2 * j; p < std::min(2 * j + 2, kpanels_); ++p) {
+      auto* dst = reinterpret_cast<bf16_t*>(kpack(seq) + static_cast<size_t>(p) * kpanel_bytes_);
+      for (int r = 0; r < kPanel; ++r) {
+        const int key = p * kPanel + r;
+        const bf16_t* row = key < L ? k + key * a_.k_l : nullptr;
+        for (int t = 0; t < pairs; ++t) {
+          bf16_t* d = dst + (static_cast<size_t>(t) * kPanel + r) * 2;
+          d[0] = row ? row[2 * t] : 0;
+          d[1] = row && 2 * t + 1 < D ? row[2 * t + 1] : 0;
+        }
+      }
+    }
+    auto* dst = reinterpret_cast<bf16_t*>(vpack(seq) + static_cast<size_t>(j) * vblock_bytes_);
+    const size_t panel = (kKeyBlock / 2) * kPanel * 2;  // elements per value panel
+    for (int t = 0; t < kKeyBlock / 2; ++t) {
+      const int key = j * kKeyBlock + 2 * t;
+      const bf16_t* r0 = key < L ? v + key * a_.v_l : nullptr;
+      const bf16_t* r1 = key + 1 < L ? v + (key + 1) * a_.v_l : nullptr;
+      for (int c = 0; c < vpanels_ * kPanel; ++c) {
+        bf16_t* d = dst + (c / kPanel) * panel + (static_cast<size_t>(t) * kPanel + c % kPanel) * 2;
+        d[0] = r0 && c < dv_ ? r0[c] : 0;
+        d[1] = r1 && c < dv_ ? r1[c] : 0;
+      }
+    }
+  }
+
+  // Query block qb of sequence-and-kv-head `seq`: rows h * n + i for the group's heads h
+  // and its n queries i.
+  void block(int seq, int qb) {
+    const int b = seq / a_.kv_heads, g = seq % a_.kv_heads, D = a_.head_dim, L = a_.keys;
+    const int i0 = qb * qb_, n = std::min(qb_, a_.queries - i0), M = G_ * n;
+    const int first_pos = L - a_.queries + i0;  // the block's first query's position
+    thread_local std::vector<bf16_t> q, p;
+    thread_local std::vector<float> s, o, m, l;
+    q.resize(static_cast<size_t>(M) * D);
+    p.resize(static_cast<size_t>(M) * kKeyBlock);
+    s.resize(static_cast<size_t>(M) * kKeyBlock);
+    o.assign(static_cast<size_t>(M) * dv_, 0.f);
+    m.assign(M, -std::numeric_limits<float>::infinity());
+    l.assign(M, 0.f);
+    for (int h = 0; h < G_; ++h)
+      for (int i = 0; i < n; ++i)
+        std::memcpy(q.data() + static_cast<size_t>(h * n + i) * D,
+                    a_.q + b * a_.q_b + (g * G_ + h) * a_.q_h + (i0 + i) * a_.q_l, sizeof(bf16_t) * D);
+    // Under a causal mask the block's last query sees keys up to its position.
+    const int key_end = a_.causal ? std::min(L, first_pos + n) : L;
+    const GemmFn gemm = kt_.bf16.pick(M).gemm;
+    for (int j = 0; j * kKeyBlock < key_end; ++j) {
+      const int j0 = j * kKeyBlock, nk = std::min(kKeyBlock, key_end - j0);
+      const PackedWeight kw =
+          panel_view(kpack(seq) + static_cast<size_t>(2 * j) * kpanel_bytes_, nk, D, (nk + kPanel - 1) / kPanel,
+                     kpanel_bytes_);
+      GemmArgs sa;
+      sa.a = q.data(), sa.lda = D, sa.m = M, sa.c = s.data(), sa.ldc = kKeyBlock;
+      gemm(kw, sa);
+      bool touched = false;  // any row with a key in this block
+      for (int r = 0; r < M; ++r) {
+        const int i = i0 + r % n;
+        const int lim = a_.causal ? std::min(nk, L - a_.queries + i + 1 - j0) : nk;
+        const uint8_t* mask = a_.mask ? a_.mask + b * a_.mask_b + i * a_.mask_l + j0 : nullptr;
+        const float alpha = f_.prefill_row(s.data() + static_cast<size_t>(r) * kKeyBlock, nk, lim, mask, a_.scale,
+                                           m[r], l[r], p.data() + static_cast<size_t>(r) * kKeyBlock);
+        if (alpha < 0.f) continue;  // no key of this block for the row
+        touched = true;
+        if (alpha != 1.f) {
+          float* orow = o.data() + static_cast<size_t>(r) * dv_;
+          for (int c = 0; c < dv_; ++c) orow[c] *= alpha;
+        }
+      }
+      if (!touched) continue;
+      const PackedWeight vw = panel_view(vpack(seq) + static_cast<size_t>(j) * vblock_bytes_, dv_, nk, vpanels_,
+                                         (kKeyBlock / 2) * kPairRow);
+      GemmArgs pa;
+      pa.a = p.data(), pa.lda = kKeyBlock, pa.m = M, pa.c = o.data(), pa.ldc = dv_, pa.accumulate = true;
+      gemm(vw, pa);
+    }
+    for (int r = 0; r < M; ++r) {
+      const int h = g * G_ + r / n, i = i0 + r % n;
+      bf16_t* out = a_.out + b * a_.out_b + i * a_.out_l + h * a_.out_h;
+      const float* orow = o.data() + static_cast<size_t>(r) * dv_;
+      const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+      for (int c = 0; c < dv_; ++c) out[c] = round_to_bf16(orow[c] * inv);
+    }
+  }
+
+  PrefillAttention a_;
+  const Loops& f_;
+  const KernelTable& kt_;
+  int subpools_ = 1;
+  int G_ = 1, dv_ = 0, qb_ = 1, qblocks_ = 1, kblocks_ = 1, kpanels_ = 1, vpanels_ = 1;
+  size_t kpanel_bytes_ = 0, vblock_bytes_ = 0, kseq_bytes_ = 0, vseq_bytes_ = 0;
+  AlignedBuffer packs_;  // every sequence's key panels, then every sequence's value blocks
+  int64_t begin_ns_ = trace::now_ns();
+};
+
 }  // namespace
 
 void decode_attention(Pool& pool, IsaLevel level, const DecodeAttention& in) {
@@ -215,6 +380,26 @@ void mla_decode(Pool& pool, IsaLevel level, DenseLinear& w_uk, DenseLinear& w_uv
   for (int b = 0; b < B; ++b)
     for (int h = 0; h < H; ++h)
       fp32_to_bf16(f.data() + (static_cast<size_t>(b) * H + h) * a.v_dim, a.out + b * a.out_b + h * a.out_h, a.v_dim);
+}
+
+void prefill_attention(Pool& pool, IsaLevel level, const PrefillAttention& in) {
+  PrefillAttention a = in;
+  if (a.value_dim == 0) a.value_dim = a.head_dim;
+  TANDEM_CHECK(a.batch >= 1 && a.q_heads >= 1 && a.kv_heads >= 1 && a.queries >= 1 && a.head_dim >= 1 &&
+                   a.value_dim >= 1 && a.keys >= 1,
+               Errc::invalid_argument, "prefill attention: batch ", a.batch, ", q_heads ", a.q_heads, ", kv_heads ",
+               a.kv_heads, ", queries ", a.queries, ", head_dim ", a.head_dim, ", value_dim ", a.value_dim, ", keys ",
+               a.keys, ": each must be positive");
+  TANDEM_CHECK(a.q_heads % a.kv_heads == 0, Errc::invalid_argument, "prefill attention: q_heads ", a.q_heads,
+               " is not a multiple of kv_heads ", a.kv_heads);
+  TANDEM_CHECK(!a.causal || a.queries <= a.keys, Errc::invalid_argument, "prefill attention: causal with ",
+               a.queries, " queries and only ", a.keys, " keys (the queries are the keys' last positions)");
+  TANDEM_CHECK(a.q && a.k && a.v && a.out, Errc::invalid_argument, "prefill attention: ",
+               !a.q ? "q" : !a.k ? "k" : !a.v ? "v" : "out", " is null");
+  TANDEM_CHECK(std::isfinite(a.scale), Errc::invalid_argument, "prefill attention: scale ", a.scale,
+               " is not finite");
+  pool.run(std::make_shared<PrefillTask>(a, loops_for(level), kernel_table(level), pool.total_threads(),
+                                         pool.subpools()));
 }
 
 }  // namespace tandem

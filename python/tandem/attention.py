@@ -169,10 +169,15 @@ def pool_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Te
         key, value = module.__dict__["tandem_expand_kv"](*latent)
     engine = module.__dict__.get("tandem_attention_engine")
     B, Hq, Lq, D = query.shape
-    if (engine is None or Lq != 1 or query.device.type != "cpu" or dropout
+    if (engine is None or query.device.type != "cpu" or dropout
             or query.dtype != torch.bfloat16 or key.dtype != torch.bfloat16 or value.dtype != torch.bfloat16
             or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))
             or _unknown_kwargs(kwargs)):
+        return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if Lq != 1:
+        out = _prefill(engine, module, query, key, value, attention_mask, scaling, kwargs.get("is_causal"))
+        if out is not None:
+            return out, None
         return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     Hkv, L = key.shape[1], key.shape[2]
     Dv = value.shape[3]
@@ -193,6 +198,54 @@ def pool_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Te
                             value.data_ptr(), value.stride(0), value.stride(1), value.stride(2),
                             0 if mask is None else mask.data_ptr(), mask_b, out.data_ptr(), Hq * Dv, Dv)
     return out, None
+
+
+# Prefill calls with at least this many query rows run on the pool's flash attention
+# (``_prefill``); shorter ones (a few speculative tokens) through SDPA, whose per-call cost is
+# lower than packing the keys and values.
+PREFILL_MIN_QUERIES = 16
+
+
+def _prefill(engine: Any, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             attention_mask: torch.Tensor | None, scaling: float | None,
+             is_causal: bool | None) -> torch.Tensor | None:
+    """A prompt's (or a chunk's) attention on the pool, its two products on tandem's BF16
+    kernels (``_C.Engine.prefill_attention``, tandem/attention.h): [B, Lq, Hq, Dv] bf16, or
+    None for a call it does not take (SDPA runs it). Causality as transformers' SDPA call
+    decides it: without a mask, the module's ``is_causal`` (or the call's) with more than one
+    query; a boolean mask [B or 1, 1, Lq or 1, L] holds the rest. torch's ``is_causal`` aligns
+    the queries with the first keys, so a mask-free causal call with fewer queries than keys
+    (which transformers never makes) is left to SDPA."""
+    B, Hq, Lq, D = query.shape
+    Hkv, L = key.shape[1], key.shape[2]
+    Dv = value.shape[3]
+    if (Lq < PREFILL_MIN_QUERIES or key.dim() != 4 or value.dim() != 4 or Hq % Hkv or key.shape[0] != B
+            or key.shape[3] != D or value.shape[:3] != key.shape[:3]
+            or query.stride(3) != 1 or key.stride(3) != 1 or value.stride(3) != 1):
+        return None
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    mask, mask_b, mask_l = None, 0, 0
+    if attention_mask is not None:
+        m = attention_mask
+        if (m.dtype != torch.bool or m.dim() != 4 or m.shape[1] != 1 or m.shape[-1] != L
+                or m.shape[0] not in (1, B) or m.shape[2] not in (1, Lq)):
+            return None
+        if m.stride(3) != 1:
+            m = m.contiguous()
+        mask = m[:, 0]
+        mask_b = 0 if m.shape[0] == 1 else m.stride(0)
+        mask_l = 0 if m.shape[2] == 1 else m.stride(2)
+        causal = False  # (the mask holds it)
+    elif causal and Lq != L:
+        return None
+    scale = float(scaling) if scaling is not None else D ** -0.5
+    out = torch.empty((B, Lq, Hq, Dv), dtype=torch.bfloat16)
+    engine.prefill_attention(B, Hq, Hkv, Lq, L, D, Dv, scale, causal, query.data_ptr(), query.stride(0),
+                             query.stride(1), query.stride(2), key.data_ptr(), key.stride(0), key.stride(1),
+                             key.stride(2), value.data_ptr(), value.stride(0), value.stride(1), value.stride(2),
+                             0 if mask is None else mask.data_ptr(), mask_b, mask_l, out.data_ptr(), Lq * Hq * Dv,
+                             Hq * Dv, Dv)
+    return out
 
 
 def is_mla(mod: nn.Module) -> bool:

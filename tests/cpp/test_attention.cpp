@@ -154,5 +154,143 @@ TEST(DecodeAttention, RefusesBadShapesNamingThem) {
   EXPECT_NE(error().find("k2_dim 4 must be in 1..head_dim - 1 = 3"), std::string::npos) << error();
 }
 
+// prefill_attention against an fp64 reference: causal prompts and chunks after cached keys,
+// GQA / MHA / MQA, key and value dims that differ or are odd, boolean masks with rows that
+// admit no key, strided (non-packed) rows, every kernel level this CPU runs (its BF16 GEMM
+// variant: reference, AVX2, AVX-512, AVX512_BF16, AMX), 1 or 2 subpools and 1 or 2 threads
+// (pools of 1 subpool x 1 thread, 2 x 1, 1 x 2).
+// The bound, from the arithmetic: the probabilities are rounded to bf16 before the value
+// product (each off by at most 2^-8 of itself, so the output by 2^-8 of max |v|), the output
+// once more (2^-8 of it); the fp32 scores as for decode (2 x score_err x max |v|); the fp32
+// sums over the keys (the values' and the softmax denominator's) 2 x keys x 2^-24 of max |v|.
+struct PrefillCase {
+  int batch, q_heads, kv_heads, queries, keys, dk, dv;
+  bool causal;
+  int mask;  // 0: none; 1: random bytes with whole rows masked; 2: left padding per sequence
+};
+
+TEST(PrefillAttention, MatchesAnFp64ReferenceAtEveryLevel) {
+  std::mt19937_64 rng(test::test_seed());
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<IsaLevel> levels;
+  for (IsaLevel l : {IsaLevel::scalar, IsaLevel::avx2, IsaLevel::avx512, IsaLevel::avx512_bf16, IsaLevel::amx})
+    if (l <= hardware_isa()) levels.push_back(l);
+  std::vector<std::unique_ptr<Pool>> pools;  // 1 subpool of 1 thread, 2 subpools, 1 subpool of 2 threads
+  for (const auto& [subpools, threads] : {std::pair{1, 1}, std::pair{2, 1}, std::pair{1, 2}})
+    pools.push_back(attention_pool(subpools, threads));
+  const PrefillCase cases[] = {
+      {1, 16, 2, 200, 200, 128, 128, true, 0},  // a prompt, 8 heads per kv head, a partial last key block
+      {2, 4, 4, 37, 300, 64, 64, true, 0},      // a chunk after 263 cached keys
+      {1, 6, 2, 130, 130, 40, 24, false, 1},    // a mask alone, rows with no key
+      {3, 8, 1, 65, 65, 72, 40, true, 2},       // causal and left padding (MQA)
+      {1, 3, 3, 5, 9, 17, 9, true, 0},          // odd dims, a few keys
+      {2, 2, 1, 1, 257, 32, 32, true, 1},       // one query (a decode step through this path)
+      {1, 4, 2, 140, 140, 192, 128, true, 1},   // DeepSeek-V2's expanded MLA heads: dk 192, dv 128
+  };
+  for (const PrefillCase& c : cases) {
+    // q as transformers hands it ([B, Lq, Hq, D] memory seen as [B, Hq, Lq, D]), k / v with
+    // padded rows, out [B, Lq, Hq, Dv] with padded heads.
+    const int64_t q_h = c.dk, q_l = q_h * c.q_heads + 3, q_b = q_l * c.queries;
+    const int64_t k_l = c.dk + 2, k_h = k_l * c.keys + 7, k_b = k_h * c.kv_heads;
+    const int64_t v_l = c.dv + 1, v_h = v_l * c.keys, v_b = v_h * c.kv_heads + 11;
+    const int64_t out_h = c.dv + 2, out_l = out_h * c.q_heads, out_b = out_l * c.queries + 5;
+    std::vector<bf16_t> q(q_b * c.batch), k(k_b * c.batch), v(v_b * c.batch);
+    for (auto* buf : {&q, &k, &v})
+      for (auto& x : *buf) x = fp32_to_bf16(nd(rng));
+    const int64_t mask_l = c.keys + 1, mask_b = mask_l * c.queries;
+    std::vector<uint8_t> mask(static_cast<size_t>(mask_b) * c.batch, 1);
+    for (int b = 0; b < c.batch; ++b)
+      for (int i = 0; i < c.queries; ++i)
+        for (int l = 0; l < c.keys; ++l) {
+          uint8_t& x = mask[b * mask_b + i * mask_l + l];
+          if (c.mask == 1) x = (i % 7 == 3) ? 0 : (rng() % 4 != 0);
+          if (c.mask == 2) x = l >= 9 * b;  // sequence b's first 9 b keys are padding
+        }
+    const float scale = 1.f / std::sqrt(static_cast<float>(c.dk));
+    // The reference and its bound per output element, [b][i][h][e].
+    const int G = c.q_heads / c.kv_heads;
+    const size_t n_out = static_cast<size_t>(c.batch) * c.queries * c.q_heads * c.dv;
+    std::vector<double> ref(n_out), bound(n_out);
+    for (int b = 0; b < c.batch; ++b)
+      for (int h = 0; h < c.q_heads; ++h)
+        for (int i = 0; i < c.queries; ++i) {
+          const int g = h / G, pos = c.keys - c.queries + i;
+          std::vector<double> s(c.keys, -INFINITY);
+          double m = -INFINITY, vmax = 0, score_err = 0;
+          for (int l = 0; l < c.keys; ++l) {
+            if ((c.causal && l > pos) || (c.mask && !mask[b * mask_b + i * mask_l + l])) continue;
+            double d = 0, mag = 0;
+            for (int e = 0; e < c.dk; ++e) {
+              const double x = double(f32(q[b * q_b + h * q_h + i * q_l + e])) * f32(k[b * k_b + g * k_h + l * k_l + e]);
+              d += x;
+              mag += std::abs(x);
+            }
+            s[l] = d * scale;
+            score_err = std::max(score_err, c.dk * std::ldexp(1.0, -24) * scale * mag);
+            m = std::max(m, s[l]);
+          }
+          double sum = 0;
+          for (int l = 0; l < c.keys; ++l) sum += s[l] == -INFINITY ? 0 : std::exp(s[l] - m);
+          for (int e = 0; e < c.dv; ++e) {
+            double r = 0;
+            for (int l = 0; l < c.keys; ++l) {
+              const double x = f32(v[b * v_b + g * v_h + l * v_l + e]);
+              vmax = std::max(vmax, std::abs(x));
+              if (s[l] != -INFINITY) r += std::exp(s[l] - m) / sum * x;
+            }
+            if (m == -INFINITY) r = 0;  // every key masked: zeros
+            const size_t at = ((static_cast<size_t>(b) * c.queries + i) * c.q_heads + h) * c.dv + e;
+            ref[at] = r;
+            bound[at] = std::ldexp(std::abs(r), -8) +
+                        (std::ldexp(1.0, -8) + 2 * score_err + 2.0 * c.keys * std::ldexp(1.0, -24)) * vmax;
+          }
+        }
+    for (size_t pi = 0; pi < pools.size(); ++pi)
+      for (IsaLevel level : levels) {
+        std::vector<bf16_t> out(out_b * c.batch, fp32_to_bf16(NAN));
+        PrefillAttention a;
+        a.batch = c.batch, a.q_heads = c.q_heads, a.kv_heads = c.kv_heads, a.queries = c.queries, a.keys = c.keys;
+        a.head_dim = c.dk, a.value_dim = c.dv, a.scale = scale, a.causal = c.causal;
+        a.q = q.data(), a.q_b = q_b, a.q_h = q_h, a.q_l = q_l;
+        a.k = k.data(), a.k_b = k_b, a.k_h = k_h, a.k_l = k_l;
+        a.v = v.data(), a.v_b = v_b, a.v_h = v_h, a.v_l = v_l;
+        if (c.mask) a.mask = mask.data(), a.mask_b = mask_b, a.mask_l = mask_l;
+        a.out = out.data(), a.out_b = out_b, a.out_l = out_l, a.out_h = out_h;
+        prefill_attention(*pools[pi], level, a);
+        for (int b = 0; b < c.batch; ++b)
+          for (int i = 0; i < c.queries; ++i)
+            for (int h = 0; h < c.q_heads; ++h)
+              for (int e = 0; e < c.dv; ++e) {
+                const size_t at = ((static_cast<size_t>(b) * c.queries + i) * c.q_heads + h) * c.dv + e;
+                const double got = f32(out[b * out_b + i * out_l + h * out_h + e]);
+                ASSERT_LE(std::abs(got - ref[at]), bound[at])
+                    << "level " << isa_name(level) << ", pool " << pi << ", case b" << c.batch << " hq" << c.q_heads
+                    << " hkv" << c.kv_heads << " Lq" << c.queries << " L" << c.keys << " dk" << c.dk << " dv" << c.dv
+                    << ": seq " << b << " head " << h << " query " << i << " col " << e << " (seed "
+                    << test::test_seed() << ")";
+              }
+      }
+  }
+}
+
+TEST(PrefillAttention, RefusesBadShapesNamingThem) {
+  auto pool = attention_pool(1, 1);
+  std::vector<bf16_t> buf(256);
+  PrefillAttention a;
+  a.batch = 1, a.q_heads = 6, a.kv_heads = 4, a.head_dim = 4, a.queries = 2, a.keys = 2, a.scale = 1.f;
+  a.q = a.k = a.v = buf.data();
+  a.out = buf.data();
+  auto error = [&] { return test::error_of([&] { prefill_attention(*pool, IsaLevel::scalar, a); }); };
+  EXPECT_NE(error().find("q_heads 6 is not a multiple of kv_heads 4"), std::string::npos) << error();
+  a.q_heads = 4, a.queries = 0;
+  EXPECT_NE(error().find("queries 0"), std::string::npos) << error();
+  a.queries = 3, a.causal = true;
+  EXPECT_NE(error().find("causal with 3 queries and only 2 keys"), std::string::npos) << error();
+  a.queries = 2, a.out = nullptr;
+  EXPECT_NE(error().find("out is null"), std::string::npos) << error();
+  a.out = buf.data(), a.scale = NAN;
+  EXPECT_NE(error().find("scale nan is not finite"), std::string::npos) << error();
+}
+
 }  // namespace
 }  // namespace tandem

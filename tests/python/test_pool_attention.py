@@ -1,11 +1,15 @@
-"""Decode attention on tandem's pool (tandem.attention.use_pool_attention): the function
-transformers calls instead of SDPA in a CPU model loaded by tandem.load_model; and prefill
-SDPA calls split by heads over the pool's cores (bit-identical to whole calls).
+"""Decode and prefill attention on tandem's pool (tandem.attention.use_pool_attention): the
+function transformers calls instead of SDPA in a CPU model loaded by tandem.load_model; and
+the SDPA calls it does not take split by heads over the pool's cores (bit-identical to whole
+calls).
 
 - Function level, against fp64 on random inputs (GQA, a padding mask, MLA's value dim):
-  within one bf16 rounding of the output plus the fp32 score error, as SDPA itself is.
-- Which calls it takes: one-token bf16 CPU decode; prefill, float masks, dropout and
-  unknown keyword arguments (softcap, sinks) go to transformers' SDPA unchanged.
+  within one bf16 rounding of the output plus the fp32 score error, as SDPA itself is;
+  prefill (causal prompts, chunks after cached keys, padding) within that plus the bf16
+  rounding of the probabilities.
+- Which calls it takes: bf16 CPU decode and prefill (from PREFILL_MIN_QUERIES queries);
+  float masks, dropout, short query runs, and unknown keyword arguments (softcap, sinks) go
+  to transformers' SDPA unchanged.
 - Model level: load_model sets it (not with cpu.dense_format torch, not over a user's
   eager choice), generation with the KV cache runs the pool for every decode step, and
   the logits of every step stay within generate_check's bound of SDPA's.
@@ -15,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_models import VOCAB, checkpoint_cache
+from hf_models import VOCAB, checkpoint_cache, clean_tokens, record_routing
 
 import tandem
 from tandem import attention as ta
@@ -75,7 +79,8 @@ def test_matches_fp64_within_one_bf16_rounding(engine, B, Hq, Hkv, D, Dv, L):
 
 
 def test_other_calls_go_to_sdpa(engine, monkeypatch):
-    """Only one-token bf16 CPU decode with a bool mask (or none) runs on the pool."""
+    """Only bf16 CPU calls with a bool mask (or none) and one query or at least
+    PREFILL_MIN_QUERIES run on the pool."""
     seen = []
     real = ta._sdpa
     monkeypatch.setattr(ta, "_sdpa", lambda *a, **k: seen.append(1) or real(*a, **k))
@@ -87,7 +92,7 @@ def test_other_calls_go_to_sdpa(engine, monkeypatch):
         ta.pool_attention_forward(mod, q, k, v, None)
         assert seen == []
         cases = [
-            dict(query=torch.randn(1, 4, 3, 16).bfloat16()),                         # prefill
+            dict(query=torch.randn(1, 4, 3, 16).bfloat16()),                         # a 3-query prefill
             dict(attention_mask=torch.zeros(1, 1, 1, 5)),                            # float (additive) mask
             dict(query=q.float(), key=k.float(), value=v.float()),                   # fp32
             dict(softcap=30.0),                                                      # unknown math
@@ -282,6 +287,7 @@ def test_prefill_split_over_heads_gives_sdpas_bits(ckpt, kind, monkeypatch):
     real = ta._helpers
     monkeypatch.setattr(ta, "_helpers", lambda n: split.append(n) or real(n))
     outs = {}
+    monkeypatch.setattr(ta, "PREFILL_MIN_QUERIES", 1 << 30)  # every prefill through SDPA
     for on in (False, True):
         monkeypatch.setattr(ta, "PREFILL_SPLIT_MIN", 1 if on else 1 << 60)
         split.clear()
@@ -289,3 +295,127 @@ def test_prefill_split_over_heads_gives_sdpas_bits(ckpt, kind, monkeypatch):
             outs[on] = (model(ids).logits, model(ids, attention_mask=mask).logits)
         assert bool(split) == on
     assert all(torch.equal(a, b) for a, b in zip(outs[False], outs[True]))
+
+
+def _prefill_reference(q, k, v, mask, scale):
+    """fp64 attention of [B, Hq, Lq, D] queries at the keys' last positions (causal when mask
+    is None, else the bool mask [B or 1, 1, Lq, L] alone) -> [B, Lq, Hq, Dv], the fp32 score
+    error bound per query row ([B, Lq, Hq, 1]) and whether each row admits a key."""
+    G = q.shape[1] // k.shape[1]
+    Lq, L = q.shape[2], k.shape[2]
+    kr, vr = k.double().repeat_interleave(G, 1), v.double().repeat_interleave(G, 1)
+    s = (q.double() @ kr.transpose(-1, -2)) * scale
+    mag = (q.double().abs() @ kr.abs().transpose(-1, -2)) * scale
+    if mask is None:
+        mask = torch.ones(Lq, L, dtype=torch.bool).tril(L - Lq)[None, None]
+    s = s.masked_fill(~mask, float("-inf"))
+    live = mask.expand(s.shape).any(-1, keepdim=True)
+    out = torch.where(live, s.softmax(-1), 0.0).nan_to_num() @ vr
+    score_err = q.shape[-1] * 2.0 ** -24 * mag.masked_fill(~mask, 0).amax(-1, keepdim=True)
+    return out.transpose(1, 2), score_err.transpose(1, 2), live.transpose(1, 2)
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,D,Dv,Lq,L,padded", [
+    (1, 8, 2, 32, 32, 70, 70, False),     # a causal prompt, GQA
+    (2, 4, 4, 16, 16, 40, 40, True),      # left padding (bool mask), MHA
+    (2, 6, 2, 24, 16, 33, 300, True),     # a chunk after 267 cached keys, MLA-like value dim
+    (1, 4, 1, 64, 64, 200, 200, False),   # MQA, two key blocks
+])
+def test_prefill_matches_fp64(engine, monkeypatch, B, Hq, Hkv, D, Dv, Lq, L, padded):
+    """A prompt's (or chunk's) attention on the pool against fp64: per element within one
+    bf16 rounding of the output, one of the probabilities (2^-8 of max |v|), the fp32 score
+    error and the fp32 sums over L keys; rows that admit no key are zeros."""
+    g = torch.Generator().manual_seed(B * 1000 + L + Lq)
+    q = torch.randn(B, Lq, Hq, D, generator=g).bfloat16().transpose(1, 2)  # as the projections leave it
+    k = torch.randn(B, Hkv, L, D, generator=g).bfloat16()
+    v = torch.randn(B, Hkv, L, Dv, generator=g).bfloat16()
+    mask = None
+    if padded:  # causal, and the first sequence's first 9 keys padding (its first rows see none)
+        mask = torch.ones(Lq, L, dtype=torch.bool).tril(L - Lq)[None, None].repeat(B, 1, 1, 1)
+        mask[0, ..., :9] = False
+    calls = []
+    real = ta._prefill
+    monkeypatch.setattr(ta, "_prefill", lambda *a: calls.append(real(*a)) or calls[-1])
+    with torch.inference_mode():
+        got, _ = ta.pool_attention_forward(_Attn(Hq // Hkv, engine), q, k, v, mask, scaling=0.3)
+    assert len(calls) == 1 and calls[0] is not None  # the pool ran it
+    want, score_err, live = _prefill_reference(q, k, v, mask, 0.3)
+    assert got.shape == (B, Lq, Hq, Dv) and got.dtype == torch.bfloat16
+    vmax = v.abs().max().item()
+    bound = want.abs() * 2.0 ** -8 + (2.0 ** -8 + 2 * score_err + 2 * L * 2.0 ** -24) * vmax
+    err = (got.double() - want).abs()
+    worst = err.flatten().argmax()
+    assert (err <= bound).all(), f"max error {err.flatten()[worst]:.3g}, bound there {bound.flatten()[worst]:.3g}"
+    assert (got.masked_select(~live) == 0).all()
+
+
+def test_prefill_calls_it_leaves_to_sdpa(engine, monkeypatch):
+    """Prefill calls on the pool: bf16 with a bool mask or none, at least PREFILL_MIN_QUERIES
+    queries; a float mask, fewer queries, and a mask-free causal call with fewer queries than
+    keys (torch's is_causal aligns them with the first keys) go to SDPA."""
+    seen = []
+    real = ta._sdpa
+    monkeypatch.setattr(ta, "_sdpa", lambda *a, **k: seen.append(1) or real(*a, **k))
+    mod = _Attn(2, engine)
+    n = ta.PREFILL_MIN_QUERIES
+    q = torch.randn(1, 4, n, 16).bfloat16()
+    k = torch.randn(1, 2, n, 16).bfloat16()
+    with torch.inference_mode():
+        ta.pool_attention_forward(mod, q, k, k, None)
+        ta.pool_attention_forward(mod, q, k, k, torch.ones(1, 1, n, n, dtype=torch.bool))
+        assert seen == []
+        ta.pool_attention_forward(mod, q, k, k, torch.zeros(1, 1, n, n))               # float mask
+        ta.pool_attention_forward(mod, q[:, :, : n - 1], k, k, None)                  # causal, Lq < L, no mask
+        ta.pool_attention_forward(mod, q[:, :, : n - 1], k[:, :, : n - 1], k[:, :, : n - 1], None)  # short
+        assert len(seen) == 3
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "deepseek_v2"])
+def test_model_prefill_on_the_pool_matches_sdpa(ckpt, kind, monkeypatch):
+    """A model's prefill (40-token prompts, with and without left padding) with its attention
+    on the pool against the same model with SDPA: the pool ran every layer's call, each call
+    within test_prefill_matches_fp64's bound of fp64 attention on its own inputs (the masks
+    and layouts transformers hands it), and at the tokens routed alike in both runs
+    (hf_models.clean_tokens: a router near-tie flips under any rounding difference; this
+    random Mixtral flips most of its rows somewhere) the logits within generate_check's
+    bound (relative L2 < 2e-2)."""
+    path = ckpt(kind, "bf16")
+    model = tandem.load_model(path, {"version": 1, "cpu": {"virtual_subpools": 2}, "gpu": {"device": "none"}},
+                              progress=False)
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, :7] = 0
+    calls = []
+    real = ta._prefill
+
+    def checked(engine, module, q, k, v, mask, scaling, is_causal):
+        out = real(engine, module, q, k, v, mask, scaling, is_causal)
+        calls.append(out)
+        if out is not None:
+            want, score_err, live = _prefill_reference(q, k, v, mask, scaling)
+            bound = want.abs() * 2.0 ** -8 + (2.0 ** -8 + 2 * score_err + 2 * k.shape[2] * 2.0 ** -24) * v.abs().max()
+            assert ((out.double() - want).abs() <= bound).all() and (out.masked_select(~live) == 0).all()
+        return out
+
+    monkeypatch.setattr(ta, "_prefill", checked)
+    rec = record_routing(model)
+    outs, routes = {}, {}
+    for on in (False, True):
+        monkeypatch.setattr(ta, "PREFILL_MIN_QUERIES", 16 if on else 1 << 30)
+        calls.clear()
+        with torch.no_grad():
+            outs[on] = (model(ids).logits, model(ids, attention_mask=mask).logits)
+        assert len(calls) == 2 * model.config.num_hidden_layers  # every layer's call, run by the pool when on
+        assert all((c is not None) == on for c in calls)
+        routes[on] = list(rec)
+        rec.clear()
+    n = len(routes[True]) // 2
+    for j, (want, got) in enumerate(zip(outs[False], outs[True])):
+        clean = clean_tokens(routes[False][j * n:(j + 1) * n], routes[True][j * n:(j + 1) * n], *ids.shape)
+        if j == 1:
+            clean[1, :7] = False  # (the padded positions' logits are not compared)
+        assert clean.sum() >= 8, f"routing differs for nearly every token ({(~clean).sum().item()})"
+        err = (got - want).float().norm(dim=-1) / want.float().norm(dim=-1)
+        print(f"{kind} {'padded' if j else 'plain'}: {clean.sum().item()} of {clean.numel()} tokens routed alike, "
+              f"relative L2 there <= {err[clean].max().item():.2e}")
+        assert (err[clean] < 2e-2).all()

@@ -217,9 +217,12 @@ inline constexpr int kPanel = 64;  // output rows per packed panel
 // on their own, 2 MiB aligned, and marked for transparent huge pages (MADV_HUGEPAGE:
 // where the kernel's THP mode is "madvise", the default of many distributions, plain
 // allocations get 4 KiB pages, and a kernel streaming weights then misses the TLB
-// every 4 KiB). The pages are still placed by first touch.
+// every 4 KiB). The pages are still placed by first touch. A borrowed buffer is a view
+// of memory another owner frees (a PackedWeight over part of a larger pack: the prefill
+// attention's key blocks).
 struct AlignedBufferFree {
   size_t mapped = 0;  // bytes mapped with mmap; 0: from aligned_alloc
+  bool borrowed = false;  // not freed here
   void operator()(std::byte* p) const noexcept;
 };
 struct AlignedBuffer {
@@ -227,6 +230,9 @@ struct AlignedBuffer {
   std::unique_ptr<std::byte[], Free> ptr;
   size_t size = 0;
   static AlignedBuffer allocate(size_t bytes);
+  // A view of `bytes` at p (64-byte aligned, as the kernels' aligned loads need), which
+  // must outlive it.
+  static AlignedBuffer borrow(std::byte* p, size_t bytes);
   std::byte* data() const { return ptr.get(); }
 };
 

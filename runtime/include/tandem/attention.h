@@ -1,4 +1,4 @@
-// tandem/attention.h: decode attention on the worker pool. One query row per sequence
+// tandem/attention.h: decode and prefill attention on the worker pool. One query row per sequence
 // and head (a generation step) against a KV cache, for the CPU models whose other layers
 // run on tandem's kernels: torch's SDPA runs it on the one thread it keeps beside the
 // pool, reading the whole cache at a single core's speed, once per layer and token.
@@ -49,6 +49,44 @@ struct DecodeAttention {
 // Validates `a` (errors name the field), runs it as one task on `pool` with the vector
 // code `level` allows (AVX-512, AVX2 + FMA, or scalar) and waits.
 void decode_attention(Pool& pool, IsaLevel level, const DecodeAttention& a);
+
+// Prefill attention on the pool: `queries` query rows per sequence and head (a prompt, or
+// a chunk of one after keys - queries cached keys) against `keys` keys. Query row i sits at
+// position keys - queries + i; with `causal` it sees the keys l <= that position, with a
+// mask the keys whose byte in its row is nonzero, with both the keys both admit.
+//
+// Flash attention whose two products run on tandem's BF16 GEMM kernels (kernels.h: the
+// level's variant, AVX512_BF16 / AMX / AVX-512 / AVX2 / reference): phase 0 packs each
+// (sequence, kv head)'s keys and values into weight panels, once; phase 1 takes blocks of
+// query rows of every query head of a kv head (GQA: the group shares each key panel read)
+// and, per block of 128 keys,
+//   S = scale * Q K^T (fp32), an online softmax per row (running max m and sum l, the
+//   output so far scaled by exp(m_old - m_new)), P = bf16(exp(S - m)), O += P V (fp32),
+// then out = bf16(O / l). The arithmetic of SDPA's CPU flash attention for bf16 (fp32
+// scores and sums, the probabilities rounded to bf16 for the second product), in another
+// order. A row whose keys are all masked gets zeros.
+struct PrefillAttention {
+  int batch = 0, q_heads = 0, kv_heads = 0, queries = 0, keys = 0;
+  int head_dim = 0;   // of q and k
+  int value_dim = 0;  // of v and out (0: head_dim)
+  float scale = 0.f;
+  bool causal = false;
+  // Element strides; the elements of a row are contiguous.
+  const bf16_t* q = nullptr;  // [batch, q_heads, queries, head_dim]
+  int64_t q_b = 0, q_h = 0, q_l = 0;
+  const bf16_t* k = nullptr;  // [batch, kv_heads, keys, head_dim]
+  int64_t k_b = 0, k_h = 0, k_l = 0;
+  const bf16_t* v = nullptr;  // [batch, kv_heads, keys, value_dim]
+  int64_t v_b = 0, v_h = 0, v_l = 0;
+  const uint8_t* mask = nullptr;  // optional [batch, queries, keys]: nonzero = attend (mask_b 0: shared)
+  int64_t mask_b = 0, mask_l = 0;
+  bf16_t* out = nullptr;  // [batch, queries, q_heads, value_dim]
+  int64_t out_b = 0, out_l = 0, out_h = 0;
+};
+
+// Validates `a` (errors name the field), runs it on `pool` with kernel_table(level)'s BF16
+// kernels and waits.
+void prefill_attention(Pool& pool, IsaLevel level, const PrefillAttention& a);
 
 class DenseLinear;
 
