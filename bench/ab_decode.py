@@ -27,7 +27,9 @@ alternated figures compare):
   embedding row, stack, final norm, lm_head) / the model step inside transformers' causal LM;
 - ``split``: prefill SDPA calls split by heads over the pool's threads
   (``tandem.attention.PREFILL_SPLIT_MIN``) / whole on torch's one thread (read the prefill ratio;
-  try ``--prompt 512``).
+  try ``--prompt 512``; with ``prefill`` off, since the pool's flash attention takes those calls);
+- ``prefill``: prefill attention on the pool (``tandem.attention.PREFILL_MIN_QUERIES``: flash
+  attention on tandem's BF16 kernels) / SDPA split by heads (read the prefill ratio).
 
     .venv/bin/python bench/ab_decode.py norms                  # int4 experts, int4 dense layers
     .venv/bin/python bench/ab_decode.py projections --format bf16 --dense auto --rounds 8
@@ -40,6 +42,7 @@ alternated figures compare):
     .venv/bin/python bench/ab_decode.py mlps --model deepseek-v2-lite --group-size 64
     .venv/bin/python bench/ab_decode.py head --rounds 8
     .venv/bin/python bench/ab_decode.py split --prompt 512 --new 4 --format bf16 --dense auto
+    .venv/bin/python bench/ab_decode.py prefill --prompt 2048 --new 2 --format bf16 --dense auto --rounds 3
 
 The checkpoints are bench_hf.py's random ones (Qwen3-30B-A3B or DeepSeek-V2-Lite shapes,
 4 layers, vocabulary 32768), built once into tandem's cache.
@@ -109,7 +112,15 @@ def split_slots(model: nn.Module) -> list:
     """(tandem.attention, "PREFILL_SPLIT_MIN", its value, never)."""
     from tandem import attention
 
+    attention.PREFILL_MIN_QUERIES = 1 << 30  # (these calls would go to the pool's flash attention)
     return [(attention, "PREFILL_SPLIT_MIN", attention.PREFILL_SPLIT_MIN, 1 << 62)]
+
+
+def prefill_slots(model: nn.Module) -> list:
+    """(tandem.attention, "PREFILL_MIN_QUERIES", its value, never)."""
+    from tandem import attention
+
+    return [(attention, "PREFILL_MIN_QUERIES", attention.PREFILL_MIN_QUERIES, 1 << 30)]
 
 
 def bf16out_slots(model: nn.Module) -> list:
@@ -173,7 +184,7 @@ def projection_slots(model: nn.Module, cfg: dict) -> list[tuple[nn.Module, str, 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("what", choices=("norms", "projections", "routers", "cache", "mla", "bf16out", "layers", "mlps",
-                                    "caller", "model", "head", "split"))
+                                    "caller", "model", "head", "split", "prefill"))
     p.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(bench_hf.SHAPES))
     p.add_argument("--format", default="int4", help="cpu.format (default int4)")
     p.add_argument("--dense", default="int4", help="cpu.dense_format (default int4; not torch)")
@@ -191,12 +202,13 @@ def main() -> int:
         cpu["group_size"] = a.group_size
     cfg = {"version": 1, "cpu": cpu,
            "gpu": {"device": "auto"}}
-    if a.what in ("norms", "routers", "cache", "mla", "bf16out", "layers", "mlps", "caller", "model", "head", "split"):
+    if a.what in ("norms", "routers", "cache", "mla", "bf16out", "layers", "mlps", "caller", "model", "head", "split",
+                  "prefill"):
         model = tandem.load_model(d, cfg, progress=False)
         slots = {"norms": norm_slots, "routers": router_slots, "mla": mla_slots,
                  "bf16out": bf16out_slots, "layers": layer_slots, "mlps": mlp_slots,
                  "caller": caller_slots, "model": model_slots, "head": head_slots,
-                 "split": split_slots}.get(a.what, lambda m: [])(model)
+                 "split": split_slots, "prefill": prefill_slots}.get(a.what, lambda m: [])(model)
     else:
         model = tandem.load_model(d, dict(cfg, cpu=dict(cfg["cpu"], dense_format="torch")), progress=False)
         slots = projection_slots(model, cfg)

@@ -239,6 +239,8 @@ def _prefill(engine: Any, module: nn.Module, query: torch.Tensor, key: torch.Ten
     elif causal and Lq != L:
         return None
     scale = float(scaling) if scaling is not None else D ** -0.5
+    if not 0 < scale < float("inf"):
+        return None  # (the pool's kernel takes a positive scale)
     out = torch.empty((B, Lq, Hq, Dv), dtype=torch.bfloat16)
     engine.prefill_attention(B, Hq, Hkv, Lq, L, D, Dv, scale, causal, query.data_ptr(), query.stride(0),
                              query.stride(1), query.stride(2), key.data_ptr(), key.stride(0), key.stride(1),

@@ -162,7 +162,8 @@ TEST(DecodeAttention, RefusesBadShapesNamingThem) {
 // The bound, from the arithmetic: the probabilities are rounded to bf16 before the value
 // product (each off by at most 2^-8 of itself, so the output by 2^-8 of max |v|), the output
 // once more (2^-8 of it); the fp32 scores as for decode (2 x score_err x max |v|); the fp32
-// sums over the keys (the values' and the softmax denominator's) 2 x keys x 2^-24 of max |v|.
+// sums over the keys (the values' and the softmax denominator's) 2 x keys x 2^-24 of max |v|;
+// the exponentials' polynomial (2.4e-7 relative, in the probabilities and their sum) 2^-21.
 struct PrefillCase {
   int batch, q_heads, kv_heads, queries, keys, dk, dv;
   bool causal;
@@ -179,7 +180,8 @@ TEST(PrefillAttention, MatchesAnFp64ReferenceAtEveryLevel) {
   for (const auto& [subpools, threads] : {std::pair{1, 1}, std::pair{2, 1}, std::pair{1, 2}})
     pools.push_back(attention_pool(subpools, threads));
   const PrefillCase cases[] = {
-      {1, 16, 2, 200, 200, 128, 128, true, 0},  // a prompt, 8 heads per kv head, a partial last key block
+      {1, 16, 2, 200, 200, 128, 128, true, 0},  // a prompt, 8 heads per kv head
+      {1, 4, 2, 600, 600, 64, 64, true, 0},     // three key blocks, the last partial
       {2, 4, 4, 37, 300, 64, 64, true, 0},      // a chunk after 263 cached keys
       {1, 6, 2, 130, 130, 40, 24, false, 1},    // a mask alone, rows with no key
       {3, 8, 1, 65, 65, 72, 40, true, 2},       // causal and left padding (MQA)
@@ -242,7 +244,8 @@ TEST(PrefillAttention, MatchesAnFp64ReferenceAtEveryLevel) {
             const size_t at = ((static_cast<size_t>(b) * c.queries + i) * c.q_heads + h) * c.dv + e;
             ref[at] = r;
             bound[at] = std::ldexp(std::abs(r), -8) +
-                        (std::ldexp(1.0, -8) + 2 * score_err + 2.0 * c.keys * std::ldexp(1.0, -24)) * vmax;
+                        (std::ldexp(1.0, -8) + 2 * score_err + 2.0 * c.keys * std::ldexp(1.0, -24) +
+                         std::ldexp(1.0, -21)) * vmax;
           }
         }
     for (size_t pi = 0; pi < pools.size(); ++pi)
@@ -289,7 +292,9 @@ TEST(PrefillAttention, RefusesBadShapesNamingThem) {
   a.queries = 2, a.out = nullptr;
   EXPECT_NE(error().find("out is null"), std::string::npos) << error();
   a.out = buf.data(), a.scale = NAN;
-  EXPECT_NE(error().find("scale nan is not finite"), std::string::npos) << error();
+  EXPECT_NE(error().find("scale nan is not positive and finite"), std::string::npos) << error();
+  a.scale = -0.5f;
+  EXPECT_NE(error().find("scale -0.5 is not positive and finite"), std::string::npos) << error();
 }
 
 }  // namespace

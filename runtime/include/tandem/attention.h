@@ -59,7 +59,7 @@ void decode_attention(Pool& pool, IsaLevel level, const DecodeAttention& a);
 // level's variant, AVX512_BF16 / AMX / AVX-512 / AVX2 / reference): phase 0 packs each
 // (sequence, kv head)'s keys and values into weight panels, once; phase 1 takes blocks of
 // query rows of every query head of a kv head (GQA: the group shares each key panel read)
-// and, per block of 128 keys,
+// and, per block of 256 keys,
 //   S = scale * Q K^T (fp32), an online softmax per row (running max m and sum l, the
 //   output so far scaled by exp(m_old - m_new)), P = bf16(exp(S - m)), O += P V (fp32),
 // then out = bf16(O / l). The arithmetic of SDPA's CPU flash attention for bf16 (fp32
