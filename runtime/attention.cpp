@@ -237,7 +237,8 @@ class PrefillTask final : public Task {
   }
 
   // Key block j of sequence-and-kv-head `seq`: its key panels ([D/2][64 keys][2]) and its
-  // value panels ([kKeyBlock / 2][64 value columns][2]), zero past the keys and dims.
+  // value panels ([kKeyBlock / 2][64 value columns][2]), zero past the keys (to the block's
+  // last pair) and dims.
   void pack(int seq, int j) {
     const int b = seq / a_.kv_heads, g = seq % a_.kv_heads, D = a_.head_dim, L = a_.keys;
     const bf16_t* k = a_.k + b * a_.k_b + g * a_.k_h;
@@ -257,7 +258,9 @@ class PrefillTask final : public Task {
     }
     auto* dst = reinterpret_cast<bf16_t*>(vpack(seq) + static_cast<size_t>(j) * vblock_bytes_);
     const size_t panel = (kKeyBlock / 2) * kPanel * 2;  // elements per value panel
-    for (int t = 0; t < kKeyBlock / 2; ++t) {
+    // (pairs past the keys are not read: a partial block's view has k = its keys)
+    const int pairs_v = (std::min(kKeyBlock, L - j * kKeyBlock) + 1) / 2;
+    for (int t = 0; t < pairs_v; ++t) {
       const int key = j * kKeyBlock + 2 * t;
       const bf16_t* r0 = key < L ? v + key * a_.v_l : nullptr;
       const bf16_t* r1 = key + 1 < L ? v + (key + 1) * a_.v_l : nullptr;
