@@ -1,5 +1,5 @@
-"""Attention for tandem's models: decode attention on tandem's pool for CPU models
-(``use_pool_attention``), and which of torch's SDPA backends tandem's generation commands
+"""Attention for tandem's models: decode and prefill attention on tandem's pool for CPU
+models (``use_pool_attention``), and which of torch's SDPA backends tandem's generation commands
 let run on CUDA (``generation_attention``).
 
 **Decode attention on the pool.** A CPU model whose linear layers run on tandem's kernels
@@ -11,19 +11,29 @@ unless ``cpu.dense_format`` is ``torch``) registers the attention function "tand
 transformers (``AttentionInterface``; masks as for SDPA) and sets the model to it. Its
 calls with one query token (generation), bf16 q / k / v on the CPU, no dropout and a
 boolean mask or none run ``_C.Engine.decode_attention`` (tandem/attention.h: every core
-reads the cache, fp32 accumulation, one bf16 rounding, as SDPA's CPU kernels round);
-every other call (prefill, a float mask, softcap, attention sinks, gradients) goes to
-transformers' own SDPA function unchanged.
+reads the cache, fp32 accumulation, one bf16 rounding, as SDPA's CPU kernels round).
 
-**Prefill attention on the pool's cores.** torch keeps one thread beside the pool, so a
-prompt's SDPA ran on one core while the pool's waited: 5 ms per layer at 128 tokens and
-64 ms at 512 for Qwen3-30B-A3B's 32 heads on the 2-core Zen 4 machine, 10-13% of the whole
-prefill. Such calls (``_head_parts``: inference on the CPU, the pool having more threads
-than torch, at least ``PREFILL_SPLIT_MIN`` query x key x head products, a mask shared by
-the heads, no unknown keyword) run as one SDPA call per pool thread on contiguous groups of
-heads (whole GQA groups), on Python threads (torch releases the GIL inside SDPA, and
-parked threads do not spin as torch's OpenMP workers would on the pool's cores). Each
-head's arithmetic is the same alone, so the output is that of the whole call, bit for bit.
+**Prefill attention on the pool.** A prompt's (or a chunk's) calls of at least
+``PREFILL_MIN_QUERIES`` queries, bf16 on the CPU, no dropout or gradient, a boolean mask or
+none, run ``_C.Engine.prefill_attention`` (``_prefill``): flash attention whose two products
+(scores, and probabilities times values) run on tandem's BF16 GEMM kernels on the pool, the
+keys and values packed once per call, the softmax online in fp32, the probabilities rounded
+to bf16 for the value product (SDPA's CPU flash attention's arithmetic, in another order).
+On the 2-core Zen 4 machine, Qwen3-30B-A3B's heads, it ran 2.4-3.5x faster than the split
+SDPA below at 512-4096 tokens (74-76% of the vdpbf16ps peak from 2048 on); the whole 4-layer
+model's prefill 1.15x at 512 tokens and 1.23x at 2048 (bench/RESULTS.md). Every other call
+(a float mask, softcap, attention sinks, gradients, fewer queries) goes to SDPA.
+
+**SDPA on the pool's cores.** torch keeps one thread beside the pool, so a prompt's SDPA ran
+on one core while the pool's waited: 5 ms per layer at 128 tokens and 64 ms at 512 for
+Qwen3-30B-A3B's 32 heads on the 2-core Zen 4 machine, 10-13% of the whole prefill. The SDPA
+calls the pool does not take (``_head_parts``: inference on the CPU, the pool having more
+threads than torch, at least ``PREFILL_SPLIT_MIN`` query x key x head products, a mask
+shared by the heads, no unknown keyword; an fp32 model's prefill, say) run as one SDPA call
+per pool thread on contiguous groups of heads (whole GQA groups), on Python threads (torch
+releases the GIL inside SDPA, and parked threads do not spin as torch's OpenMP workers would
+on the pool's cores). Each head's arithmetic is the same alone, so the output is that of the
+whole call, bit for bit.
 
 torch 2.11 sends the SDPA calls of transformers' models on an H100 / H200 to cuDNN, which
 builds an execution plan for every new shape it sees. In generation every decode step has a
@@ -160,7 +170,8 @@ def pool_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Te
                            **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract (query [B, Hq, Lq, D], key / value
     [B, Hkv, L, D] / [B, Hkv, L, Dv] -> ([B, Lq, Hq, Dv], None)): one-token CPU decode
-    on the engine's pool, everything else through SDPA (see the module docstring)."""
+    and prefill of PREFILL_MIN_QUERIES queries or more on the engine's pool, everything else
+    through SDPA (see the module docstring)."""
     latent = module.__dict__.pop("tandem_latent", None)
     if latent is not None:  # MLA, one token: the latents stand in for key / value (use_mla_absorption)
         out = _mla_decode(module, query, latent, attention_mask, dropout, scaling, kwargs)
@@ -395,7 +406,7 @@ def _register() -> None:
 
 
 def use_pool_attention(model: nn.Module, engine: Any) -> int:
-    """Runs `model`'s one-token decode attention on `engine`'s pool: the model must use
+    """Runs `model`'s decode and prefill attention on `engine`'s pool: the model must use
     transformers' SDPA attention (its default on the CPU; an eager / flex / other choice is
     left alone, returning 0). Returns the number of attention modules that will."""
     if getattr(model.config, "_attn_implementation", None) != "sdpa":

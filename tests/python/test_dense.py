@@ -45,15 +45,21 @@ def tokens(seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
-def test_bf16_layers_run_on_tandem_and_compute_what_torch_does(ckpt, kind):
+def test_bf16_layers_run_on_tandem_and_compute_what_torch_does(ckpt, kind, monkeypatch):
     """auto on a bf16 model: every CPU nn.Linear but the routers becomes a TandemLinear in
     bf16. Its products are exact in fp32 and summed in fp32, then rounded to bf16 once,
     as torch's bf16 linear does: only the order of the fp32 sums may differ, which moves
     an output by one bf16 step where it lands within ~2^-16 relative of a rounding
     boundary. Logits against the same model with cpu.dense_format torch: bound 2^-6 of
     the largest |logit| (a few such steps carried through 3 layers; measured: 0, the
-    outputs were identical)."""
+    outputs were identical). The prompts' attention runs in SDPA in both (the pool's
+    prefill attention, which only the first model would use, rounds differently:
+    test_pool_attention.py checks it)."""
     from transformers import AutoModelForCausalLM
+
+    from tandem import attention
+
+    monkeypatch.setattr(attention, "PREFILL_MIN_QUERIES", 1 << 30)
 
     path = ckpt(kind, "bf16")
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
