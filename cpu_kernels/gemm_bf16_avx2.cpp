@@ -10,7 +10,7 @@ namespace {
 
 template <int MR>
 struct Avx2Fixed {
-  static void run(const bf16_t* a, int lda, const bf16_t* wp, int k, float* t) {
+  static void run(const bf16_t* a, int lda, const bf16_t* wp, int k, float* t, const PanelPrefetch& pf) {
     static_assert(MR == 1);
     __m256 acc[8];
 #pragma GCC unroll 8
@@ -18,7 +18,7 @@ struct Avx2Fixed {
     const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
     const __m256i* w = reinterpret_cast<const __m256i*>(wp);
     for (int p = 0; p < (k + 1) / 2; ++p) {
-      prefetch_ahead(w + 8 * p);
+      pf(p);
       const uint32_t x = load_pair(a, 2 * p, k);
       const __m256 ae = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(x << 16)));
       const __m256 ao = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(x & 0xffff0000u)));

@@ -11,7 +11,7 @@ namespace {
 
 template <int MR>
 struct FmaFixed {
-  static void run(const bf16_t* a, int lda, const bf16_t* wp, int k, float* t) {
+  static void run(const bf16_t* a, int lda, const bf16_t* wp, int k, float* t, const PanelPrefetch& pf) {
     __m512 acc[MR][4];
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r)
@@ -20,7 +20,7 @@ struct FmaFixed {
     const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
     const __m512i* w = reinterpret_cast<const __m512i*>(wp);
     for (int p = 0; p < (k + 1) / 2; ++p) {
-      prefetch_ahead(w + 4 * p);
+      pf(p);
       __m512 we[4], wo[4];
 #pragma GCC unroll 4
       for (int b = 0; b < 4; ++b) {

@@ -15,7 +15,7 @@ inline __m512 dp(__m512 acc, __m512i a, __m512i w) {
 
 template <int MR>
 struct DpFixed {
-  static void run(const bf16_t* a, int lda, const bf16_t* wp, int k, float* t) {
+  static void run(const bf16_t* a, int lda, const bf16_t* wp, int k, float* t, const PanelPrefetch& pf) {
     // At few rows a single accumulator per output vector would be bound by the
     // instruction latency; two sets (even / odd k-pairs) keep the loads streaming.
     constexpr bool kTwoSets = MR <= 2;
@@ -29,8 +29,8 @@ struct DpFixed {
     int p = 0;
     if constexpr (kTwoSets) {
       for (; p + 1 < kp; p += 2) {
-        prefetch_ahead(w + 4 * p);
-        prefetch_ahead(w + 4 * p + 4);
+        pf(p);
+        pf(p + 1);
         const __m512i w0 = _mm512_load_si512(w + 4 * p), w1 = _mm512_load_si512(w + 4 * p + 1),
                       w2 = _mm512_load_si512(w + 4 * p + 2), w3 = _mm512_load_si512(w + 4 * p + 3);
         const __m512i v0 = _mm512_load_si512(w + 4 * p + 4), v1 = _mm512_load_si512(w + 4 * p + 5),
@@ -55,7 +55,7 @@ struct DpFixed {
     }
     // Remaining full pairs, then the odd-k tail (its weight column is zero-padded).
     for (; p < (k + 1) / 2; ++p) {
-      prefetch_ahead(w + 4 * p);
+      pf(p);
       const __m512i w0 = _mm512_load_si512(w + 4 * p), w1 = _mm512_load_si512(w + 4 * p + 1),
                     w2 = _mm512_load_si512(w + 4 * p + 2), w3 = _mm512_load_si512(w + 4 * p + 3);
 #pragma GCC unroll 8

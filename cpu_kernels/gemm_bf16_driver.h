@@ -6,9 +6,10 @@
 //
 // Micro contract:
 //   static constexpr int kMaxRows;
-//   static void run(int mr, const bf16_t* a, int lda, const bf16_t* panel, int k, float* t);
+//   static void run(int mr, const bf16_t* a, int lda, const bf16_t* panel, int k, float* t,
+//                   const PanelPrefetch& pf);
 // computes t[r][j] = sum_c a[r][c] * W[panel*64 + j][c] for r < mr <= kMaxRows,
-// j < 64, c < k, as fp32, into t (row stride 64).
+// j < 64, c < k, as fp32, into t (row stride 64), calling pf(p) once at each k-pair step p.
 #pragma once
 
 #include <algorithm>
@@ -154,41 +155,6 @@ inline const bf16_t* bf16_input(const Args& g, int k, int& lda) {
   return buf.data();
 }
 
-template <class Micro>
-void gemm_driver(const PackedWeight& w, const GemmArgs& g) {
-  const int pe = g.panel_end < 0 ? w.panels : g.panel_end;
-  int lda;
-  const bf16_t* a = bf16_input(g, w.k, lda);
-  alignas(64) float t[Micro::kMaxRows * kPanel];
-  for (int p = g.panel_begin; p < pe; ++p) {
-    const bf16_t* wp = w.panel(p);
-    const int n0 = p * kPanel, nn = std::min(kPanel, w.n - n0);
-    for_row_blocks(g.m, Micro::kMaxRows, [&](int r0, int mr) {
-      Micro::run(mr, a + static_cast<size_t>(r0) * lda, lda, wp, w.k, t);
-      store_rows(g, t, mr, r0, n0, nn, nullptr);
-    });
-  }
-}
-
-template <class Micro>
-void gate_up_driver(const PackedWeight& w, const GateUpArgs& g) {
-  const int pe = g.panel_end < 0 ? w.panels : g.panel_end;
-  int lda;
-  const bf16_t* a0 = bf16_input(g, w.k, lda);
-  alignas(64) float tg[Micro::kMaxRows * kPanel], tu[Micro::kMaxRows * kPanel];
-  for (int p = g.panel_begin; p < pe; ++p) {
-    const bf16_t* wg = w.panel(2 * p);
-    const bf16_t* wu = w.panel(2 * p + 1);
-    const int n0 = p * kPanel, nn = std::min(kPanel, w.n - n0);
-    for_row_blocks(g.m, Micro::kMaxRows, [&](int r0, int mr) {
-      const bf16_t* a = a0 + static_cast<size_t>(r0) * lda;
-      Micro::run(mr, a, lda, wg, w.k, tg);
-      Micro::run(mr, a, lda, wu, w.k, tu);
-      store_silu_rows(g, tg, tu, mr, r0, n0, nn, nullptr);
-    });
-  }
-}
-
 // Asks for the packed row (256 bytes) 8 KB after `row`: the next groups of the panel,
 // or the next panel. Without it the hardware prefetcher alone kept an INT4 decode at
 // 55-62% of the read bandwidth; with it, 77-92%, and INT8 88-100% instead of 79-84%
@@ -201,6 +167,78 @@ inline void prefetch_ahead(const void* row) {
   const char* p = static_cast<const char*>(row) + kPrefetchAhead;
 #pragma GCC unroll 4
   for (int b = 0; b < 4; ++b) _mm_prefetch(p + 64 * b, _MM_HINT_T1);
+}
+
+// What a micro-kernel call prefetches (into L2) while it streams a panel: at k-pair step p,
+// `lines` cache lines from at + p * step. A panel's first row block reads the panel from
+// memory and prefetches it 8 KB ahead (prefetch_ahead's distance, 4 lines a step); its later
+// blocks read it from L2 and share the prefetching of the next panel the call streams (a k-pair
+// row is 4 lines: one block prefetches all 4 a step, two blocks 2 each, three or more 1 each on
+// the first four), so that panel's first block finds it in L2 rather than running at the
+// memory's pace (Zen 4, 2 cores: a step's 256 bytes every ~24 cycles is ~40 GB/s per core,
+// more than the machine reads).
+struct PanelPrefetch {
+  const char* at = nullptr;
+  size_t step = 0;
+  int lines = 0;
+  void operator()(int p) const {
+    const char* q = at + static_cast<size_t>(p) * step;
+    for (int l = 0; l < lines; ++l) _mm_prefetch(q + 64 * l, _MM_HINT_T1);
+  }
+  // Row block `block` (0 first) of `blocks` in a call on a panel of `pairs` k-pairs at `panel`,
+  // `next` the panel the call streams after it (null: none).
+  static PanelPrefetch for_block(const bf16_t* panel, const bf16_t* next, int block, int blocks, int pairs) {
+    constexpr int kLines = kPanel * 2 * sizeof(bf16_t) / 64;  // lines per k-pair row: 4
+    if (block == 0) return {reinterpret_cast<const char*>(panel) + kPrefetchAhead, 64 * kLines, kLines};
+    const int lines = (kLines + blocks - 2) / (blocks - 1);  // ceil(4 / later blocks)
+    if (next == nullptr || (block - 1) * lines >= kLines) return {};
+    return {reinterpret_cast<const char*>(next) + static_cast<size_t>(block - 1) * pairs * lines * 64,
+            static_cast<size_t>(lines) * 64, lines};
+  }
+};
+
+template <class Micro>
+void gemm_driver(const PackedWeight& w, const GemmArgs& g) {
+  const int pe = g.panel_end < 0 ? w.panels : g.panel_end;
+  int lda;
+  const bf16_t* a = bf16_input(g, w.k, lda);
+  alignas(64) float t[Micro::kMaxRows * kPanel];
+  const int blocks = (g.m + Micro::kMaxRows - 1) / Micro::kMaxRows;  // for_row_blocks' count
+  for (int p = g.panel_begin; p < pe; ++p) {
+    const bf16_t* wp = w.panel(p);
+    const bf16_t* next = p + 1 < pe ? w.panel(p + 1) : nullptr;
+    const int n0 = p * kPanel, nn = std::min(kPanel, w.n - n0);
+    int block = 0;
+    for_row_blocks(g.m, Micro::kMaxRows, [&](int r0, int mr) {
+      Micro::run(mr, a + static_cast<size_t>(r0) * lda, lda, wp, w.k, t,
+                 PanelPrefetch::for_block(wp, next, block++, blocks, w.k_pairs));
+      store_rows(g, t, mr, r0, n0, nn, nullptr);
+    });
+  }
+}
+
+template <class Micro>
+void gate_up_driver(const PackedWeight& w, const GateUpArgs& g) {
+  const int pe = g.panel_end < 0 ? w.panels : g.panel_end;
+  int lda;
+  const bf16_t* a0 = bf16_input(g, w.k, lda);
+  alignas(64) float tg[Micro::kMaxRows * kPanel], tu[Micro::kMaxRows * kPanel];
+  const int blocks = (g.m + Micro::kMaxRows - 1) / Micro::kMaxRows;  // for_row_blocks' count
+  for (int p = g.panel_begin; p < pe; ++p) {
+    const bf16_t* wg = w.panel(2 * p);
+    const bf16_t* wu = w.panel(2 * p + 1);
+    const bf16_t* next_g = p + 1 < pe ? w.panel(2 * p + 2) : nullptr;
+    const bf16_t* next_u = p + 1 < pe ? w.panel(2 * p + 3) : nullptr;
+    const int n0 = p * kPanel, nn = std::min(kPanel, w.n - n0);
+    int block = 0;
+    for_row_blocks(g.m, Micro::kMaxRows, [&](int r0, int mr) {
+      const bf16_t* a = a0 + static_cast<size_t>(r0) * lda;
+      Micro::run(mr, a, lda, wg, w.k, tg, PanelPrefetch::for_block(wg, next_g, block, blocks, w.k_pairs));
+      Micro::run(mr, a, lda, wu, w.k, tu, PanelPrefetch::for_block(wu, next_u, block, blocks, w.k_pairs));
+      ++block;
+      store_silu_rows(g, tg, tu, mr, r0, n0, nn, nullptr);
+    });
+  }
 }
 
 // Reads a[c] and a[c + 1] as one 32-bit pair; at the odd-k tail, a[c] alone (the

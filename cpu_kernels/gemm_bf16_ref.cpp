@@ -7,7 +7,7 @@ namespace {
 
 struct MicroRef {
   static constexpr int kMaxRows = 4;
-  static void run(int mr, const bf16_t* a, int lda, const bf16_t* wp, int k, float* t) {
+  static void run(int mr, const bf16_t* a, int lda, const bf16_t* wp, int k, float* t, const PanelPrefetch&) {
     for (int r = 0; r < mr; ++r) {
       float acc[kPanel] = {};
       for (int c = 0; c < k; ++c) {

@@ -38,7 +38,8 @@ echo "== Python tests (pytest) =="
 if .venv/bin/python -c 'import sys, tandem; sys.exit(tandem.hardware_isa() == "scalar")'; then
   echo "== C++ suite and Python inference tests at TANDEM_ISA=avx2 =="
   TANDEM_ISA=avx2 build/tests/tandem_tests --gtest_brief=1
-  TANDEM_ISA=avx2 .venv/bin/python -m pytest -q -ra tests/python/test_hf_inference.py tests/python/test_truth_hf.py
+  TANDEM_ISA=avx2 .venv/bin/python -m pytest -q -ra tests/python/test_hf_inference.py tests/python/test_truth_hf.py \
+    tests/python/test_pool_attention.py
 else
   echo "== no AVX2 on this CPU: the TANDEM_ISA=avx2 pass is skipped =="
 fi
