@@ -33,6 +33,25 @@ sys.path.insert(0, str(ROOT / "python"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 
+def best_times(variants, rounds: int, reps: int) -> dict[str, float]:
+    """Seconds per call of each (name, fn, torch threads) variant: the best of `rounds` rounds
+    of `reps` calls (after one untimed), the variants alternated within each round; torch is
+    left at one thread."""
+    import torch
+
+    best = {name: float("inf") for name, _, _ in variants}
+    for _ in range(rounds):
+        for name, fn, threads in variants:
+            torch.set_num_threads(threads)
+            fn()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - t0) / reps)
+    torch.set_num_threads(1)
+    return best
+
+
 def main() -> int:
     import torch
 
@@ -82,16 +101,7 @@ def main() -> int:
         ours()
         err = ((out.float() - want.float()).norm() / want.float().norm()).item()
         assert err < 1e-2, f"keys {L}: tandem's output differs from SDPA's by {err:.3g} (relative L2)"
-        best = {"ours": 1e9, "sdpa1": 1e9, "sdpaN": 1e9}
-        for _ in range(args.rounds):
-            for name, fn, threads in (("ours", ours, 1), ("sdpa1", sdpa, 1), ("sdpaN", sdpa, cores)):
-                torch.set_num_threads(threads)
-                fn()
-                t0 = time.perf_counter()
-                for _ in range(args.reps):
-                    fn()
-                best[name] = min(best[name], (time.perf_counter() - t0) / args.reps)
-        torch.set_num_threads(1)
+        best = best_times((("ours", ours, 1), ("sdpa1", sdpa, 1), ("sdpaN", sdpa, cores)), args.rounds, args.reps)
         nbytes = 2 * hkv * L * D * 2
         rate = nbytes / best["ours"] / 1e9
         pct = f"{rate / bw:5.0%}" if bw else "    -"
@@ -149,17 +159,8 @@ def prefill(args, hq: int, hkv: int, D: int, Dv: int, ceil: dict) -> int:
         assert got is not None, "tandem.attention._prefill refused the call"
         err = ((got.float() - want).norm() / want.norm()).item()
         assert err < 1e-2, f"L {L}: tandem's output differs from SDPA's by {err:.3g} (relative L2)"
-        best = {"ours": 1e9, "split": 1e9, "sdpa1": 1e9, "sdpaN": 1e9}
-        for _ in range(args.rounds):
-            for name, fn, threads in (("ours", ours, 1), ("split", split, 1), ("sdpa1", sdpa, 1),
-                                      ("sdpaN", sdpa, cores)):
-                torch.set_num_threads(threads)
-                fn()
-                t0 = time.perf_counter()
-                for _ in range(args.reps):
-                    fn()
-                best[name] = min(best[name], (time.perf_counter() - t0) / args.reps)
-        torch.set_num_threads(1)
+        best = best_times((("ours", ours, 1), ("split", split, 1), ("sdpa1", sdpa, 1), ("sdpaN", sdpa, cores)),
+                          args.rounds, args.reps)
         flops = 2 * (D + Dv) * hq * L * (L + 1) / 2
         rate = flops / best["ours"] / 1e9
         pct = f"{rate / peak:6.0%}" if peak else "     -"

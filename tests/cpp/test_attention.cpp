@@ -30,6 +30,44 @@ std::unique_ptr<Pool> attention_pool(int subpools, int threads) {
 
 float f32(bf16_t b) { return bf16_to_fp32(b); }
 
+// fp64 attention of one query row (q: dk bf16 values) over `keys` keys (key l: dk values at
+// k + l * k_l, value l: dv at v + l * v_l) of which `admit(l)` says which count: the output
+// (zeros when none counts), max |v| over all the keys, and the fp32 score error bound
+// dk x 2^-24 x scale x sum |q_i k_i| of the worst counted key.
+struct ReferenceRow {
+  std::vector<double> out;
+  double vmax = 0, score_err = 0;
+};
+template <class Admit>
+ReferenceRow reference_row(const bf16_t* q, const bf16_t* k, int64_t k_l, const bf16_t* v, int64_t v_l, int keys, int dk,
+                           int dv, double scale, Admit admit) {
+  ReferenceRow r;
+  std::vector<double> s(keys, -INFINITY);
+  double m = -INFINITY;
+  for (int l = 0; l < keys; ++l) {
+    if (!admit(l)) continue;
+    double d = 0, mag = 0;
+    for (int e = 0; e < dk; ++e) {
+      const double x = double(f32(q[e])) * f32(k[l * k_l + e]);
+      d += x;
+      mag += std::abs(x);
+    }
+    s[l] = d * scale;
+    r.score_err = std::max(r.score_err, dk * std::ldexp(1.0, -24) * scale * mag);
+    m = std::max(m, s[l]);
+  }
+  double sum = 0;
+  for (int l = 0; l < keys; ++l) sum += s[l] == -INFINITY ? 0 : std::exp(s[l] - m);
+  r.out.assign(dv, 0.0);
+  for (int e = 0; e < dv; ++e)
+    for (int l = 0; l < keys; ++l) {
+      const double x = f32(v[l * v_l + e]);
+      r.vmax = std::max(r.vmax, std::abs(x));
+      if (s[l] != -INFINITY) r.out[e] += std::exp(s[l] - m) / sum * x;
+    }
+  return r;
+}
+
 struct Case {
   int batch, q_heads, kv_heads, dk, dv, keys;
   bool mask;
@@ -95,33 +133,13 @@ TEST(DecodeAttention, MatchesAnFp64ReferenceAtEveryLevel) {
         for (int b = 0; b < c.batch; ++b)
           for (int h = 0; h < c.q_heads; ++h) {
             const int g = h / G;
-            std::vector<double> s(c.keys);
-            double m = -INFINITY, vmax = 0, score_err = 0;
-            for (int l = 0; l < c.keys; ++l) {
-              if (c.mask && !mask[b * c.keys + l]) {
-                s[l] = -INFINITY;
-                continue;
-              }
-              double d = 0, mag = 0;
-              for (int e = 0; e < c.dk; ++e) {
-                const double p = double(f32(q[b * q_b + h * q_h + e])) * f32(k[b * k_b + g * k_h + l * k_l + e]);
-                d += p;
-                mag += std::abs(p);
-              }
-              s[l] = d * scale;
-              score_err = std::max(score_err, c.dk * std::ldexp(1.0, -24) * scale * mag);
-              m = std::max(m, s[l]);
-            }
-            double sum = 0;
-            for (int l = 0; l < c.keys; ++l) sum += s[l] == -INFINITY ? 0 : std::exp(s[l] - m);
+            const ReferenceRow r =
+                reference_row(q.data() + b * q_b + h * q_h, k.data() + b * k_b + g * k_h, k_l,
+                              v.data() + b * v_b + g * v_h, v_l, c.keys, c.dk, c.dv, scale,
+                              [&](int l) { return !c.mask || mask[b * c.keys + l]; });
+            const double score_err = r.score_err, vmax = r.vmax;
             for (int e = 0; e < c.dv; ++e) {
-              double ref = 0;
-              for (int l = 0; l < c.keys; ++l) {
-                const double x = f32(v[b * v_b + g * v_h + l * v_l + e]);
-                vmax = std::max(vmax, std::abs(x));
-                if (s[l] != -INFINITY) ref += std::exp(s[l] - m) / sum * x;
-              }
-              if (m == -INFINITY) ref = 0;  // every key masked: zeros
+              const double ref = r.out[e];
               const double got = f32(out[b * out_b + h * out_h + e]);
               const double bound =
                   std::ldexp(std::abs(ref), -8) + (2 * score_err + 4.0 * c.keys * std::ldexp(1.0, -24)) * vmax + 1e-30;
@@ -217,35 +235,17 @@ TEST(PrefillAttention, MatchesAnFp64ReferenceAtEveryLevel) {
       for (int h = 0; h < c.q_heads; ++h)
         for (int i = 0; i < c.queries; ++i) {
           const int g = h / G, pos = c.keys - c.queries + i;
-          std::vector<double> s(c.keys, -INFINITY);
-          double m = -INFINITY, vmax = 0, score_err = 0;
-          for (int l = 0; l < c.keys; ++l) {
-            if ((c.causal && l > pos) || (c.mask && !mask[b * mask_b + i * mask_l + l])) continue;
-            double d = 0, mag = 0;
-            for (int e = 0; e < c.dk; ++e) {
-              const double x = double(f32(q[b * q_b + h * q_h + i * q_l + e])) * f32(k[b * k_b + g * k_h + l * k_l + e]);
-              d += x;
-              mag += std::abs(x);
-            }
-            s[l] = d * scale;
-            score_err = std::max(score_err, c.dk * std::ldexp(1.0, -24) * scale * mag);
-            m = std::max(m, s[l]);
-          }
-          double sum = 0;
-          for (int l = 0; l < c.keys; ++l) sum += s[l] == -INFINITY ? 0 : std::exp(s[l] - m);
+          const ReferenceRow r =
+              reference_row(q.data() + b * q_b + h * q_h + i * q_l, k.data() + b * k_b + g * k_h, k_l,
+                            v.data() + b * v_b + g * v_h, v_l, c.keys, c.dk, c.dv, scale, [&](int l) {
+                              return !(c.causal && l > pos) && !(c.mask && !mask[b * mask_b + i * mask_l + l]);
+                            });
           for (int e = 0; e < c.dv; ++e) {
-            double r = 0;
-            for (int l = 0; l < c.keys; ++l) {
-              const double x = f32(v[b * v_b + g * v_h + l * v_l + e]);
-              vmax = std::max(vmax, std::abs(x));
-              if (s[l] != -INFINITY) r += std::exp(s[l] - m) / sum * x;
-            }
-            if (m == -INFINITY) r = 0;  // every key masked: zeros
             const size_t at = ((static_cast<size_t>(b) * c.queries + i) * c.q_heads + h) * c.dv + e;
-            ref[at] = r;
-            bound[at] = std::ldexp(std::abs(r), -8) +
-                        (std::ldexp(1.0, -8) + 2 * score_err + 2.0 * c.keys * std::ldexp(1.0, -24) +
-                         std::ldexp(1.0, -21)) * vmax;
+            ref[at] = r.out[e];
+            bound[at] = std::ldexp(std::abs(r.out[e]), -8) + (std::ldexp(1.0, -8) + 2 * r.score_err +
+                                                              2.0 * c.keys * std::ldexp(1.0, -24) + std::ldexp(1.0, -21)) *
+                                                                 r.vmax;
           }
         }
     for (size_t pi = 0; pi < pools.size(); ++pi)
