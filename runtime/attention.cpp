@@ -295,9 +295,8 @@ class PrefillTask final : public Task {
     const GemmFn gemm = kt_.bf16.pick(M).gemm;
     for (int j = 0; j * kKeyBlock < key_end; ++j) {
       const int j0 = j * kKeyBlock, nk = std::min(kKeyBlock, key_end - j0);
-      const PackedWeight kw =
-          panel_view(kpack(seq) + static_cast<size_t>(kBlockPanels * j) * kpanel_bytes_, nk, D, (nk + kPanel - 1) / kPanel,
-                     kpanel_bytes_);
+      std::byte* keys = kpack(seq) + static_cast<size_t>(kBlockPanels * j) * kpanel_bytes_;
+      const PackedWeight kw = panel_view(keys, nk, D, (nk + kPanel - 1) / kPanel, kpanel_bytes_);
       GemmArgs sa;
       sa.a = q.data(), sa.lda = D, sa.m = M, sa.c = s.data(), sa.ldc = kKeyBlock;
       gemm(kw, sa);

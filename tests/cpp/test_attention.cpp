@@ -39,8 +39,8 @@ struct ReferenceRow {
   double vmax = 0, score_err = 0;
 };
 template <class Admit>
-ReferenceRow reference_row(const bf16_t* q, const bf16_t* k, int64_t k_l, const bf16_t* v, int64_t v_l, int keys, int dk,
-                           int dv, double scale, Admit admit) {
+ReferenceRow reference_row(const bf16_t* q, const bf16_t* k, int64_t k_l, const bf16_t* v, int64_t v_l, int keys,
+                           int dk, int dv, double scale, Admit admit) {
   ReferenceRow r;
   std::vector<double> s(keys, -INFINITY);
   double m = -INFINITY;
@@ -243,9 +243,9 @@ TEST(PrefillAttention, MatchesAnFp64ReferenceAtEveryLevel) {
           for (int e = 0; e < c.dv; ++e) {
             const size_t at = ((static_cast<size_t>(b) * c.queries + i) * c.q_heads + h) * c.dv + e;
             ref[at] = r.out[e];
-            bound[at] = std::ldexp(std::abs(r.out[e]), -8) + (std::ldexp(1.0, -8) + 2 * r.score_err +
-                                                              2.0 * c.keys * std::ldexp(1.0, -24) + std::ldexp(1.0, -21)) *
-                                                                 r.vmax;
+            const double terms =
+                std::ldexp(1.0, -8) + 2 * r.score_err + 2.0 * c.keys * std::ldexp(1.0, -24) + std::ldexp(1.0, -21);
+            bound[at] = std::ldexp(std::abs(r.out[e]), -8) + terms * r.vmax;
           }
         }
     for (size_t pi = 0; pi < pools.size(); ++pi)
