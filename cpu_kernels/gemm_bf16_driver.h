@@ -132,9 +132,10 @@ inline void store_silu_rows(const Args& g, float* tg, float* tu, int mr, int r0,
 // pairs). Up to two blocks the first stays full: it is the one that reads the panel from
 // memory, and at those row counts the call is bound by that read, which hides its rows'
 // arithmetic.
+inline int row_blocks(int m, int max) { return (m + max - 1) / max; }  // for_row_blocks' count
 template <class F>
 inline void for_row_blocks(int m, int max, F&& f) {
-  const int blocks = (m + max - 1) / max;
+  const int blocks = row_blocks(m, max);
   for (int b = 0, r0 = 0; b < blocks; ++b) {
     const int left = blocks - b, mr = blocks <= 2 ? std::min(max, m - r0) : (m - r0 + left - 1) / left;
     f(r0, mr);
@@ -203,7 +204,7 @@ void gemm_driver(const PackedWeight& w, const GemmArgs& g) {
   int lda;
   const bf16_t* a = bf16_input(g, w.k, lda);
   alignas(64) float t[Micro::kMaxRows * kPanel];
-  const int blocks = (g.m + Micro::kMaxRows - 1) / Micro::kMaxRows;  // for_row_blocks' count
+  const int blocks = row_blocks(g.m, Micro::kMaxRows);
   for (int p = g.panel_begin; p < pe; ++p) {
     const bf16_t* wp = w.panel(p);
     const bf16_t* next = p + 1 < pe ? w.panel(p + 1) : nullptr;
@@ -223,7 +224,7 @@ void gate_up_driver(const PackedWeight& w, const GateUpArgs& g) {
   int lda;
   const bf16_t* a0 = bf16_input(g, w.k, lda);
   alignas(64) float tg[Micro::kMaxRows * kPanel], tu[Micro::kMaxRows * kPanel];
-  const int blocks = (g.m + Micro::kMaxRows - 1) / Micro::kMaxRows;  // for_row_blocks' count
+  const int blocks = row_blocks(g.m, Micro::kMaxRows);
   for (int p = g.panel_begin; p < pe; ++p) {
     const bf16_t* wg = w.panel(2 * p);
     const bf16_t* wu = w.panel(2 * p + 1);

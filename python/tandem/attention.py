@@ -86,15 +86,14 @@ def _unknown_kwargs(kwargs: dict) -> bool:
     return any(v is not None and v is not False and k not in _HARMLESS for k, v in kwargs.items())
 
 
-def _mask_rows(mask: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """A bool mask [B or 1, 1, 1, keys] as the pool's uint8 rows [B or 1, keys] and their
-    batch stride (0: one row for every sequence); torch's bool bytes are 0 / 1, read as
-    they are (no copy unless the keys are strided)."""
-    rows = mask[:, 0, 0, :]
+def _mask_rows(mask: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """A bool mask [B or 1, 1, Lq or 1, keys] as the pool's uint8 rows [B or 1, Lq or 1, keys]
+    with their batch and query strides (0: one row for every sequence / query); torch's bool
+    bytes are 0 / 1, read as they are (no copy unless the keys are strided)."""
+    rows = mask[:, 0]
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    return rows, 0 if rows.shape[0] == 1 else rows.stride(0)
-
+    return rows, 0 if rows.shape[0] == 1 else rows.stride(0), 0 if rows.shape[1] == 1 else rows.stride(1)
 
 def _sdpa(module, query, key, value, attention_mask, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -198,7 +197,7 @@ def pool_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Te
         if (m.dtype != torch.bool or m.dim() != 4 or m.shape[-1] != L or m.shape[1] != 1 or m.shape[2] != 1
                 or m.shape[0] not in (1, B)):
             return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-        mask, mask_b = _mask_rows(m)
+        mask, mask_b, _ = _mask_rows(m)
     if (query.stride(3) != 1 or key.stride(3) != 1 or value.stride(3) != 1 or Hq % Hkv or value.shape[:3] != key.shape[:3]
             or key.shape[0] != B or key.shape[3] != D):
         return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -241,11 +240,7 @@ def _prefill(engine: Any, module: nn.Module, query: torch.Tensor, key: torch.Ten
         if (m.dtype != torch.bool or m.dim() != 4 or m.shape[1] != 1 or m.shape[-1] != L
                 or m.shape[0] not in (1, B) or m.shape[2] not in (1, Lq)):
             return None
-        if m.stride(3) != 1:
-            m = m.contiguous()
-        mask = m[:, 0]
-        mask_b = 0 if m.shape[0] == 1 else m.stride(0)
-        mask_l = 0 if m.shape[2] == 1 else m.stride(2)
+        mask, mask_b, mask_l = _mask_rows(m)
         causal = False  # (the mask holds it)
     elif causal and Lq != L:
         return None
@@ -337,7 +332,7 @@ def _mla_decode_on_pool(engine: Any, absorbed: tuple, query: torch.Tensor, nope:
         kv = kv.contiguous()
     if k_rope.stride(3) != 1:
         k_rope = k_rope.contiguous()
-    m, mask_b = _mask_rows(mask) if mask is not None else (None, 0)
+    m, mask_b, _ = _mask_rows(mask) if mask is not None else (None, 0, 0)
     out = torch.empty(B, 1, H, v_dim, dtype=torch.bfloat16)
     engine.mla_decode(wk, wv, B, H, nope, rope, r, v_dim, S, scale, query.data_ptr(), query.stride(0),
                       query.stride(1), kv.data_ptr(), kv.stride(0), kv.stride(2), k_rope.data_ptr(), k_rope.stride(0),

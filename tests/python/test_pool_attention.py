@@ -46,16 +46,22 @@ class _Attn(torch.nn.Module):
 
 
 def _reference(q, k, v, mask, scale):
-    """fp64 attention, [B, Hq, 1, D] -> [B, 1, Hq, Dv], and the fp32 score error bound."""
+    """fp64 attention of [B, Hq, Lq, D] queries (Lq = 1: a decode step) at the keys' last
+    positions (causal when mask is None, else the bool mask [B or 1, 1, Lq or 1, L] alone) ->
+    [B, Lq, Hq, Dv], the fp32 score error bound per query row ([B, Lq, Hq, 1], over the keys it
+    admits) and whether each row admits a key."""
     G = q.shape[1] // k.shape[1]
+    Lq, L = q.shape[2], k.shape[2]
     kr, vr = k.double().repeat_interleave(G, 1), v.double().repeat_interleave(G, 1)
     s = (q.double() @ kr.transpose(-1, -2)) * scale
     mag = (q.double().abs() @ kr.abs().transpose(-1, -2)) * scale
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    out = (s.softmax(-1) @ vr).transpose(1, 2)
-    score_err = q.shape[-1] * 2.0 ** -24 * mag.max().item()
-    return out, score_err
+    if mask is None:
+        mask = torch.ones(Lq, L, dtype=torch.bool).tril(L - Lq)[None, None]
+    s = s.masked_fill(~mask, float("-inf"))
+    live = mask.expand(s.shape).any(-1, keepdim=True)
+    out = torch.where(live, s.softmax(-1), 0.0).nan_to_num() @ vr
+    score_err = q.shape[-1] * 2.0 ** -24 * mag.masked_fill(~mask, 0).amax(-1, keepdim=True)
+    return out.transpose(1, 2), score_err.transpose(1, 2), live.transpose(1, 2)
 
 
 @pytest.mark.parametrize("B,Hq,Hkv,D,Dv,L", [(1, 8, 2, 32, 32, 70), (2, 4, 4, 16, 16, 9), (2, 6, 2, 24, 16, 600)])
@@ -70,7 +76,7 @@ def test_matches_fp64_within_one_bf16_rounding(engine, B, Hq, Hkv, D, Dv, L):
         mask[0, ..., : L // 3] = False
     with torch.inference_mode():
         got, _ = ta.pool_attention_forward(_Attn(Hq // Hkv, engine), q, k, v, mask, scaling=0.3)
-    want, score_err = _reference(q, k, v, mask, 0.3)
+    want, score_err, _ = _reference(q, k, v, mask, 0.3)
     assert got.shape == (B, 1, Hq, Dv) and got.dtype == torch.bfloat16
     bound = want.abs() * 2.0 ** -8 + (2 * score_err + 4 * L * 2.0 ** -24) * v.abs().max().item()
     err = (got.double() - want).abs()
@@ -297,24 +303,6 @@ def test_prefill_split_over_heads_gives_sdpas_bits(ckpt, kind, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(outs[False], outs[True]))
 
 
-def _prefill_reference(q, k, v, mask, scale):
-    """fp64 attention of [B, Hq, Lq, D] queries at the keys' last positions (causal when mask
-    is None, else the bool mask [B or 1, 1, Lq, L] alone) -> [B, Lq, Hq, Dv], the fp32 score
-    error bound per query row ([B, Lq, Hq, 1]) and whether each row admits a key."""
-    G = q.shape[1] // k.shape[1]
-    Lq, L = q.shape[2], k.shape[2]
-    kr, vr = k.double().repeat_interleave(G, 1), v.double().repeat_interleave(G, 1)
-    s = (q.double() @ kr.transpose(-1, -2)) * scale
-    mag = (q.double().abs() @ kr.abs().transpose(-1, -2)) * scale
-    if mask is None:
-        mask = torch.ones(Lq, L, dtype=torch.bool).tril(L - Lq)[None, None]
-    s = s.masked_fill(~mask, float("-inf"))
-    live = mask.expand(s.shape).any(-1, keepdim=True)
-    out = torch.where(live, s.softmax(-1), 0.0).nan_to_num() @ vr
-    score_err = q.shape[-1] * 2.0 ** -24 * mag.masked_fill(~mask, 0).amax(-1, keepdim=True)
-    return out.transpose(1, 2), score_err.transpose(1, 2), live.transpose(1, 2)
-
-
 @pytest.mark.parametrize("B,Hq,Hkv,D,Dv,Lq,L,padded", [
     (1, 8, 2, 32, 32, 70, 70, False),     # a causal prompt, GQA
     (2, 4, 4, 16, 16, 40, 40, True),      # left padding (bool mask), MHA
@@ -340,7 +328,7 @@ def test_prefill_matches_fp64(engine, monkeypatch, B, Hq, Hkv, D, Dv, Lq, L, pad
     with torch.inference_mode():
         got, _ = ta.pool_attention_forward(_Attn(Hq // Hkv, engine), q, k, v, mask, scaling=0.3)
     assert len(calls) == 1 and calls[0] is not None  # the pool ran it
-    want, score_err, live = _prefill_reference(q, k, v, mask, 0.3)
+    want, score_err, live = _reference(q, k, v, mask, 0.3)
     assert got.shape == (B, Lq, Hq, Dv) and got.dtype == torch.bfloat16
     vmax = v.abs().max().item()
     bound = want.abs() * 2.0 ** -8 + (2.0 ** -8 + 2 * score_err + 2 * L * 2.0 ** -24 + 2.0 ** -21) * vmax
@@ -393,7 +381,7 @@ def test_model_prefill_on_the_pool_matches_sdpa(ckpt, kind, monkeypatch):
         out = real(engine, module, q, k, v, mask, scaling, is_causal)
         calls.append(out)
         if out is not None:
-            want, score_err, live = _prefill_reference(q, k, v, mask, scaling)
+            want, score_err, live = _reference(q, k, v, mask, scaling)
             terms = 2.0 ** -8 + 2 * score_err + 2 * k.shape[2] * 2.0 ** -24 + 2.0 ** -21
             bound = want.abs() * 2.0 ** -8 + terms * v.abs().max()
             assert ((out.double() - want).abs() <= bound).all() and (out.masked_select(~live) == 0).all()
