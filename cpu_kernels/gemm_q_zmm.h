@@ -25,13 +25,20 @@ inline __m512i as_m512i(acc_t v) { return reinterpret_cast<__m512i>(v); }
 template <class Dot, int MR>
 struct Int4Zmm {
   static void run(const QuantInput& in, int r0, const PackedWeight& w, const std::byte* panel, float* t) {
-    if (w.e2m1)
-      body<true>(in, r0, w, panel, t);
+    if (w.e2m1 && w.symmetric)
+      body<true, true>(in, r0, w, panel, t);
+    else if (w.e2m1)
+      body<true, false>(in, r0, w, panel, t);
+    else if (w.symmetric)
+      body<false, true>(in, r0, w, panel, t);
     else
-      body<false>(in, r0, w, panel, t);
+      body<false, false>(in, r0, w, panel, t);
   }
   // E2m1: each nibble goes through the MXFP4 code table (one vpshufb) before its product.
-  template <bool E2m1>
+  // Symmetric: one zero point for every column, so a row's correction zero * sum(q_a) is
+  // one number per group, and the group's accumulators start from minus it (the epilogue
+  // then only converts and scales). The integer sums are the same either way.
+  template <bool E2m1, bool Symmetric>
   static void body(const QuantInput& in, int r0, const PackedWeight& w, const std::byte* panel, float* t) {
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2m1Lut)));
@@ -45,9 +52,11 @@ struct Int4Zmm {
       prefetch_group_tail(w, gb);
       acc_t acc[MR][4];
 #pragma GCC unroll 8
-      for (int r = 0; r < MR; ++r)
+      for (int r = 0; r < MR; ++r) {
+        const int start = Symmetric ? -w.fixed_zero() * in.sums[static_cast<size_t>(r0 + r) * in.groups + gi] : 0;
 #pragma GCC unroll 4
-        for (int b = 0; b < 4; ++b) acc[r][b] = acc_t{};
+        for (int b = 0; b < 4; ++b) acc[r][b] = acc_t{} + start;
+      }
       const int c0 = gi * w.group;
       for (int o = 0; o < w.group / 8; ++o) {
         prefetch_ahead(wp + 4 * o);
@@ -75,14 +84,14 @@ struct Int4Zmm {
 #pragma GCC unroll 4
       for (int b = 0; b < 4; ++b) {
         const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 16 * b)));
-        const __m512i z = w.symmetric ? _mm512_set1_epi32(w.fixed_zero())
-                                      : _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zp + 16 * b)));
+        const __m512i z = Symmetric ? __m512i{} : _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zp + 16 * b)));
 #pragma GCC unroll 8
         for (int r = 0; r < MR; ++r) {
-          const __m512i corr = _mm512_mullo_epi32(z, _mm512_set1_epi32(in.sums[static_cast<size_t>(r0 + r) * in.groups + gi]));
-          const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(as_m512i(acc[r][b]), corr));
+          __m512i d = as_m512i(acc[r][b]);
+          if constexpr (!Symmetric)
+            d = _mm512_sub_epi32(d, _mm512_mullo_epi32(z, _mm512_set1_epi32(in.sums[static_cast<size_t>(r0 + r) * in.groups + gi])));
           float* tr = t + r * kPanel + 16 * b;
-          _mm512_store_ps(tr, _mm512_fmadd_ps(v, s, _mm512_load_ps(tr)));
+          _mm512_store_ps(tr, _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, _mm512_load_ps(tr)));
         }
       }
     }
