@@ -13,7 +13,12 @@ inline acc_t dot4(acc_t acc, __m256i u, __m256i s) {
       _mm256_add_epi32(as_m256i(acc), _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))));
 }
 struct Avx2Dot {
+  static constexpr bool kPairs16 = true;
   static acc_t apply(acc_t acc, __m256i u, __m256i s) { return dot4(acc, u, s); }
+  // acc += the int16 pair sums in p, added in twos into the int32 lanes.
+  static acc_t widen(acc_t acc, __m256i p) {
+    return reinterpret_cast<acc_t>(_mm256_add_epi32(as_m256i(acc), _mm256_madd_epi16(p, _mm256_set1_epi16(1))));
+  }
 };
 
 template <int MR>
