@@ -14,7 +14,6 @@
 // activation scale, which the driver applies.
 #pragma once
 
-#include <type_traits>
 #include <xmmintrin.h>
 
 #include "gemm_bf16_driver.h"
@@ -83,22 +82,6 @@ void gate_up_q_driver(const PackedWeight& w, const GateUpArgs& g) {
       Micro::run(mr, in, r0, w, w.panel_data(2 * p + 1), tu);
       store_silu_rows(g, tg, tu, mr, r0, n0, nn, in.scale);
     });
-  }
-}
-
-// Calls f(std::bool_constant<e2m1>, std::bool_constant<symmetric>) for w's INT4 code, so an
-// INT4 micro-kernel compiles one body per code.
-template <class F>
-void with_int4_code(const PackedWeight& w, F&& f) {
-  if (w.e2m1) {
-    if (w.symmetric)
-      f(std::true_type{}, std::true_type{});
-    else
-      f(std::true_type{}, std::false_type{});
-  } else if (w.symmetric) {
-    f(std::false_type{}, std::true_type{});
-  } else {
-    f(std::false_type{}, std::false_type{});
   }
 }
 

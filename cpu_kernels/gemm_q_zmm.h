@@ -25,9 +25,14 @@ inline __m512i as_m512i(acc_t v) { return reinterpret_cast<__m512i>(v); }
 template <class Dot, int MR>
 struct Int4Zmm {
   static void run(const QuantInput& in, int r0, const PackedWeight& w, const std::byte* panel, float* t) {
-    with_int4_code(w, [&](auto e2m1, auto symmetric) {
-      body<decltype(e2m1)::value, decltype(symmetric)::value>(in, r0, w, panel, t);
-    });
+    if (w.e2m1 && w.symmetric)
+      body<true, true>(in, r0, w, panel, t);
+    else if (w.e2m1)
+      body<true, false>(in, r0, w, panel, t);
+    else if (w.symmetric)
+      body<false, true>(in, r0, w, panel, t);
+    else
+      body<false, false>(in, r0, w, panel, t);
   }
   // E2m1: each nibble goes through the MXFP4 code table (one vpshufb) before its product.
   // Symmetric: one zero point for every column, so a row's correction zero * sum(q_a) is
