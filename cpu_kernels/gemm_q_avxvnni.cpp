@@ -22,8 +22,7 @@ inline acc_t dpbusd(acc_t acc, __m256i u, __m256i s) {
   return reinterpret_cast<acc_t>(_mm256_dpbusd_avx_epi32(as_m256i(acc), u, s));
 }
 struct AvxVnniDot {
-  static constexpr bool kPairs16 = false;
-  static acc_t widen(acc_t acc, __m256i) { return acc; }  // unused: kPairs16 is false
+  static constexpr bool kPairs16 = false;  // gemm_q_ymm.h's int16 pair sums: vpdpbusd needs none
   static acc_t apply(acc_t acc, __m256i u, __m256i s) { return dpbusd(acc, u, s); }
 };
 
